@@ -1,0 +1,371 @@
+"""Settings: the one place where configuration is read, parsed and validated; knows nothing about torch.
+
+Precedence, highest first: command-line flags (`overrides`), process environment, a `.env` file, defaults.
+Every setting is declared once in `SPECS`; `.env.example`, the CLI flags and the validation all come from it.
+Unknown keys in a `.env` file and unknown flags fail loudly; so do malformed or contradictory values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SettingsError
+
+QUANTIZATION_MODES = ("nf4", "fp4", "int8", "none")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+DEVICES = ("auto", "cuda", "cpu")
+DECODE_PATHS = ("auto", "fast", "plain")
+
+# Hard limits for values that also arrive through the UI/API (sliders are built from these).
+MAX_NEW_TOKENS_RANGE = (1, 4096)
+HISTORY_TURNS_RANGE = (0, 64)
+TEMPERATURE_RANGE = (0.0, 2.0)
+TOP_P_RANGE = (0.0, 1.0)
+TOP_K_RANGE = (0, 1000)
+REPETITION_PENALTY_RANGE = (1.0, 2.0)
+MAX_MESSAGE_CHARS_RANGE = (1, 1_000_000)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model_id: str | None = None  # HF id or local folder; None -> the embedded SmolLM2-135M-Instruct
+    revision: str | None = None
+    quantization: str = "nf4"
+    double_quant: bool | None = None  # None = on for nf4/fp4; True with int8/none is a contradiction
+    compute_dtype: str = "auto"  # nf4/fp4 compute dtype, or the weights dtype when quantization == "none"
+    attn_implementation: str = "sdpa"
+    device: str = "auto"
+    max_memory: str | None = None  # e.g. "0=6GiB,cpu=24GiB": enables CPU offload (slow, last resort)
+    trust_remote_code: bool = False
+    decode_path: str = "auto"  # auto: the fast static-cache path where it can run, else plain generate
+    cache_dir: str | None = None  # where the embedded model is converted to; default ~/.cache/llm_core
+    hf_token: str | None = field(default=None, repr=False)  # never printed, logged or shown
+
+    @property
+    def use_double_quant(self) -> bool:
+        return self.quantization in ("nf4", "fp4") and self.double_quant is not False
+
+    @property
+    def display_name(self) -> str:
+        return self.model_id or "SmolLM2-135M-Instruct (embedded)"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 50
+    repetition_penalty: float = 1.05
+    seed: int | None = None
+    stream_timeout_s: float = 120.0  # longest wait for the next token before the reply is failed
+
+    def validate(self) -> GenerationSettings:
+        _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
+        _check_range("TEMPERATURE", self.temperature, TEMPERATURE_RANGE)
+        _check_range("TOP_P", self.top_p, TOP_P_RANGE)
+        _check_range("TOP_K", self.top_k, TOP_K_RANGE)
+        _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
+        if self.do_sample and self.temperature <= 0:
+            raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
+        if self.stream_timeout_s <= 0:
+            raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
+        return self
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system_prompt: str = "You are a helpful assistant."
+    history_turns: int = 8  # past user/assistant exchanges kept in the prompt
+    max_message_chars: int = 16_000
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 7860
+    share: bool = False
+    auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
+    queue_size: int = 64
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        env_file: str | os.PathLike[str] | None = ".env",
+        overrides: Mapping[str, Any] | None = None,
+    ) -> Settings:
+        """Build validated settings. `overrides` are keyed by setting name (e.g. "MODEL_ID") and win."""
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        if env_file is not None and Path(env_file).is_file():
+            raw.update(read_env_file(env_file))
+        raw.update({k: v for k, v in environ.items() if k in SPEC_BY_NAME})
+        for key, value in (overrides or {}).items():
+            if key not in SPEC_BY_NAME:
+                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
+            if value is not None:
+                raw[key] = value
+        return cls.from_mapping(raw)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> Settings:
+        sections: dict[str, dict[str, Any]] = {"model": {}, "generation": {}, "chat": {}, "server": {}}
+        for key, value in raw.items():
+            spec = SPEC_BY_NAME.get(key)
+            if spec is None:
+                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
+            sections[spec.section][spec.attr] = spec.parse(key, value)
+        settings = cls(
+            model=ModelSettings(**sections["model"]),
+            generation=GenerationSettings(**sections["generation"]),
+            chat=ChatSettings(**sections["chat"]),
+            server=ServerSettings(**sections["server"]),
+        )
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        m = self.model
+        _check_choice("QUANTIZATION", m.quantization, QUANTIZATION_MODES)
+        _check_choice("COMPUTE_DTYPE", m.compute_dtype, DTYPES)
+        _check_choice("ATTN_IMPLEMENTATION", m.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("DEVICE", m.device, DEVICES)
+        _check_choice("DECODE_PATH", m.decode_path, DECODE_PATHS)
+        if m.double_quant and m.quantization not in ("nf4", "fp4"):
+            raise SettingsError(
+                f"DOUBLE_QUANT applies to 4-bit modes only, but QUANTIZATION={m.quantization}; "
+                "remove DOUBLE_QUANT or choose QUANTIZATION=nf4/fp4."
+            )
+        if m.quantization == "int8" and m.compute_dtype not in ("auto", "float16"):
+            raise SettingsError("QUANTIZATION=int8 computes in float16; set COMPUTE_DTYPE=auto or float16.")
+        if m.max_memory is not None:
+            parse_max_memory(m.max_memory)
+        self.generation.validate()
+        _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
+        _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
+        if not 0 < self.server.port < 65536:
+            raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
+        if self.server.auth is not None:
+            parse_auth(self.server.auth)
+
+    def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
+        """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
+        kwargs = {name: dataclasses.replace(getattr(self, name), **upd) for name, upd in section_updates.items()}
+        new = dataclasses.replace(self, **kwargs)
+        new.validate()
+        return new
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+def _parse_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise SettingsError(f"{name} must be true or false, got {value!r}.")
+
+
+def _parse_opt_bool(name: str, value: Any) -> bool | None:
+    return None if str(value).strip() == "" else _parse_bool(name, value)
+
+
+def _parse_int(name: str, value: Any) -> int:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return int(str(value).strip()) if not isinstance(value, (int, float)) else int(value)
+    except ValueError:
+        raise SettingsError(f"{name} must be a whole number, got {value!r}.") from None
+
+
+def _parse_float(name: str, value: Any) -> float:
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name} must be a number, got {value!r}.") from None
+
+
+def _parse_opt_str(name: str, value: Any) -> str | None:
+    text = str(value).strip()
+    return text or None
+
+
+def _parse_str(name: str, value: Any) -> str:
+    return str(value)
+
+
+def _parse_opt_int(name: str, value: Any) -> int | None:
+    return None if str(value).strip() == "" else _parse_int(name, value)
+
+
+def _parse_choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse(name: str, value: Any) -> str:
+        text = str(value).strip().lower()
+        _check_choice(name, text, choices)
+        return text
+
+    return parse
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SettingsError(f"{name}={value!r} is not supported; choose one of: {', '.join(choices)}.")
+
+
+def _check_range(name: str, value: float, bounds: tuple[float, float]) -> None:
+    lo, hi = bounds
+    if not lo <= value <= hi:
+        raise SettingsError(f"{name} must be between {lo} and {hi}, got {value}.")
+
+
+def parse_max_memory(text: str) -> dict[int | str, str]:
+    """"0=6GiB,cpu=24GiB" -> {0: "6GiB", "cpu": "24GiB"} (accelerate's max_memory format)."""
+    out: dict[int | str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, amount = part.partition("=")
+        key, amount = key.strip(), amount.strip()
+        if not sep or not amount or not (key.isdigit() or key in ("cpu", "disk")):
+            raise SettingsError(
+                f"MAX_MEMORY entry {part!r} is malformed; write e.g. MAX_MEMORY=0=6GiB,cpu=24GiB."
+            )
+        if not amount[0].isdigit():
+            raise SettingsError(f"MAX_MEMORY amount {amount!r} must start with a number, e.g. 6GiB.")
+        out[int(key) if key.isdigit() else key] = amount
+    if not out:
+        raise SettingsError("MAX_MEMORY is empty; write e.g. MAX_MEMORY=0=6GiB,cpu=24GiB or leave it unset.")
+    return out
+
+
+def parse_auth(text: str) -> list[tuple[str, str]]:
+    """"alice:pw1,bob:pw2" -> [("alice", "pw1"), ("bob", "pw2")]. Messages never echo a password."""
+    pairs = []
+    for i, part in enumerate(filter(None, (p.strip() for p in text.split(","))), start=1):
+        user, sep, password = part.partition(":")
+        if not sep or not user or not password:
+            raise SettingsError(f"AUTH entry {i} is malformed; write AUTH=user:password[,user2:password2].")
+        pairs.append((user, password))
+    return pairs
+
+
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Minimal dotenv reader: KEY=VALUE lines, '#' comments, optional quotes. Unknown keys fail."""
+    out: dict[str, str] = {}
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            raise SettingsError(f"{path}:{lineno}: expected KEY=VALUE, got {line!r}.")
+        if key not in SPEC_BY_NAME:
+            raise SettingsError(f"{path}:{lineno}: unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class SettingSpec:
+    name: str  # environment variable / .env key; the CLI flag is --name-in-kebab-case
+    section: str
+    attr: str
+    parser: Callable[[str, Any], Any]
+    help: str
+    secret: bool = False
+
+    def parse(self, key: str, value: Any) -> Any:
+        return self.parser(key, value)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.lower().replace("_", "-")
+
+    def default(self) -> Any:
+        cls = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
+               "server": ServerSettings}[self.section]
+        return next(f.default for f in dataclasses.fields(cls) if f.name == self.attr)
+
+
+SPECS: tuple[SettingSpec, ...] = (
+    SettingSpec("MODEL_ID", "model", "model_id", _parse_opt_str,
+                "HF model id or local folder; empty = the embedded SmolLM2-135M-Instruct"),
+    SettingSpec("MODEL_REVISION", "model", "revision", _parse_opt_str, "branch, tag or commit of MODEL_ID"),
+    SettingSpec("QUANTIZATION", "model", "quantization", _parse_choice(QUANTIZATION_MODES),
+                "nf4 | fp4 | int8 (bitsandbytes) | none (plain weights in COMPUTE_DTYPE)"),
+    SettingSpec("DOUBLE_QUANT", "model", "double_quant", _parse_opt_bool,
+                "nf4/fp4 only (empty = on): also quantize the quantization constants (~0.4 bit/weight saved)"),
+    SettingSpec("COMPUTE_DTYPE", "model", "compute_dtype", _parse_choice(DTYPES),
+                "auto = bfloat16 where the device supports it, else float16 (float32 on CPU for none)"),
+    SettingSpec("ATTN_IMPLEMENTATION", "model", "attn_implementation", _parse_choice(ATTN_IMPLEMENTATIONS),
+                "sdpa | eager | flash_attention_2 (falls back to sdpa with a notice when not installed)"),
+    SettingSpec("DEVICE", "model", "device", _parse_choice(DEVICES), "auto = cuda when available, else cpu"),
+    SettingSpec("MAX_MEMORY", "model", "max_memory", _parse_opt_str,
+                "per-device caps, e.g. 0=6GiB,cpu=24GiB; enables CPU offload (slow: last resort)"),
+    SettingSpec("TRUST_REMOTE_CODE", "model", "trust_remote_code", _parse_bool,
+                "run Python code shipped with the model repo (off unless you trust it)"),
+    SettingSpec("DECODE_PATH", "model", "decode_path", _parse_choice(DECODE_PATHS),
+                "auto = fast static-cache path where it can run, else plain generate"),
+    SettingSpec("CACHE_DIR", "model", "cache_dir", _parse_opt_str,
+                "where converted models live; empty = ~/.cache/llm_core"),
+    SettingSpec("HF_TOKEN", "model", "hf_token", _parse_opt_str,
+                "token for gated/private models; never logged or shown", secret=True),
+    SettingSpec("MAX_NEW_TOKENS", "generation", "max_new_tokens", _parse_int,
+                f"default reply length cap in tokens ({MAX_NEW_TOKENS_RANGE[0]}-{MAX_NEW_TOKENS_RANGE[1]})"),
+    SettingSpec("DO_SAMPLE", "generation", "do_sample", _parse_bool, "false = greedy decoding"),
+    SettingSpec("TEMPERATURE", "generation", "temperature", _parse_float, "sampling temperature (DO_SAMPLE only)"),
+    SettingSpec("TOP_P", "generation", "top_p", _parse_float, "nucleus sampling mass (DO_SAMPLE only)"),
+    SettingSpec("TOP_K", "generation", "top_k", _parse_int, "top-k sampling, 0 = off (DO_SAMPLE only)"),
+    SettingSpec("REPETITION_PENALTY", "generation", "repetition_penalty", _parse_float,
+                "1.0 = off; 1.05 discourages loops"),
+    SettingSpec("SEED", "generation", "seed", _parse_opt_int, "random seed for sampling; empty = random"),
+    SettingSpec("STREAM_TIMEOUT_S", "generation", "stream_timeout_s", _parse_float,
+                "fail a reply when no token arrives for this many seconds"),
+    SettingSpec("SYSTEM_PROMPT", "chat", "system_prompt", _parse_str, "system prompt of new conversations"),
+    SettingSpec("HISTORY_TURNS", "chat", "history_turns", _parse_int,
+                f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})"),
+    SettingSpec("MAX_MESSAGE_CHARS", "chat", "max_message_chars", _parse_int, "longest accepted user message"),
+    SettingSpec("HOST", "server", "host", _parse_str, "address to bind; 127.0.0.1 keeps the demo local"),
+    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on"),
+    SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
+    SettingSpec("AUTH", "server", "auth", _parse_opt_str,
+                "user:password[,user2:password2] required to open the demo", secret=True),
+    SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
+)
+SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
+
+
+def env_example() -> str:
+    """The text of .env.example: every setting with its default and one line of meaning."""
+    lines = ["# Every setting the demo reads (environment, .env, or --flag-name). Defaults shown.", ""]
+    for spec in SPECS:
+        default = spec.default()
+        shown = "" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        lines.append(f"# {spec.help}")
+        lines.append(f"{'# ' if spec.secret else ''}{spec.name}={'' if spec.secret else shown}")
+    return "\n".join(lines) + "\n"

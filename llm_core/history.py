@@ -1,0 +1,180 @@
+"""Conversation history: pure functions that validate a chat and fit it to turn and token budgets; no torch here.
+
+Trimming never slices token ids (that would cut the system prompt or the chat template): it drops whole old
+turns, oldest first, always keeps the system prompt and the newest user message, and reports what it dropped.
+Token counts come from a `count_tokens(messages) -> int` callable supplied by the caller.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ContextBudgetError, InputError
+
+Message = dict[str, str]
+CountTokens = Callable[[list[Message]], int]
+
+ERROR_TITLE = "⚠️ Reply failed"  # assistant messages carrying this metadata title are notes, not model output
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One past exchange: what the user said and what the assistant answered."""
+
+    user: str
+    assistant: str
+
+
+@dataclass(frozen=True)
+class FittedHistory:
+    messages: list[Message]  # system prompt (if any) + kept turns + newest user message, ready for the template
+    prompt_tokens: int
+    kept_turns: int
+    dropped_for_turn_limit: int  # turns beyond the history-length setting
+    dropped_for_token_budget: int  # further turns dropped so the prompt fits budget_tokens
+    budget_tokens: int
+
+    @property
+    def dropped_turns(self) -> int:
+        return self.dropped_for_turn_limit + self.dropped_for_token_budget
+
+    def describe(self) -> str | None:
+        """One sentence for the user about what was left out of the prompt, or None if nothing was."""
+        parts = []
+        if self.dropped_for_turn_limit:
+            parts.append(f"{self.dropped_for_turn_limit} beyond the history-length setting")
+        if self.dropped_for_token_budget:
+            parts.append(f"{self.dropped_for_token_budget} to fit the {self.budget_tokens:,}-token budget")
+        if not parts:
+            return None
+        n = self.dropped_turns
+        return f"Left out the {n} oldest turn{'s' if n != 1 else ''} ({' and '.join(parts)})."
+
+
+def clean_text(text: Any, *, field: str = "message", max_chars: int | None = None) -> str:
+    """Validate user-supplied text: a str, control characters removed (newline and tab kept), not blank."""
+    if not isinstance(text, str):
+        raise InputError(f"The {field} must be text, got {type(text).__name__}.")
+    cleaned = "".join(
+        ch for ch in text if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cs")
+    ).strip()
+    if not cleaned:
+        raise InputError(f"The {field} is empty. Type something first.")
+    if max_chars is not None and len(cleaned) > max_chars:
+        raise InputError(f"The {field} has {len(cleaned):,} characters; the limit is {max_chars:,}. Shorten it.")
+    return cleaned
+
+
+def content_to_text(content: Any) -> str:
+    """Chat message content as plain text: a str, or a list of parts ({"type": "text", "text": ...} or str)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, dict):
+        content = [content]
+    if isinstance(content, (list, tuple)):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif isinstance(part, dict) and part.get("type") in ("file", "image", "audio", "video"):
+                raise InputError("Files and images are not supported by this text-only demo.")
+            else:
+                raise InputError("The history holds a message part that is not text.")
+        return "".join(texts)
+    raise InputError(f"The history holds message content of type {type(content).__name__}; expected text.")
+
+
+def turns_from_messages(history: Any) -> list[Turn]:
+    """Parse an OpenAI/Gradio-style message list into turns. Malformed input raises InputError.
+
+    Assistant error notes (metadata title ERROR_TITLE) and user messages that never got an answer are skipped:
+    they stay visible in the chat but are not fed back to the model.
+    """
+    if history is None:
+        return []
+    if not isinstance(history, (list, tuple)):
+        raise InputError("The history must be a list of messages with 'role' and 'content'.")
+    turns: list[Turn] = []
+    pending_user: str | None = None
+    for i, msg in enumerate(history):
+        if not isinstance(msg, dict) or "role" not in msg or "content" not in msg:
+            raise InputError(f"History message {i + 1} is malformed: each needs 'role' and 'content'.")
+        role = msg["role"]
+        if role not in ("user", "assistant", "system"):
+            raise InputError(f"History message {i + 1} has role {role!r}; use 'user' or 'assistant'.")
+        if role == "system":
+            continue  # the system prompt is a separate setting
+        text = content_to_text(msg["content"])
+        metadata = msg.get("metadata") or {}
+        if role == "user":
+            pending_user = text  # a previous unanswered user message is superseded
+        elif isinstance(metadata, dict) and metadata.get("title") == ERROR_TITLE:
+            pending_user = None
+        elif pending_user is not None:
+            turns.append(Turn(pending_user, text))
+            pending_user = None
+        elif turns:  # consecutive assistant messages (e.g. streamed in parts): join them
+            turns[-1] = Turn(turns[-1].user, turns[-1].assistant + text)
+    return turns
+
+
+def build_messages(system_prompt: str | None, turns: Sequence[Turn], message: str) -> list[Message]:
+    messages: list[Message] = []
+    if system_prompt and system_prompt.strip():
+        messages.append({"role": "system", "content": system_prompt.strip()})
+    for turn in turns:
+        messages.append({"role": "user", "content": turn.user})
+        messages.append({"role": "assistant", "content": turn.assistant})
+    messages.append({"role": "user", "content": message})
+    return messages
+
+
+def fit_history(
+    system_prompt: str | None,
+    turns: Sequence[Turn],
+    message: str,
+    *,
+    max_turns: int,
+    budget_tokens: int,
+    count_tokens: CountTokens,
+) -> FittedHistory:
+    """Keep the newest `max_turns` turns, then drop oldest whole turns until the prompt fits `budget_tokens`.
+
+    Raises ContextBudgetError when the system prompt plus the newest message alone exceed the budget.
+    """
+    if max_turns < 0:
+        raise InputError("The history length must be 0 or more turns.")
+    kept = list(turns[len(turns) - max_turns:]) if max_turns else []
+    dropped_for_limit = len(turns) - len(kept)
+    # Token counts only grow as turns are added, so binary-search the most recent suffix that fits.
+    lo, hi = 0, len(kept)  # number of newest turns to keep
+    base_tokens = count_tokens(build_messages(system_prompt, [], message))
+    if base_tokens > budget_tokens:
+        raise ContextBudgetError(
+            f"Your message needs {base_tokens:,} tokens with the system prompt, but only {budget_tokens:,} fit "
+            "(context length minus max new tokens). Shorten the message or the system prompt, or lower max new tokens."
+        )
+    best_tokens = base_tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        tokens = count_tokens(build_messages(system_prompt, kept[len(kept) - mid:], message))
+        if tokens <= budget_tokens:
+            lo, best_tokens = mid, tokens
+        else:
+            hi = mid - 1
+    final = kept[len(kept) - lo:] if lo else []
+    return FittedHistory(
+        messages=build_messages(system_prompt, final, message),
+        prompt_tokens=best_tokens,
+        kept_turns=len(final),
+        dropped_for_turn_limit=dropped_for_limit,
+        dropped_for_token_budget=len(kept) - len(final),
+        budget_tokens=budget_tokens,
+    )

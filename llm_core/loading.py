@@ -1,0 +1,264 @@
+"""Loading: settings -> BitsAndBytesConfig + tokenizer + model -> LoadedModel with a load report.
+
+The only module that decides device, dtype, quantization and attention. It never generates text.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from .config import ModelSettings, parse_max_memory
+from .errors import ModelLoadError, SettingsError
+from .models import ModelSource, resolve_source
+
+Progress = Callable[[str], None]
+
+_VERSIONED_PACKAGES = ("torch", "transformers", "accelerate", "bitsandbytes", "gradio")
+
+
+def library_versions() -> dict[str, str]:
+    """Installed versions of the libraries that decide speed and memory (read from metadata, no imports)."""
+    out = {}
+    for name in _VERSIONED_PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def resolve_device(settings: ModelSettings) -> torch.device:
+    if settings.device == "cpu":
+        return torch.device("cpu")
+    if settings.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SettingsError("DEVICE=cuda, but no CUDA GPU is visible to PyTorch; set DEVICE=auto or cpu.")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return True  # PyTorch computes bfloat16 on any CPU (emulated where the ISA lacks it)
+
+
+def resolve_compute_dtype(settings: ModelSettings, device: torch.device) -> torch.dtype:
+    """The dtype activations are computed in (and plain weights stored in when quantization == none)."""
+    name = settings.compute_dtype
+    if settings.quantization == "int8":
+        return torch.float16  # bitsandbytes LLM.int8 computes in float16
+    if name == "auto":
+        if settings.quantization == "none" and device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if bf16_supported(device) else torch.float16
+    if name == "bfloat16" and not bf16_supported(device):
+        raise SettingsError("COMPUTE_DTYPE=bfloat16, but this GPU has no bfloat16 support; use float16 or auto.")
+    return getattr(torch, name)
+
+
+def build_quantization_config(settings: ModelSettings, device: torch.device) -> Any | None:
+    """BitsAndBytesConfig for nf4/fp4/int8, None for quantization == none."""
+    if settings.quantization == "none":
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise SettingsError(
+            f"QUANTIZATION={settings.quantization} needs the bitsandbytes package, which is not installed; "
+            "run `make setup` or set QUANTIZATION=none."
+        )
+    from transformers import BitsAndBytesConfig
+
+    if settings.quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_enable_fp32_cpu_offload=settings.max_memory is not None)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=settings.quantization,
+        bnb_4bit_use_double_quant=settings.use_double_quant,
+        bnb_4bit_compute_dtype=resolve_compute_dtype(settings, device),
+        llm_int8_enable_fp32_cpu_offload=settings.max_memory is not None,
+    )
+
+
+def resolve_attention(settings: ModelSettings) -> tuple[str, str | None]:
+    """(implementation to use, a note for the user when the requested one is unavailable)."""
+    wanted = settings.attn_implementation
+    if wanted == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "sdpa", "flash_attention_2 requested but the flash-attn package is not installed; using sdpa."
+    return wanted, None
+
+
+def resolve_device_map(settings: ModelSettings, device: torch.device) -> Any:
+    if settings.max_memory is not None:
+        return "auto"  # accelerate places layers within max_memory, spilling to CPU (offload: slow)
+    return {"": device.index if device.type == "cuda" else "cpu"}
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What was loaded and how; shown in the model panel and attached to every exported stat."""
+
+    model: str
+    origin: str  # embedded | local | hub
+    revision: str | None
+    quantization: str
+    double_quant: bool
+    compute_dtype: str
+    attention: str
+    device: str
+    device_name: str
+    offloaded: bool  # some layers on CPU/disk through max_memory
+    weights_bytes: int  # model.get_memory_footprint(): parameters + buffers as stored
+    load_s: float
+    context_length: int
+    versions: dict[str, str]
+    notes: tuple[str, ...] = ()
+    quantized_linear_layers: int = 0
+    decode_path: str = "plain"  # set by the engine after warm-up
+    decode_path_reason: str = ""
+    warmup_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def as_markdown(self) -> str:
+        rows = [
+            ("Model", self.model),
+            ("Source", self.origin + (f" @ {self.revision}" if self.revision else "")),
+            ("Quantization", self.quantization + (" + double quant" if self.double_quant else "")),
+            ("Compute dtype", self.compute_dtype),
+            ("Attention", self.attention),
+            ("Device", f"{self.device} ({self.device_name})" + (", CPU offload" if self.offloaded else "")),
+            ("Weights memory", f"{self.weights_bytes / 2**20:,.1f} MiB"),
+            ("Quantized linear layers", str(self.quantized_linear_layers)),
+            ("Context length", f"{self.context_length:,} tokens"),
+            ("Load time", f"{self.load_s:.1f} s (warm-up {self.warmup_s:.1f} s)"),
+            ("Decode path", self.decode_path + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")),
+            ("Versions", ", ".join(f"{k} {v}" for k, v in self.versions.items())),
+        ]
+        text = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+        if self.notes:
+            text += "\n\n" + "\n".join(f"- {n}" for n in self.notes)
+        return text
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to generate: held by the engine for the life of the process."""
+
+    model: Any  # transformers PreTrainedModel
+    tokenizer: Any
+    settings: ModelSettings
+    device: torch.device
+    compute_dtype: torch.dtype
+    report: LoadReport
+    source: ModelSource
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context_length(self) -> int:
+        return self.report.context_length
+
+
+def count_quantized_linears(model: Any) -> int:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return 0
+    return sum(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in model.modules())
+
+
+def context_length_of(config: Any, tokenizer: Any) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    tok_max = getattr(tokenizer, "model_max_length", None)
+    return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else 2048
+
+
+def load_model(settings: ModelSettings, progress: Progress | None = None) -> LoadedModel:
+    """Load tokenizer and model once per process, as `settings` says. Raises ModelLoadError/SettingsError."""
+    say = progress or (lambda _msg: None)
+    device = resolve_device(settings)
+    compute_dtype = resolve_compute_dtype(settings, device)
+    quant_config = build_quantization_config(settings, device)
+    attention, attention_note = resolve_attention(settings)
+    device_map = resolve_device_map(settings, device)
+    notes = [attention_note] if attention_note else []
+    if settings.max_memory is not None:
+        notes.append("MAX_MEMORY is set: layers that do not fit are offloaded to CPU, which is much slower.")
+
+    say(f"Locating {settings.display_name}…")
+    source = resolve_source(settings)
+    common: dict[str, Any] = {"revision": source.revision, "token": settings.hf_token,
+                              "trust_remote_code": settings.trust_remote_code}
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    say(f"Loading tokenizer of {source.display_name}…")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.name_or_path, **common)
+    except Exception as exc:
+        raise ModelLoadError(_load_failure_message(source, "tokenizer", exc)) from exc
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ModelLoadError(f"{source.display_name} has no chat template; choose an instruct/chat model.")
+
+    dtype_name = str(compute_dtype).removeprefix("torch.")
+    say(f"Loading weights of {source.display_name} ({settings.quantization}, {dtype_name})…")
+    kwargs: dict[str, Any] = dict(common, dtype=compute_dtype, attn_implementation=attention, device_map=device_map)
+    if quant_config is not None:
+        kwargs["quantization_config"] = quant_config
+    if settings.max_memory is not None:
+        kwargs["max_memory"] = parse_max_memory(settings.max_memory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source.name_or_path, **kwargs)
+    except (torch.cuda.OutOfMemoryError, MemoryError) as exc:
+        raise ModelLoadError(
+            f"{source.display_name} does not fit in memory with QUANTIZATION={settings.quantization}. "
+            "Try QUANTIZATION=nf4, a smaller model, or MAX_MEMORY for CPU offload (slow)."
+        ) from exc
+    except Exception as exc:
+        raise ModelLoadError(_load_failure_message(source, "model", exc)) from exc
+    model.eval()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    load_s = time.perf_counter() - t0
+
+    placement = getattr(model, "hf_device_map", None) or {}
+    offloaded = any(str(v) in ("cpu", "disk") for v in placement.values()) and device.type == "cuda"
+    report = LoadReport(
+        model=source.display_name,
+        origin=source.origin,
+        revision=source.revision,
+        quantization=settings.quantization,
+        double_quant=settings.use_double_quant,
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        attention=getattr(model.config, "_attn_implementation", attention),
+        device=str(device),
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        offloaded=offloaded,
+        weights_bytes=int(model.get_memory_footprint()),
+        load_s=round(load_s, 3),
+        context_length=context_length_of(model.config, tokenizer),
+        versions=library_versions(),
+        notes=tuple(notes),
+        quantized_linear_layers=count_quantized_linears(model),
+    )
+    say(f"Loaded {source.display_name} in {load_s:.1f} s.")
+    return LoadedModel(model, tokenizer, settings, device, compute_dtype, report, source)
+
+
+def _load_failure_message(source: ModelSource, what: str, exc: Exception) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    hint = ""
+    if source.origin == "hub":
+        hint = (" Check the id and your network; gated models need HF_TOKEN. Offline machines need a local "
+                "folder in MODEL_ID.")
+    return f"Could not load the {what} of {source.display_name}: {text}.{hint}"

@@ -1,0 +1,166 @@
+"""Per-reply statistics: what each reply cost, measured where it happens; plain data, exportable as JSON.
+
+Clock: `time.perf_counter()`. A reply's clock starts when the engine receives the request (before templating and
+tokenizing) and each token is stamped when the decode loop hands it to the streamer on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ReplyStats:
+    """Numbers for one reply. Byte fields are None where the device cannot report them."""
+
+    model: str = ""
+    quantization: str = ""
+    decode_path: str = ""
+    device: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0  # generated token ids (not text chunks), EOS included if produced
+    ttft_s: float | None = None  # request received -> first generated token on the host
+    decode_tokens_per_s: float | None = None  # (new_tokens - 1) / decode_s
+    decode_s: float | None = None  # first generated token on the host -> last one (TTFT excluded)
+    end_to_end_s: float | None = None  # request received -> reply finished
+    peak_vram_allocated_bytes: int | None = None  # CUDA: max allocated during this reply (peak reset at start)
+    peak_vram_reserved_bytes: int | None = None  # CUDA: max reserved by the caching allocator during this reply
+    peak_rss_bytes: int | None = None  # CPU: peak resident set size of the process during this reply
+    kv_cache_bytes: int | None = None  # bytes held by the KV cache at the end of the reply
+    weights_bytes: int | None = None
+    decode_bandwidth_bytes_per_s: float | None = None  # weights_bytes x decode_tokens_per_s (KV reads excluded)
+    finish_reason: str = ""  # eos | length | stopped | error
+    dropped_turns: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), ensure_ascii=False)
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return self.peak_vram_allocated_bytes if self.peak_vram_allocated_bytes is not None else self.peak_rss_bytes
+
+
+class TokenClock:
+    """Stamps generated tokens as they reach the host; thread-safe (the worker writes, the UI thread reads)."""
+
+    def __init__(self, start_s: float | None = None) -> None:
+        self.start_s = time.perf_counter() if start_s is None else start_s
+        self._lock = threading.Lock()
+        self._first_s: float | None = None
+        self._last_s: float | None = None
+        self._count = 0
+        self.token_ids: list[int] = []
+
+    def on_tokens(self, ids: list[int]) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if self._first_s is None:
+                self._first_s = now
+            self._last_s = now
+            self._count += len(ids)
+            self.token_ids.extend(ids)
+
+    def snapshot(self) -> dict[str, Any]:
+        """new_tokens, ttft_s, decode_s and decode_tokens_per_s so far (ReplyStats field names)."""
+        with self._lock:
+            count, first, last = self._count, self._first_s, self._last_s
+        ttft = None if first is None else first - self.start_s
+        decode_s = None if first is None or last is None else last - first
+        rate = (count - 1) / decode_s if decode_s and count > 1 else None
+        return {"new_tokens": count, "ttft_s": ttft, "decode_s": decode_s, "decode_tokens_per_s": rate}
+
+
+class PeakMemory:
+    """Peak device memory for one reply: resets CUDA peak stats (or the process's RSS high-water mark) on start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._rss_reset = False
+        self._rss_samples: list[int] = []
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._rss_reset = _reset_rss_high_water_mark()
+            self.sample()
+
+    def sample(self) -> None:
+        """CPU fallback where the high-water mark cannot be reset: sample the current RSS."""
+        if self.device.type != "cuda" and not self._rss_reset:
+            rss = _read_status_bytes("VmRSS")
+            if rss is not None:
+                self._rss_samples.append(rss)
+
+    def read(self) -> dict[str, int | None]:
+        if self.device.type == "cuda":
+            return {
+                "peak_vram_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),
+                "peak_vram_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+            }
+        if self._rss_reset:
+            return {"peak_rss_bytes": _read_status_bytes("VmHWM")}
+        self.sample()
+        return {"peak_rss_bytes": max(self._rss_samples) if self._rss_samples else None}
+
+
+def _reset_rss_high_water_mark() -> bool:
+    # Linux: writing 5 to /proc/self/clear_refs resets VmHWM (peak RSS) to the current RSS.
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _read_status_bytes(key: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def cache_bytes(cache: Any) -> int | None:
+    """Bytes of key/value tensors held by a transformers Cache (any layout); None if it holds none."""
+    if cache is None:
+        return None
+    total = 0
+    seen: set[int] = set()
+    for layer in getattr(cache, "layers", []) or []:
+        for value in vars(layer).values():
+            for tensor in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen and tensor.dim() >= 3:
+                    seen.add(id(tensor))
+                    total += tensor.numel() * tensor.element_size()
+    return total or None
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def export_json(stats: list[ReplyStats], path: str | os.PathLike[str]) -> Path:
+    out = Path(path)
+    out.write_text(json.dumps([s.as_dict() for s in stats], indent=2, ensure_ascii=False), encoding="utf-8")
+    return out
