@@ -151,7 +151,7 @@ def fit_history(
     """
     if max_turns < 0:
         raise InputError("The history length must be 0 or more turns.")
-    kept = list(turns[len(turns) - max_turns:]) if max_turns else []
+    kept = list(turns[max(0, len(turns) - max_turns):]) if max_turns else []
     dropped_for_limit = len(turns) - len(kept)
     # Token counts only grow as turns are added, so binary-search the most recent suffix that fits.
     lo, hi = 0, len(kept)  # number of newest turns to keep
