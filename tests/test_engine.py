@@ -1,0 +1,230 @@
+"""Loading and generation with the real embedded model on CPU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.errors import ContextBudgetError, GenerationError, InputError, ModelLoadError, OutOfMemoryError
+from llm_core.generation import ChatEngine
+from llm_core.history import Turn, build_messages
+from llm_core.loading import load_model
+from tests.conftest import make_settings
+
+
+def generate_reference(engine: ChatEngine, messages: list[dict[str, str]], max_new_tokens: int) -> list[int]:
+    """Non-streamed greedy generate with the demo's defaults, as a plain transformers user would call it."""
+    enc = engine.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True,
+                                                      return_tensors="pt")
+    with torch.inference_mode():
+        out = engine.loaded.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                           repetition_penalty=1.05, temperature=None, top_p=None, top_k=None)
+    return out[0, enc["input_ids"].shape[-1]:].tolist()
+
+
+def final(updates: Any) -> Any:
+    last = None
+    for last in updates:
+        pass
+    return last
+
+
+def no_generate_threads() -> bool:
+    return not any(t.name.startswith("generate-") and t.is_alive() for t in threading.enumerate())
+
+
+def test_nf4_load_yields_4bit_layers_and_a_report(nf4_engine: ChatEngine) -> None:
+    import bitsandbytes as bnb
+
+    # A fresh load: on CPU bitsandbytes repacks the weights (and un-nests absmax) at the first forward.
+    model = load_model(make_settings().model).model
+    linear4 = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linear4) == 30 * 7  # q, k, v, o, gate, up, down in each of the 30 layers
+    weight = linear4[0].weight
+    assert weight.quant_state.quant_type == "nf4" and weight.quant_state.nested  # nested = double quant
+    assert weight.quant_state.dtype == torch.bfloat16  # compute dtype
+    assert weight.dtype == torch.uint8 and weight.numel() * 2 == linear4[0].in_features * linear4[0].out_features
+    report = nf4_engine.report
+    assert (report.quantization, report.double_quant, report.attention) == ("nf4", True, "sdpa")
+    assert report.quantized_linear_layers == 210 and report.context_length == 8192
+    assert set(report.versions) == {"torch", "transformers", "accelerate", "bitsandbytes", "gradio"}
+    assert report.warmup_s > 0 and report.decode_path in ("plain", "fast")
+
+
+def test_nf4_weights_take_less_memory_than_fp32(nf4_engine: ChatEngine, fp32_engine: ChatEngine) -> None:
+    assert nf4_engine.report.weights_bytes < 0.5 * fp32_engine.report.weights_bytes
+
+
+def test_local_folder_loads_through_the_same_path(nf4_engine: ChatEngine) -> None:
+    folder = nf4_engine.loaded.source.name_or_path
+    loaded = load_model(make_settings(MODEL_ID=folder, QUANTIZATION="none", COMPUTE_DTYPE="float32").model)
+    assert loaded.report.origin == "local" and loaded.report.quantized_linear_layers == 0
+
+
+def test_missing_local_folder_is_a_clear_load_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(make_settings(MODEL_ID="./no-such-model").model)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(make_settings(MODEL_ID=str(tmp_path / "empty")).model)
+
+
+def test_flash_attention_request_falls_back_with_a_note(nf4_engine: ChatEngine) -> None:
+    from llm_core.loading import resolve_attention
+
+    impl, note = resolve_attention(make_settings(ATTN_IMPLEMENTATION="flash_attention_2").model)
+    assert impl == "sdpa" and note is not None and "flash-attn" in note
+
+
+@pytest.mark.parametrize("engine_name", ["fp32_engine", "nf4_engine"])
+def test_streamed_greedy_text_equals_non_streamed_generate(engine_name: str, request: pytest.FixtureRequest) -> None:
+    engine: ChatEngine = request.getfixturevalue(engine_name)
+    history = [Turn("Hi, who are you?", "I am a helpful assistant.")]
+    gen = engine.request_options(max_new_tokens=40)
+    done = final(engine.stream_chat("Name three primary colors.", history, gen=gen, system_prompt="Be brief."))
+    reference = generate_reference(engine, build_messages("Be brief.", history, "Name three primary colors."), 40)
+    assert list(done.token_ids) == reference
+    assert done.text == engine.loaded.tokenizer.decode(reference, skip_special_tokens=True)
+
+
+def test_max_new_tokens_is_honoured_and_stats_match_the_ids(fp32_engine: ChatEngine) -> None:
+    gen = fp32_engine.request_options(max_new_tokens=12)
+    done = final(fp32_engine.stream_chat("Write a long story about a dragon.", [], gen=gen))
+    stats = done.stats
+    assert done.done and stats.new_tokens == len(done.token_ids) == 12
+    assert stats.finish_reason == "length"
+    assert stats.prompt_tokens == fp32_engine.count_tokens(
+        build_messages(fp32_engine.settings.chat.system_prompt, [], "Write a long story about a dragon."))
+    assert stats.decode_tokens_per_s == pytest.approx((stats.new_tokens - 1) / stats.decode_s)
+    assert 0 < stats.ttft_s < stats.end_to_end_s
+    assert stats.ttft_s + stats.decode_s <= stats.end_to_end_s
+    assert stats.peak_rss_bytes and stats.peak_rss_bytes > stats.weights_bytes
+    # KV cache holds K and V for every position but the last generated one (it is never fed back).
+    cfg = fp32_engine.loaded.model.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4  # float32
+    assert stats.kv_cache_bytes == per_token * (stats.prompt_tokens + stats.new_tokens - 1)
+
+
+def test_live_updates_report_ttft_as_soon_as_the_first_token_arrives(fp32_engine: ChatEngine) -> None:
+    gen = fp32_engine.request_options(max_new_tokens=6)
+    updates = list(fp32_engine.stream_chat("Say hello.", [], gen=gen))
+    assert updates[0].stats.ttft_s is not None and not updates[0].done
+    assert updates[-1].done and sum(u.done for u in updates) == 1
+
+
+def test_stop_halts_the_worker_not_just_the_display(fp32_engine: ChatEngine) -> None:
+    gen = fp32_engine.request_options(max_new_tokens=400)
+    stream = fp32_engine.stream_chat("Count from one to five hundred in words.", [], gen=gen, request_id="session-a")
+    seen = 0
+    for update in stream:
+        seen += 1
+        if seen == 3:
+            assert fp32_engine.stop("session-a") is True
+    assert update.done and update.stats.finish_reason == "stopped"
+    assert update.stats.new_tokens < 20
+    assert no_generate_threads()
+    assert fp32_engine.stop("session-a") is False  # nothing running any more
+
+
+def test_closing_the_stream_halts_the_worker(fp32_engine: ChatEngine) -> None:
+    stream = fp32_engine.stream_chat("Count to one hundred.", [], gen=fp32_engine.request_options(max_new_tokens=400))
+    next(stream)
+    t0 = time.perf_counter()
+    stream.close()  # what Gradio does when a user presses Stop or leaves
+    assert time.perf_counter() - t0 < 10 and no_generate_threads()
+
+
+def test_worker_exception_surfaces_and_the_next_reply_works(fp32_engine: ChatEngine,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any) -> None:
+        raise ValueError("kernel exploded")
+
+    monkeypatch.setattr(fp32_engine.backend, "run", boom)
+    with pytest.raises(GenerationError, match="kernel exploded"):
+        final(fp32_engine.stream_chat("Hello", []))
+    monkeypatch.undo()
+    assert final(fp32_engine.stream_chat("Hello", [], gen=fp32_engine.request_options(max_new_tokens=3))).done
+
+
+def test_out_of_memory_in_the_worker_becomes_a_clear_error(fp32_engine: ChatEngine,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def oom(*args: Any) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(fp32_engine.backend, "run", oom)
+    with pytest.raises(OutOfMemoryError, match="ran out of memory"):
+        final(fp32_engine.stream_chat("Hello", []))
+
+
+def test_a_stalled_worker_cannot_hang_the_caller(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    released = threading.Event()
+
+    def stall(prepared: Any, gen: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+        stop_event.wait(30)  # never produces a token; honours stop like the real loops do
+        released.set()
+
+    monkeypatch.setattr(fp32_engine.backend, "run", stall)
+    gen = fp32_engine.request_options(max_new_tokens=5)
+    gen = type(gen)(**{**gen.__dict__, "stream_timeout_s": 1.0})
+    t0 = time.perf_counter()
+    with pytest.raises(GenerationError, match="No new token for 1 s"):
+        final(fp32_engine.stream_chat("Hello", [], gen=gen))
+    assert time.perf_counter() - t0 < 10 and released.wait(5)
+
+
+@pytest.mark.parametrize("message", ["", "   ", "\x00\x1b"])
+def test_empty_messages_are_refused(fp32_engine: ChatEngine, message: str) -> None:
+    with pytest.raises(InputError, match="empty"):
+        final(fp32_engine.stream_chat(message, []))
+
+
+def test_message_longer_than_the_context_is_refused(fp32_engine: ChatEngine) -> None:
+    with pytest.raises(ContextBudgetError, match="Shorten the message"):
+        final(fp32_engine.stream_chat("1 " * 7999, []))  # under the character limit, over the token budget
+
+
+def test_old_turns_are_dropped_to_fit_the_context_and_reported(fp32_engine: ChatEngine) -> None:
+    long_turns = [Turn("tell me " * 1500, "sure " * 1500) for _ in range(3)]  # ~3k tokens each
+    gen = fp32_engine.request_options(max_new_tokens=2)
+    done = final(fp32_engine.stream_chat("And now?", long_turns, gen=gen, history_turns=10))
+    assert done.stats.dropped_turns == 2 and done.stats.prompt_tokens <= 8192 - 2
+    assert any("Left out the 2 oldest turns" in n for n in done.stats.notes)
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [({"max_new_tokens": 0}, "max_new_tokens"), ({"max_new_tokens": 10**6}, "max_new_tokens"),
+     ({"temperature": -1.0}, "TEMPERATURE"), ({"top_p": 1.5}, "TOP_P"), ({"top_k": "many"}, "top_k"),
+     ({"max_new_tokens": 2.5}, "max_new_tokens"), ({"bogus": 1}, "bogus")],
+)
+def test_out_of_range_options_are_refused(fp32_engine: ChatEngine, options: dict[str, Any], named: str) -> None:
+    with pytest.raises(InputError, match=named):
+        fp32_engine.request_options(**options)
+
+
+def test_unicode_emoji_and_control_characters_get_a_reply(nf4_engine: ChatEngine) -> None:
+    gen = nf4_engine.request_options(max_new_tokens=8)
+    done = final(nf4_engine.stream_chat("Ça va? 你好 👋🏽 \x07 ok", [], gen=gen))
+    assert done.done and done.stats.new_tokens > 0
+
+
+def test_sampling_with_a_seed_is_reproducible(fp32_engine: ChatEngine) -> None:
+    gen = fp32_engine.request_options(max_new_tokens=10, do_sample=True, temperature=0.9, seed=7)
+    a = final(fp32_engine.stream_chat("Invent a word.", [], gen=gen)).token_ids
+    b = final(fp32_engine.stream_chat("Invent a word.", [], gen=gen)).token_ids
+    assert a == b and len(a) > 0
+
+
+def test_stats_export_as_json(fp32_engine: ChatEngine, tmp_path: Path) -> None:
+    import json
+
+    from llm_core.metrics import export_json
+
+    done = final(fp32_engine.stream_chat("Hi", [], gen=fp32_engine.request_options(max_new_tokens=3)))
+    data = json.loads(export_json([done.stats], tmp_path / "stats.json").read_text())
+    assert data[0]["new_tokens"] == done.stats.new_tokens and data[0]["ttft_s"] == done.stats.ttft_s
