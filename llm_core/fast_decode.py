@@ -1,0 +1,1164 @@
+"""Fast decode path: a static KV cache and a compiled decode step replayed as CUDA graphs; knows nothing of chat.
+
+It takes a `LoadedModel` and token ids, never text, settings files or the UI. The pipeline, named gpt-fast style:
+`pack_weights -> prefill -> decode_step -> select -> stream`.
+
+- pack_weights: the model's own tensors, read in place (no copy) from transformers modules; q/k/v and gate/up
+  are fused into one linear each by concatenating their rows. For bitsandbytes NF4 the packed 4-bit data is
+  concatenated exactly (blocks never straddle rows) and the transformers modules are re-pointed at views of the
+  fused storage, so the plain path keeps working on the same bytes and memory is not doubled.
+- prefill: eager, one pass over the prompt (flash/SDPA causal attention), writes K/V into the static cache.
+- decode_step: a hand-written llama-family layer (RMSNorm, RoPE, cache write, attention over a prefix of the
+  cache, SwiGLU) compiled once with torch.compile(fullgraph=True) with the attended length dynamic, then captured
+  as one CUDA graph per attention-length bucket at warm-up. Replaying a graph launches every kernel of all layers
+  with no Python and no host sync.
+- select: repetition penalty, min-new-tokens and greedy argmax run inside the graph; sampling (temperature, top-k,
+  top-p, multinomial) runs eagerly on the device right after the replay, with a per-request generator.
+- stream: each new token is copied into pinned host memory with an event; the host reads token i after it has
+  queued step i+1 (a one-step lag), so the GPU never waits for Python and Stop halts after at most one step.
+
+On CPU the same code runs eagerly (no compile, no graphs): that is what the token-equality test exercises.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .config import GenerationSettings
+from .errors import GenerationError, OutOfMemoryError
+from .loading import LoadedModel
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time
+GEMV_KERNELS = ("bnb", "torch", "triton")
+ABSMAX_MODES = ("keep", "fp32", "requant")
+# The 4-bit matrix-vector kernel the decode step uses when options.gemv == "auto" (chosen from the H200 bench).
+DEFAULT_GEMV = "torch"
+MIN_BUCKET_TOKENS = 256
+
+
+# --- support -------------------------------------------------------------------------------------------------
+
+
+def fast_path_support(loaded: LoadedModel, *, allow_cpu: bool = False) -> tuple[bool, str]:
+    """(can run, reason shown in the model panel). False on CPU unless `allow_cpu`, on offloaded models, on
+    quantization modes other than nf4/none, and on architectures whose layers this module does not implement."""
+    device = loaded.device
+    if device.type != "cuda" and not allow_cpu:
+        return False, "CPU: the fast path needs CUDA graphs; plain generate is used"
+    if loaded.report.offloaded:
+        return False, "layers are offloaded to CPU (MAX_MEMORY); the fast path needs every weight on the GPU"
+    quant = loaded.settings.quantization
+    if quant not in ("nf4", "none"):
+        return False, f"QUANTIZATION={quant} is not supported by the fast path (nf4 or none)"
+    try:
+        _Arch.from_model(loaded.model)
+    except _Unsupported as exc:
+        return False, str(exc)
+    if device.type == "cuda":
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # pragma: no cover - very old torch
+            return False, "this PyTorch cannot report Triton support; torch.compile is unavailable"
+        if not has_triton():
+            return False, "Triton is not installed, so torch.compile cannot build the decode step"
+    kind = "NF4" if quant == "nf4" else str(loaded.compute_dtype).removeprefix("torch.")
+    return True, f"static KV cache + compiled {kind} decode step replayed as CUDA graphs"
+
+
+class _Unsupported(Exception):
+    """The model's structure is outside what the fast path implements (message is user-facing)."""
+
+
+@dataclass
+class _Arch:
+    """The pieces of a llama-family transformers model the fast path reads (modules, not copies)."""
+
+    model: Any
+    embed: Any
+    layers: list[Any]
+    norm: Any
+    rotary: Any
+    lm_head: Any
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+    qk_norm: bool
+
+    @classmethod
+    def from_model(cls, model: Any) -> _Arch:
+        cfg = model.config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise _Unsupported(f"model type {model_type!r} is not implemented by the fast path "
+                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        layer_types = getattr(cfg, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types) or (
+                getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", model_type == "mistral")):
+            raise _Unsupported("sliding-window attention is not implemented by the fast path")
+        rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+        if rope_type in UNSUPPORTED_ROPE_TYPES:
+            raise _Unsupported(f"RoPE type {rope_type!r} changes with the sequence length; not supported")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise _Unsupported(f"activation {cfg.hidden_act!r} is not implemented by the fast path (silu only)")
+        inner = getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []) or [])
+        if not layers or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
+            raise _Unsupported("the model does not have the llama layout (model.layers, norm, rotary_emb)")
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+        qk_norm = False
+        for layer in layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"),
+                     (mlp, "gate_proj"), (mlp, "up_proj"), (mlp, "down_proj"),
+                     (layer, "input_layernorm"), (layer, "post_attention_layernorm")]
+            if any(getattr(owner, name, None) is None for owner, name in names):
+                raise _Unsupported("a decoder layer lacks the llama projections (q/k/v/o, gate/up/down)")
+            qk_norm = hasattr(attn, "q_norm")
+            for owner, name in names[:7]:
+                _check_linear(getattr(owner, name))
+        lm_head = model.get_output_embeddings()
+        if lm_head is None:
+            raise _Unsupported("the model has no output projection (lm_head)")
+        _check_linear(lm_head)
+        return cls(model, inner.embed_tokens, layers, inner.norm, inner.rotary_emb, lm_head, n_heads, n_kv, head_dim,
+                   int(cfg.hidden_size), int(lm_head.weight.shape[0]) if not _is_bnb4(lm_head) else
+                   int(lm_head.out_features), qk_norm)
+
+
+def _is_bnb4(module: Any) -> bool:
+    return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module.weight, "quant_state")
+
+
+def _check_linear(module: Any) -> None:
+    if _is_bnb4(module):
+        qs = module.weight.quant_state
+        if qs is None or qs.quant_type != "nf4":
+            raise _Unsupported("only NF4 4-bit weights are implemented by the fast path")
+        if module.in_features % qs.blocksize or qs.blocksize % 2:
+            raise _Unsupported(f"4-bit block size {qs.blocksize} does not divide the input size {module.in_features}")
+        return
+    if not isinstance(module, torch.nn.Linear):
+        raise _Unsupported(f"{type(module).__name__} layers are not implemented by the fast path")
+
+
+# --- options -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FastDecodeOptions:
+    """How the decode step is built. Defaults are the fastest measured on an H200 (bench/results)."""
+
+    gemv: str = "auto"  # 4-bit matrix-vector kernel: bnb (bitsandbytes) | torch (fused by inductor) | triton
+    fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
+    absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
+    compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
+    prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
+
+    def resolved(self, device: torch.device) -> FastDecodeOptions:
+        gemv = DEFAULT_GEMV if self.gemv == "auto" else self.gemv
+        if gemv not in GEMV_KERNELS:
+            raise GenerationError(f"Unknown gemv kernel {gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
+        if self.absmax not in ABSMAX_MODES:
+            raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
+        if gemv == "triton" and device.type != "cuda" and not _triton_interpreter():
+            gemv = "torch"
+        return replace(self, gemv=gemv)
+
+
+def _triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# --- packed linears ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LinSpec:
+    """Static description of one (possibly fused) linear; its tensors travel separately, in this order:
+    dense: (w,) | nf4 absmax=fp32: (packed, absmax) | nf4 absmax=nested: (packed, q8, absmax2, offsets, code2,
+    offset_scalar); then code (nf4), then bias if any."""
+
+    fmt: str  # dense | nf4
+    absmax: str  # none | fp32 | nested
+    n: int
+    k: int
+    blocksize: int
+    splits: tuple[int, ...]
+    bias: bool
+    gemv: str  # dense | bnb | torch | triton
+    uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
+
+
+@dataclass
+class _Packed:
+    spec: _LinSpec
+    tensors: list[torch.Tensor]
+    note: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+
+def _nf4_parts(module: Any) -> dict[str, Any]:
+    """The NF4 tensors of a bitsandbytes Linear4bit, as views of its own storage (no copy)."""
+    module.support_avx512bf16_for_cpu = False  # keep bnb's generic layout on CPU (its AVX repack is lossy)
+    weight, qs = module.weight, module.weight.quant_state
+    if getattr(qs, "packing_format_for_cpu", False):
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        log.warning("Linear4bit weights were repacked for CPU; restoring the generic layout (absmax requantized).")
+        weight.data, qs = _convert_weight_packed_for_cpu_inverse(weight.data, qs)
+        weight.quant_state = module.quant_state = qs
+    n, k = int(qs.shape[0]), int(qs.shape[1])
+    packed = weight.data.view(torch.uint8).reshape(n, k // 2)
+    parts: dict[str, Any] = {"n": n, "k": k, "blocksize": int(qs.blocksize), "packed": packed,
+                             "code": qs.code.float(), "bias": module.bias}
+    if qs.nested:
+        nb = n * k // qs.blocksize
+        nb2 = qs.state2.absmax.numel()
+        offset = qs.offset.float().reshape(())
+        parts.update(q8=qs.absmax.view(-1), absmax2=qs.state2.absmax.float().view(-1),
+                     code2=qs.state2.code.float(), offset_scalar=offset, offsets=offset.repeat(nb2), nb=nb)
+        assert qs.state2.blocksize == 256, "bitsandbytes nests absmax in blocks of 256"
+    else:
+        parts.update(absmax=qs.absmax.float().view(n, k // qs.blocksize))
+    return parts
+
+
+def _nested_to_fp32(q8: torch.Tensor, absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor) -> torch.Tensor:
+    """Exact dequantization of double-quantized absmax: code2[q8] * absmax2[block] + offset[block] (fp32, flat)."""
+    idx = torch.arange(q8.numel(), device=q8.device) // 256
+    return code2[q8.to(torch.int32)] * absmax2[idx] + offsets[idx]
+
+
+def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
+    if "absmax" in p:
+        return p["absmax"].reshape(-1)
+    return _nested_to_fp32(p["q8"], p["absmax2"], p["offsets"], p["code2"])
+
+
+def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> _Packed:
+    """One linear from one module, or a fused one from several sharing the input (rows concatenated)."""
+    splits = tuple(int(m.out_features) for m in modules)
+    if all(not _is_bnb4(m) for m in modules):
+        weights = [m.weight for m in modules]
+        bias = [m.bias for m in modules]
+        if len(modules) == 1:
+            w = weights[0].detach()
+        else:
+            w = torch.cat([t.detach() for t in weights], 0)
+            _rebind_dense(modules, w)
+        tensors = [w]
+        has_bias = any(b is not None for b in bias)
+        if has_bias:
+            tensors.append(torch.cat([b.detach() if b is not None else torch.zeros(s, dtype=w.dtype, device=w.device)
+                                      for b, s in zip(bias, splits, strict=True)]))
+        spec = _LinSpec("dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias, "dense", False)
+        return _Packed(spec, tensors)
+    if not all(_is_bnb4(m) for m in modules):
+        raise _Unsupported("a fused projection mixes 4-bit and plain weights")
+    parts = [_nf4_parts(m) for m in modules]
+    k, bs = parts[0]["k"], parts[0]["blocksize"]
+    if any(p["k"] != k or p["blocksize"] != bs for p in parts):
+        raise _Unsupported("fused projections differ in input size or block size")
+    n = sum(p["n"] for p in parts)
+    nested_all = all("q8" in p for p in parts)
+    note = ""
+    if len(parts) == 1:
+        packed = parts[0]["packed"]
+    else:
+        packed = torch.cat([p["packed"] for p in parts], 0)
+        _rebind_nf4(modules, packed)
+    mode = opts.absmax
+    if mode == "keep" and nested_all and len(parts) > 1 and any(p["nb"] % 256 for p in parts[:-1]):
+        mode, note = "fp32", "nested absmax not 256-aligned across fused parts: dequantized to fp32 (exact)"
+    if mode == "keep" and not nested_all:
+        mode = "fp32"
+    if gemv == "bnb" and mode == "keep" and len(parts) > 1:
+        mode, note = "requant", "bitsandbytes' kernel reads one absmax offset: fused absmax requantized"
+    code = parts[0]["code"]
+    bias_list = [p["bias"] for p in parts]
+    has_bias = any(b is not None for b in bias_list)
+    tail: list[torch.Tensor] = [code]
+    if has_bias:
+        dtype = next(b for b in bias_list if b is not None).dtype
+        tail.append(torch.cat([b.detach() if b is not None else torch.zeros(p["n"], dtype=dtype, device=code.device)
+                               for b, p in zip(bias_list, parts, strict=True)]))
+    if mode == "fp32":
+        absmax = torch.cat([_parts_absmax_fp32(p) for p in parts]).view(n, k // bs)
+        spec = _LinSpec("nf4", "fp32", n, k, bs, splits, has_bias, gemv, False)
+        return _Packed(spec, [packed, absmax, *tail], note)
+    if mode == "requant":
+        from bitsandbytes.functional import quantize_blockwise
+
+        absmax = torch.cat([_parts_absmax_fp32(p) for p in parts])
+        offset = absmax.mean()
+        q8, state2 = quantize_blockwise(absmax - offset, blocksize=256)
+        nb2 = state2.absmax.numel()
+        tensors = [packed, q8.view(-1), state2.absmax.float(), offset.repeat(nb2), state2.code.float(),
+                   offset.reshape(())]
+        spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, True)
+        return _Packed(spec, [*tensors, *tail], note or "absmax requantized after fusing")
+    # keep: exact nested absmax; fused parts are 256-aligned so each keeps its own second-level scale and offset
+    q8 = parts[0]["q8"] if len(parts) == 1 else torch.cat([p["q8"] for p in parts])
+    absmax2 = parts[0]["absmax2"] if len(parts) == 1 else torch.cat([p["absmax2"] for p in parts])
+    offsets = parts[0]["offsets"] if len(parts) == 1 else torch.cat([p["offsets"] for p in parts])
+    uniform = len(parts) == 1
+    spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, uniform)
+    return _Packed(spec, [packed, q8, absmax2, offsets, parts[0]["code2"], parts[0]["offset_scalar"], *tail], note)
+
+
+def _rebind_dense(modules: Sequence[Any], fused: torch.Tensor) -> None:
+    """Point each module's weight at its rows of the fused tensor, so the plain path shares the bytes."""
+    start = 0
+    for m in modules:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[start:start + rows]
+        start += rows
+
+
+def _rebind_nf4(modules: Sequence[Any], fused_packed: torch.Tensor) -> None:
+    start = 0
+    for m in modules:
+        rows = int(m.weight.quant_state.shape[0])
+        storage_dtype = m.weight.data.dtype
+        m.weight.data = fused_packed[start:start + rows].reshape(-1, 1).view(storage_dtype)
+        start += rows
+
+
+# --- kernels -------------------------------------------------------------------------------------------------
+
+
+def _absmax_2d(spec: _LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(n, k / blocksize) fp32 block scales, dequantized from the nested form where needed."""
+    if spec.absmax == "fp32":
+        return ts[1]
+    return _nested_to_fp32(ts[1], ts[2], ts[3], ts[4]).view(spec.n, spec.k // spec.blocksize)
+
+
+def _code(spec: _LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    return ts[2] if spec.absmax == "fp32" else ts[6]
+
+
+def _bias(spec: _LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    return ts[-1] if spec.bias else None
+
+
+def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T for one row x (1, K) and NF4 weights W (N, K), in torch ops that inductor fuses into a single
+    reduction kernel: packed (N, K/2) uint8 (high nibble first), absmax (N, K/blocksize) fp32, code (16,) fp32."""
+    n, k2 = packed.shape
+    nblk = absmax.shape[1]
+    per = k2 // nblk  # bytes per block
+    p = packed.view(n, nblk, per)
+    xf = x.float().view(nblk, per, 2)
+    hi = code[(p >> 4).to(torch.int32)]
+    lo = code[(p & 15).to(torch.int32)]
+    y = ((hi * xf[:, :, 0] + lo * xf[:, :, 1]) * absmax[:, :, None]).sum(dim=(1, 2))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(1, n)
+
+
+def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x (1, K) -> (1, N) in the decode step."""
+    if spec.fmt == "dense":
+        return F.linear(x, ts[0], _bias(spec, ts))
+    if spec.gemv == "bnb":
+        packed = ts[0].view(-1, 1)
+        if spec.absmax == "fp32":
+            return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[1].view(-1), spec.blocksize,
+                                                    "nf4", _bias(spec, ts))
+        if not spec.uniform_offset:
+            return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], _absmax_2d(spec, ts).view(-1),
+                                                    spec.blocksize, "nf4", _bias(spec, ts))
+        return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4",
+                                                _bias(spec, ts), ts[1], ts[4], ts[5])
+    if spec.gemv == "triton":
+        from . import _nf4_triton
+
+        if spec.absmax == "fp32":
+            return _nf4_triton.nf4_matvec(x, ts[0], ts[1], None, None, None, _code(spec, ts), _bias(spec, ts))
+        return _nf4_triton.nf4_matvec(x, ts[0], None, ts[1], ts[2], ts[3], _code(spec, ts), _bias(spec, ts),
+                                      code2=ts[4])
+    return nf4_matvec_torch(x, ts[0], _absmax_2d(spec, ts), _code(spec, ts), _bias(spec, ts))
+
+
+def _linear_prefill(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does too)."""
+    if spec.fmt == "dense":
+        return F.linear(x, ts[0], _bias(spec, ts))
+    absmax = _absmax_2d(spec, ts).reshape(-1)
+    w = torch.ops.bitsandbytes.dequantize_4bit(ts[0].view(-1, 1), absmax, spec.blocksize, "nf4",
+                                               [spec.n, spec.k], x.dtype)
+    return F.linear(x, w, _bias(spec, ts))
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in the input dtype)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --- the layer, in decode (one token) and prefill (the prompt) form ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LayerSpec:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    eps_post: float
+    eps_next: float
+    qk_norm_eps: float | None
+    linears: tuple[_LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
+    fused: bool
+
+
+def _split_linears(spec: _LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Cut the flat weight list of a layer into per-linear lists (the rest: norms, see _layer_weights)."""
+    out, i = [], 0
+    for lin in spec.linears:
+        count = _tensor_count(lin)
+        out.append(list(w[i:i + count]))
+        i += count
+    out.append(list(w[i:]))
+    return out
+
+
+def _tensor_count(lin: _LinSpec) -> int:
+    base = 1 if lin.fmt == "dense" else (3 if lin.absmax == "fp32" else 7)
+    return base + int(lin.bias)
+
+
+def _project_qkv(spec: _LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]],
+                 linear: Callable[[_LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    if spec.fused:
+        qkv = linear(spec.linears[0], x, lins[0])
+        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
+        return q, k, v, 1
+    return (linear(spec.linears[0], x, lins[0]), linear(spec.linears[1], x, lins[1]),
+            linear(spec.linears[2], x, lins[2]), 3)
+
+
+def _mlp(spec: _LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], first: int,
+         linear: Callable[[_LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    if spec.fused:
+        gate, up = linear(spec.linears[first], x, lins[first]).split(list(spec.linears[first].splits), dim=-1)
+        down = first + 1
+    else:
+        gate = linear(spec.linears[first], x, lins[first])
+        up = linear(spec.linears[first + 1], x, lins[first + 1])
+        down = first + 2
+    return linear(spec.linears[down], F.silu(gate) * up, lins[down])
+
+
+def _decode_attention(spec: _LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      pos: torch.Tensor) -> torch.Tensor:
+    """One query token over the cache prefix. q (H, D); k/v_cache (L, Hkv, D) with rows > pos masked -> (1, H*D).
+    Written as broadcast products and reductions (no repeat_kv copy) so inductor fuses it into a few kernels."""
+    groups = spec.n_heads // spec.n_kv_heads
+    length = k_cache.shape[0]
+    qf = q.float().view(1, spec.n_kv_heads, groups, spec.head_dim)
+    scores = (qf * k_cache.float()[:, :, None, :]).sum(-1) * spec.scale  # (L, Hkv, G)
+    valid = torch.arange(length, device=q.device) <= pos  # (L,)
+    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=0)
+    out = (probs[..., None] * v_cache.float()[:, :, None, :]).sum(0)  # (Hkv, G, D)
+    return out.reshape(1, spec.n_heads * spec.head_dim).to(q.dtype)
+
+
+def _layer_decode(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, w: Sequence[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for one token. h: residual (1, H); hn: h after this layer's input norm; cos/sin (1, D);
+    pos (1,) int64 position of the token; k/v_cache (L, Hkv, D) prefix of this layer's cache (written at pos).
+    Returns (h, next layer's normed input) so the next input norm fuses with this layer's last residual add."""
+    lins = _split_linears(spec, w)
+    rest = lins[-1]  # [post_attention_layernorm.weight, next norm weight, (q_norm, k_norm)]
+    q, k, v, used = _project_qkv(spec, hn, lins, _linear_decode)
+    q = q.view(spec.n_heads, spec.head_dim)
+    k = k.view(spec.n_kv_heads, spec.head_dim)
+    v = v.view(spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:
+        q, k = _rms(q, rest[2], spec.qk_norm_eps), _rms(k, rest[3], spec.qk_norm_eps)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    k_cache.index_copy_(0, pos, k[None])
+    v_cache.index_copy_(0, pos, v[None])
+    attn = _decode_attention(spec, q, k_cache, v_cache, pos)
+    h = h + _linear_decode(spec.linears[used], attn, lins[used])
+    h = h + _mlp(spec, _rms(h, rest[0], spec.eps_post), lins, used + 1, _linear_decode)
+    return h, _rms(h, rest[1], spec.eps_next)
+
+
+def _layer_prefill(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   start: int, k_cache: torch.Tensor, v_cache: torch.Tensor, w: Sequence[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same layer over a chunk of S prompt tokens at positions start..start+S-1. h, hn (1, S, H);
+    cos/sin (1, S, D); k/v_cache (L, Hkv, D) full cache of this layer."""
+    lins = _split_linears(spec, w)
+    rest = lins[-1]
+    seq = h.shape[1]
+    q, k, v, used = _project_qkv(spec, hn, lins, _linear_prefill)
+    q = q.view(1, seq, spec.n_heads, spec.head_dim)
+    k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
+    v = v.view(1, seq, spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:
+        q, k = _rms(q, rest[2], spec.qk_norm_eps), _rms(k, rest[3], spec.qk_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, S, D)
+    c, s = cos[:, None], sin[:, None]
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    k_cache[start:start + seq].copy_(k[0].transpose(0, 1))
+    v_cache[start:start + seq].copy_(v[0].transpose(0, 1))
+    groups = spec.n_heads // spec.n_kv_heads
+    if start == 0:
+        keys, values, mask, causal = k, v, None, True
+    else:  # a later chunk attends to everything cached so far (bottom-right aligned causal mask)
+        end = start + seq
+        keys = k_cache[:end].transpose(0, 1)[None]
+        values = v_cache[:end].transpose(0, 1)[None]
+        mask = (torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
+        causal = False
+    if groups > 1 and h.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)
+        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
+        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
+        gqa: dict[str, Any] = {}
+    else:
+        gqa = {"enable_gqa": True} if groups > 1 else {}
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, **gqa)
+    attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
+    h = h + _linear_prefill(spec.linears[used], attn, lins[used])
+    h = h + _mlp(spec, _rms(h, rest[0], spec.eps_post), lins, used + 1, _linear_prefill)
+    return h, _rms(h, rest[1], spec.eps_next)
+
+
+@dataclass(frozen=True)
+class _HeadSpec:
+    lm: _LinSpec
+    eps0: float
+
+
+def _prologue(spec: _HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+              norm0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tok, pos (1,) -> residual h (1, H), first layer's normed input, cos/sin (1, D) from the model's own RoPE."""
+    h = F.embedding(tok, embed)
+    cos, sin = rotary(h[None], pos[None])
+    return h, _rms(h, norm0, spec.eps0), cos[0], sin[0]
+
+
+def _head(spec: _HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
+          eos_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-normed hidden (1, H) -> scores (1, V) fp32 after repetition penalty and min-new-tokens EOS ban (as
+    transformers' processors compute them), and the greedy token (1,)."""
+    logits = _linear_decode(spec.lm, hn, lm).float()
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    scores = torch.where(seen, penalized, logits) + eos_bias
+    return scores, scores.argmax(-1)
+
+
+# --- sampling (eager, after the graph) -----------------------------------------------------------------------
+
+
+def sample_from_scores(scores: torch.Tensor, gen: GenerationSettings, generator: torch.Generator | None
+                       ) -> torch.Tensor:
+    """transformers' warpers in its order (temperature, top-k, top-p), then multinomial. scores (1, V) -> (1,)."""
+    if gen.temperature != 1.0:
+        scores = scores / gen.temperature
+    if gen.top_k:
+        top_k = min(gen.top_k, scores.shape[-1])
+        kth = torch.topk(scores, top_k)[0][..., -1, None]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if gen.top_p < 1.0:
+        sorted_logits, sorted_idx = torch.sort(scores, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - gen.top_p)
+        remove[..., -1:] = False
+        scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).view(1)
+
+
+# --- the decoder ---------------------------------------------------------------------------------------------
+
+
+def bucket_list(cache_len: int) -> list[int]:
+    """Attention lengths the decode step is captured for: every 256 tokens to 4k, 1k to 16k, then 4k; the last
+    is the cache length. Decoding at position p uses the smallest bucket > p, so attention reads at most ~25%
+    (short) / ~6% (long contexts) more cache rows than needed."""
+    out, b = [], MIN_BUCKET_TOKENS
+    while b < cache_len:
+        out.append(b)
+        b += 256 if b < 4096 else 1024 if b < 16384 else 4096
+    out.append(cache_len)
+    return out
+
+
+@dataclass
+class _KVLayer:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class KVCacheView:
+    """Read-only view of the static cache in the layout metrics.cache_bytes reads (`layers[i].keys/values`)."""
+
+    layers: list[_KVLayer] = field(default_factory=list)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class FastDecoder:
+    """Owns the static KV cache, packed weights, compiled step and captured graphs of one loaded model.
+
+    One reply at a time (a lock). Building it re-points the model's q/k/v and gate/up weights at fused storage
+    (same values); plain `model.generate` keeps working on the same model.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, max_cache_len: int | None = None, compile: bool | None = None,
+                 options: FastDecodeOptions | None = None) -> None:
+        ok, reason = fast_path_support(loaded, allow_cpu=True)
+        if not ok:
+            raise GenerationError(f"The fast decode path cannot run for this model: {reason}.")
+        self.loaded = loaded
+        self.device = loaded.device
+        self.dtype = loaded.compute_dtype if loaded.settings.quantization == "nf4" else _weights_dtype(loaded.model)
+        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.use_graphs = self.compile and self.device.type == "cuda"
+        self.options = (options or FastDecodeOptions()).resolved(self.device)
+        self.reason = reason
+        self.max_cache_len = int(max_cache_len or loaded.context_length)
+        self._lock = threading.Lock()
+        self._arch = _Arch.from_model(loaded.model)
+        with torch.no_grad():
+            self._build_plan()
+        vocab = self._arch.vocab
+        dev = self.device
+        self._tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self._pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self._seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        self._penalty = torch.ones((), dtype=torch.float32, device=dev)
+        self._eos_bias = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        self._scores = torch.zeros(1, vocab, dtype=torch.float32, device=dev)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._cache_len = 0
+        self._buckets: list[int] = []
+        self._graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self._host_tokens: torch.Tensor | None = None
+        self._events: list[Any] = []
+        self._compiled = False
+        self.warmup_s: float | None = None
+        self.compile_cache_loaded = False
+        self.compile_s: float | None = None
+        self.capture_s: float | None = None
+
+    # --- weights ---------------------------------------------------------------------------------------------
+    def _build_plan(self) -> None:
+        a, opts = self._arch, self.options
+        gemv = opts.gemv
+        layer_specs: dict[_LayerSpec, _LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
+        self._layer_specs: list[_LayerSpec] = []
+        self._layer_weights: list[list[torch.Tensor]] = []
+        notes: set[str] = set()
+        for i, layer in enumerate(a.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if opts.fuse:
+                groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj],
+                          [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
+            else:
+                groups = [[attn.q_proj], [attn.k_proj], [attn.v_proj], [attn.o_proj],
+                          [mlp.gate_proj], [mlp.up_proj], [mlp.down_proj]]
+            packed = [_pack_linears(g, opts, gemv) for g in groups]
+            notes.update(p.note for p in packed if p.note)
+            next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
+            rest = [layer.post_attention_layernorm.weight, next_norm.weight]
+            qk_eps = None
+            if a.qk_norm:
+                rest += [attn.q_norm.weight, attn.k_norm.weight]
+                qk_eps = float(_eps(attn.q_norm))
+            spec = _LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
+                              float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
+                              tuple(p.spec for p in packed), opts.fuse)
+            self._layer_specs.append(layer_specs.setdefault(spec, spec))
+            self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
+        lm = _pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
+        self._head_spec = _HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)))
+        self._lm_tensors = lm.tensors
+        self._embed = a.embed.weight.detach()
+        self._norm0 = a.layers[0].input_layernorm.weight.detach()
+        self.notes = sorted(notes)
+        self._make_functions()
+
+    def _make_functions(self) -> None:
+        """Closures over static specs; compiled once each (all layers share one spec, hence one graph)."""
+        head_spec, rotary = self._head_spec, self._arch.rotary
+
+        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor, norm0: torch.Tensor) -> Any:
+            return _prologue(head_spec, rotary, tok, pos, embed, norm0)
+
+        def head(hn: torch.Tensor, lm: list[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
+                 eos_bias: torch.Tensor) -> Any:
+            return _head(head_spec, hn, lm, seen, penalty, eos_bias)
+
+        layer_fns: dict[int, Callable[..., Any]] = {}
+        for spec in self._layer_specs:
+            if id(spec) not in layer_fns:
+                layer_fns[id(spec)] = _bind_layer(spec)
+        self._prologue_fn: Callable[..., Any] = prologue
+        self._head_fn: Callable[..., Any] = head
+        self._layer_fns: list[Callable[..., Any]] = [layer_fns[id(s)] for s in self._layer_specs]
+        if self.compile:
+            compiled: dict[int, Callable[..., Any]] = {}
+            self._prologue_fn = self._compile(prologue)
+            self._head_fn = self._compile(head)
+            self._layer_fns = [compiled.setdefault(id(fn), self._compile(fn)) for fn in self._layer_fns]
+
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        backend = self.options.compile_backend
+        if backend == "inductor":
+            # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
+            return torch.compile(fn, fullgraph=True, options={"assert_indirect_indexing": False})
+        return torch.compile(fn, fullgraph=True, backend=backend)
+
+    @property
+    def weights_bytes_per_token(self) -> int:
+        """Bytes of weights the decode step reads per token (all linears, norms, lm_head; one embedding row)."""
+        seen: set[int] = set()
+        total = 0
+        for tensors in [*self._layer_weights, self._lm_tensors]:
+            for t in tensors:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total + self._arch.hidden * self._embed.element_size()
+
+    def kv_bytes_per_token(self) -> int:
+        a = self._arch
+        return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def cache(self) -> KVCacheView | None:
+        if self._k is None or self._v is None:
+            return None
+        return KVCacheView([_KVLayer(self._k[i], self._v[i]) for i in range(self._k.shape[0])])
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache_len
+
+    def describe(self) -> dict[str, Any]:
+        spec = self._layer_specs[0]
+        return {
+            "options": asdict(self.options), "compiled": self.compile, "cuda_graphs": self.use_graphs,
+            "linear_formats": [f"{s.fmt}/{s.absmax}/{s.gemv}" for s in spec.linears],
+            "linears_per_layer": len(spec.linears), "notes": self.notes, "cache_len": self._cache_len,
+            "buckets": len(self._buckets), "weights_bytes_per_token": self.weights_bytes_per_token,
+            "kv_bytes_per_token": self.kv_bytes_per_token(), "warmup_s": self.warmup_s,
+            "compile_s": self.compile_s, "capture_s": self.capture_s,
+            "compile_cache_loaded": self.compile_cache_loaded,
+        }
+
+    # --- cache, capture, warm-up -----------------------------------------------------------------------------
+    def resize_cache(self, tokens: int) -> None:
+        """Allocate the static cache for `tokens` (rounded up to 16) and capture its buckets; frees the old one."""
+        tokens = _round_up(max(int(tokens), 1), 16)
+        if tokens > self.max_cache_len:
+            raise GenerationError(f"{tokens:,} tokens exceed the fast path's cache limit ({self.max_cache_len:,}).")
+        with self._lock, torch.no_grad():
+            self._allocate(tokens)
+
+    def _allocate(self, tokens: int) -> None:
+        a = self._arch
+        self._graphs.clear()
+        self._k = self._v = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._cache_len = tokens
+        self._buckets = bucket_list(tokens)
+        if self.device.type == "cuda":
+            self._host_tokens = torch.zeros(tokens + 1, dtype=torch.long, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(3)]
+        if self.use_graphs:
+            t0 = time.perf_counter()
+            self._capture_all()
+            self.capture_s = round(time.perf_counter() - t0, 3)
+
+    def warmup(self) -> float:
+        """Compile and capture everything a first reply needs (all buckets of the cache); returns seconds."""
+        t0 = time.perf_counter()
+        with self._lock, torch.no_grad():
+            cache_file = self._compile_cache_file()
+            if self.compile and cache_file is not None and cache_file.is_file():
+                self.compile_cache_loaded = _load_compile_artifacts(cache_file)
+            if self.compile and not self._compiled:
+                t1 = time.perf_counter()
+                self._allocate_plain(min(self.max_cache_len, MIN_BUCKET_TOKENS))
+                self._warm_step(MIN_BUCKET_TOKENS)  # compiles prologue, layer(s), head with a dynamic length
+                self._sync()
+                self.compile_s = round(time.perf_counter() - t1, 3)
+                self._compiled = True
+            self._allocate(_round_up(self.max_cache_len, 16))
+            self._warm_prefill_and_sampling()
+            if self.compile and cache_file is not None:
+                _save_compile_artifacts(cache_file)
+        self.warmup_s = round(time.perf_counter() - t0, 3)
+        return self.warmup_s
+
+    def _allocate_plain(self, tokens: int) -> None:
+        a = self._arch
+        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
+        self._graphs.clear()
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._cache_len = tokens
+        self._buckets = bucket_list(tokens)
+
+    def _warm_prefill_and_sampling(self) -> None:
+        ids = torch.arange(min(8, self._cache_len - 2), device=self.device) % self._arch.vocab
+        self._seen.zero_()
+        scores, _ = self._prefill(ids)
+        sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
+                           torch.Generator(device=self.device))
+        self._sync()
+
+    def _compile_cache_file(self) -> Path | None:
+        if not self.compile or self.options.compile_backend != "inductor":
+            return None
+        try:
+            from .models import default_cache_dir
+
+            root = default_cache_dir(self.loaded.settings) / "compile"
+        except Exception:  # noqa: BLE001 - the compile cache is an optimisation; never fail warm-up for it
+            return None
+        import transformers
+
+        key = json.dumps({
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": self.loaded.model.config.to_json_string(use_diff=False),
+            "options": asdict(self.options), "dtype": str(self.dtype),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "specs": repr(sorted({repr(s) for s in self._layer_specs})), "head": repr(self._head_spec),
+        }, sort_keys=True)
+        return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.bin"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _views(self, bucket: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self._k is not None and self._v is not None
+        ks = [self._k[i, :bucket] for i in range(self._k.shape[0])]
+        vs = [self._v[i, :bucket] for i in range(self._v.shape[0])]
+        if self.compile:
+            for t in (*ks, *vs):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return ks, vs
+
+    def _step(self, bucket: int) -> None:
+        """One decode step on the static buffers: feed _tok at _pos, write scores/next token, advance _pos."""
+        ks, vs = self._views(bucket)
+        self._seen.index_fill_(0, self._tok, True)
+        h, hn, cos, sin = self._prologue_fn(self._tok, self._pos, self._embed, self._norm0)
+        for fn, w, kc, vc in zip(self._layer_fns, self._layer_weights, ks, vs, strict=True):
+            h, hn = fn(h, hn, cos, sin, self._pos, kc, vc, w)
+        scores, nxt = self._head_fn(hn, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        self._scores.copy_(scores)
+        self._tok.copy_(nxt)
+        self._pos.add_(1)
+
+    def _warm_step(self, bucket: int) -> None:
+        self._tok.zero_()
+        self._pos.zero_()
+        self._step(bucket)
+
+    def _capture_all(self) -> None:
+        """Warm each bucket (first-call autotuning happens outside capture), then capture one graph per bucket."""
+        self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for bucket in self._buckets:
+                self._warm_step(bucket)
+                self._warm_step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        for bucket in self._buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(bucket)
+            self._graphs[bucket] = graph
+        self._sync()
+
+    def _run_step(self, bucket: int) -> None:
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(bucket)
+
+    def _bucket_for(self, length: int) -> int:
+        return self._buckets[bisect.bisect_left(self._buckets, length)]
+
+    # --- prefill -----------------------------------------------------------------------------------------------
+    def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (P,) -> (scores (1, V), greedy token (1,)); fills cache rows 0..P-1. Marks prompt tokens as seen."""
+        assert self._k is not None and self._v is not None
+        total = ids.numel()
+        self._seen.index_fill_(0, ids, True)
+        chunk = self.options.prefill_chunk_tokens or total
+        hn_last = None
+        for start in range(0, total, chunk):
+            part = ids[start:start + chunk]
+            pos = torch.arange(start, start + part.numel(), device=self.device)
+            h = F.embedding(part, self._embed)[None]
+            cos, sin = self._arch.rotary(h, pos[None])
+            hn = _rms(h, self._norm0, self._head_spec.eps0)
+            for i, (spec, w) in enumerate(zip(self._layer_specs, self._layer_weights, strict=True)):
+                h, hn = _layer_prefill(spec, h, hn, cos, sin, start, self._k[i], self._v[i], w)
+            hn_last = hn[:, -1]
+        assert hn_last is not None
+        return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+
+    # --- generate --------------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                 streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
+                 min_new_tokens: int = 0) -> torch.Tensor:
+        """Like model.generate for batch 1: returns (1, P+N) ids. streamer.put(prompt) first, then each new token
+        as it is produced (one step behind the GPU), then streamer.end(), also on stop or error."""
+        try:
+            with self._lock, torch.no_grad():
+                new = self._generate(input_ids, attention_mask, gen, streamer, stop_event, max_new_tokens,
+                                     min_new_tokens)
+            tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device).view(1, -1)
+            return torch.cat([input_ids, tail], dim=1)
+        except torch.cuda.OutOfMemoryError as exc:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise OutOfMemoryError("The GPU ran out of memory in the fast decode path; lower max new tokens or the "
+                                   "history length and try again.") from exc
+        finally:
+            if streamer is not None:
+                streamer.end()
+
+    def _prompt_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise GenerationError(f"The fast decode path takes one prompt (batch 1), got shape {tuple(input_ids.shape)}.")
+        ids = input_ids[0]
+        if attention_mask is not None and not bool(attention_mask.all()):
+            keep = attention_mask[0].bool()
+            first = int(keep.nonzero()[0]) if bool(keep.any()) else ids.numel()
+            if not bool(keep[first:].all()):
+                raise GenerationError("The fast decode path supports left padding only.")
+            ids = ids[first:]
+        if ids.numel() == 0:
+            raise GenerationError("The prompt is empty.")
+        return ids.to(self.device)
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.loaded.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.loaded.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int
+                  ) -> list[int]:
+        ids = self._prompt_ids(input_ids, attention_mask)
+        prompt_len, limit = ids.numel(), int(max_new_tokens)
+        if limit < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        need = prompt_len + limit
+        if need > self.max_cache_len:
+            raise GenerationError(f"The prompt ({prompt_len:,} tokens) plus max new tokens ({limit:,}) exceed the "
+                                  f"fast path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
+        if need > self._cache_len:  # only after resize_cache() shrank it: allocation and capture, never compile
+            log.warning("Fast decode cache grows to %d tokens inside a reply (capture only).", need)
+            self._allocate(_round_up(need, 16))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        eos = set(self._eos_ids())
+        self._seen.zero_()
+        self._penalty.fill_(float(gen.repetition_penalty))
+        self._eos_bias.zero_()
+        if min_new_tokens > 0 and eos:
+            self._eos_bias[list(eos)] = float("-inf")
+        generator = None
+        if gen.do_sample:
+            generator = torch.Generator(device=self.device)
+            if gen.seed is not None:
+                generator.manual_seed(int(gen.seed))
+            else:
+                generator.seed()
+        scores, nxt = self._prefill(ids)
+        if gen.do_sample:
+            nxt = sample_from_scores(scores, gen, generator)
+        self._tok.copy_(nxt)
+        self._pos.fill_(prompt_len)
+        out: list[int] = []
+        self._publish(0)
+        for i in range(1, limit + 1):
+            launched = i < limit and not stop_event.is_set()
+            if launched:  # queue step i (it produces token i) before reading token i-1 back
+                if min_new_tokens and i == min_new_tokens:
+                    self._eos_bias.zero_()
+                self._run_step(self._bucket_for(prompt_len + i))
+                if gen.do_sample:
+                    self._tok.copy_(sample_from_scores(self._scores, gen, generator))
+                self._publish(i)
+            token = self._collect(i - 1)
+            out.append(token)
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if token in eos or not launched or stop_event.is_set():
+                break
+        return out
+
+    def _publish(self, index: int) -> None:
+        """Start copying the current token (device) to the host; index = its place among the new tokens."""
+        if self._host_tokens is not None and self.device.type == "cuda":
+            self._host_tokens[index:index + 1].copy_(self._tok, non_blocking=True)
+            self._events[index % len(self._events)].record()
+        else:
+            self._last_cpu = int(self._tok.item())
+            self._cpu_tokens = getattr(self, "_cpu_tokens", {})
+            self._cpu_tokens[index] = self._last_cpu
+
+    def _collect(self, index: int) -> int:
+        if self._host_tokens is not None and self.device.type == "cuda":
+            self._events[index % len(self._events)].synchronize()
+            return int(self._host_tokens[index])
+        return self._cpu_tokens.pop(index)
+
+    # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
+    def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: scores (1 + len(forced), V) fp32 for the last prompt position and after feeding each
+        forced token through the decode step (graphs on CUDA). Repetition penalty off; for logit agreement."""
+        ids = self._prompt_ids(input_ids, None)
+        need = ids.numel() + len(forced) + 1
+        with self._lock, torch.no_grad():
+            if need > self._cache_len:
+                self._allocate(_round_up(need, 16))
+            self._seen.zero_()
+            self._penalty.fill_(1.0)
+            self._eos_bias.zero_()
+            rows = [self._prefill(ids)[0].clone()]
+            self._pos.fill_(ids.numel())
+            for j, token in enumerate(forced):
+                self._tok.fill_(int(token))
+                self._run_step(self._bucket_for(ids.numel() + j + 1))
+                rows.append(self._scores.clone())
+            return torch.cat(rows, 0)
+
+    def time_decode_steps(self, context_tokens: int, steps: int) -> float:
+        """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
+        with self._lock, torch.no_grad():
+            if context_tokens + steps > self._cache_len:
+                self._allocate(_round_up(context_tokens + steps, 16))
+            self._pos.fill_(context_tokens)
+            self._sync()
+            t0 = time.perf_counter()
+            for i in range(steps):
+                self._run_step(self._bucket_for(context_tokens + i + 1))
+            self._sync()
+            return (time.perf_counter() - t0) / steps
+
+
+def _bind_layer(spec: _LayerSpec) -> Callable[..., Any]:
+    def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, w: list[torch.Tensor]) -> Any:
+        return _layer_decode(spec, h, hn, cos, sin, pos, k_cache, v_cache, w)
+
+    return layer
+
+
+def _eps(norm: Any) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+
+
+def _weights_dtype(model: Any) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _load_compile_artifacts(path: Path) -> bool:
+    try:
+        torch.compiler.load_cache_artifacts(path.read_bytes())
+        return True
+    except Exception as exc:  # noqa: BLE001 - a stale or foreign cache only costs a recompile
+        log.warning("Ignoring compile cache %s: %s", path, exc)
+        return False
+
+
+def _save_compile_artifacts(path: Path) -> None:
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        data = saved[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("Could not save the compile cache to %s: %s", path, exc)
+
+
+def kv_cache_exact_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a K+V cache for `tokens` positions of a llama-family config (what the seed's cache holds)."""
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2 * int(config.num_hidden_layers) * kv * head_dim * tokens * torch.tensor([], dtype=dtype).element_size()
+
+
+__all__ = ["FastDecodeOptions", "FastDecoder", "KVCacheView", "bucket_list", "fast_path_support",
+           "kv_cache_exact_bytes", "nf4_matvec_torch", "sample_from_scores"]
+_ = math  # math kept for callers' type of rounding helpers

@@ -1,0 +1,132 @@
+"""The Gradio app end to end: the named API endpoint through gradio_client, and the page in headless Chromium."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app import build_demo
+from llm_core.generation import ChatEngine
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+SYSTEM = "You are a helpful assistant."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def app_url(nf4_engine: ChatEngine) -> Iterator[str]:
+    demo = build_demo(nf4_engine, nf4_engine.settings)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(app_url: str) -> Any:
+    from gradio_client import Client
+
+    return Client(app_url, verbose=False)
+
+
+def chat(client: Any, message: Any, history: Any = (), max_new_tokens: Any = 16, history_turns: Any = 8) -> list[Any]:
+    """All streamed outputs of one /chat call (a failed streaming job yields nothing: callers assert on it)."""
+    job = client.submit(message, list(history), SYSTEM, max_new_tokens, history_turns, False, 0.7, 0.95, 50, 1.05,
+                        api_name="/chat")
+    return list(job)
+
+
+def text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content)
+
+
+def test_chat_endpoint_streams_a_reply_with_its_numbers(client: Any) -> None:
+    outputs = chat(client, "What is the capital of France?")
+    assert len(outputs) >= 2  # streamed, not one final blob
+    _, history, stats_md, stats = outputs[-1]
+    assert [m["role"] for m in history] == ["user", "assistant"]
+    assert text(history[1]["content"]).strip()
+    assert stats["new_tokens"] > 0 and stats["ttft_s"] > 0 and stats["decode_tokens_per_s"] > 0
+    assert stats["peak_rss_bytes"] > 0 and stats["kv_cache_bytes"] > 0
+    assert "TTFT" in stats_md and "tokens/s" in stats_md
+
+
+def test_history_from_the_api_is_used_and_kept(client: Any) -> None:
+    first = chat(client, "My name is Ada.")[-1][1]
+    second = chat(client, "What is my name?", history=first)[-1][1]
+    assert len(second) == 4 and text(second[0]["content"]) == "My name is Ada."
+
+
+@pytest.mark.parametrize(
+    ("message", "history", "max_new_tokens", "history_turns"),
+    [("", [], 16, 8), ("   \n", [], 16, 8), ("hi", [], 10**6, 8), ("hi", [], 0, 8), ("hi", [], 16, -3),
+     ("hi", [{"role": "alien", "content": "x"}], 16, 8), ("hi", [{"nonsense": True}], 16, 8),
+     ("1 " * 7999, [], 16, 8)],
+)
+def test_bad_input_through_the_api_gets_an_error_and_the_server_keeps_serving(
+        client: Any, message: str, history: Any, max_new_tokens: int, history_turns: int) -> None:
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError):
+        client.predict(message, history, SYSTEM, max_new_tokens, history_turns, False, 0.7, 0.95, 50, 1.05,
+                       api_name="/chat")
+    assert chat(client, "Still there?", max_new_tokens=4)[-1][3]["new_tokens"] > 0
+
+
+def test_unicode_and_emoji_round_trip(client: Any) -> None:
+    history = chat(client, "Répète: 你好 👋🏽", max_new_tokens=8)[-1][1]
+    assert text(history[0]["content"]) == "Répète: 你好 👋🏽"
+
+
+def test_regenerate_replaces_the_last_reply(client: Any) -> None:
+    history = chat(client, "Say one word.", max_new_tokens=4)[-1][1]
+    job = client.submit(history, SYSTEM, 4, 8, False, 0.7, 0.95, 50, 1.05, api_name="/regenerate")
+    regenerated = list(job)[-1][0]
+    assert len(regenerated) == 2 and text(regenerated[0]["content"]) == "Say one word."
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists() or shutil.which("chromium") is None,
+                    reason="Debian chromium not installed (make test installs it)")
+def test_browser_sends_a_message_and_sees_the_reply_and_its_numbers(app_url: str, artifacts_dir: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(app_url)
+            box = page.locator("#chat-input textarea")
+            box.fill("Hello! Name two planets.")
+            page.locator("#send").click()
+            bot = page.locator("#chatbot .message.bot, #chatbot [data-testid='bot']").last
+            expect(bot).not_to_be_empty(timeout=60_000)
+            stats = page.locator("#stats")
+            expect(stats).to_contain_text("Finished by", timeout=120_000)
+            for label in ("TTFT", "tokens/s", "Peak RSS", "KV cache"):
+                expect(stats).to_contain_text(label)
+            expect(box).to_have_value("")
+            page.screenshot(path=str(artifacts_dir / "chat-reply.png"), full_page=True)
+
+            box.fill("   ")  # bad input: a clear message, the conversation stays
+            page.locator("#send").click()
+            expect(page.get_by_text("The message is empty")).to_be_visible(timeout=20_000)
+            expect(page.locator("#chatbot")).to_contain_text("Name two planets")
+        finally:
+            browser.close()
