@@ -9,11 +9,14 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import gradio as gr
 
+from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
     MAX_NEW_TOKENS_RANGE,
@@ -28,7 +31,7 @@ from llm_core.config import (
 from llm_core.errors import LLMCoreError
 from llm_core.generation import ChatEngine
 from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
-from llm_core.metrics import ReplyStats, format_bytes
+from llm_core.metrics import ReplyStats, export_csv, format_bytes
 
 log = logging.getLogger("llm_demo")
 
@@ -76,21 +79,86 @@ def _stats_json(stats: ReplyStats | None) -> dict[str, Any]:
     return stats.as_dict() if stats is not None else {}
 
 
-def build_demo(engine: ChatEngine, settings: Settings) -> gr.Blocks:
-    """The whole UI. Conversation state lives in each browser session's Chatbot value."""
-    gen_defaults = settings.generation
+EMBEDDED_CHOICE = "(embedded default)"
+
+
+def _model_choice(model_id: str | None) -> str:
+    return model_id or EMBEDDED_CHOICE
+
+
+def _model_id(choice: str | None) -> str | None:
+    return None if not choice or choice == EMBEDDED_CHOICE else choice
+
+
+class _Options:
+    """The generation controls shared by the Chat and Compare tabs, in handler-argument order."""
+
+    def __init__(self, settings: Settings) -> None:
+        gen = settings.generation
+        self.system_prompt = gr.Textbox(settings.chat.system_prompt, label="System prompt", lines=2,
+                                        elem_id="system-prompt")
+        self.max_new = gr.Slider(*MAX_NEW_TOKENS_RANGE, value=gen.max_new_tokens, step=1, label="Max new tokens",
+                                 elem_id="max-new-tokens")
+        self.turns = gr.Slider(*HISTORY_TURNS_RANGE, value=settings.chat.history_turns, step=1,
+                               label="History length (turns)", elem_id="history-turns")
+        self.do_sample = gr.Checkbox(gen.do_sample, label="Sample (off = greedy)", elem_id="do-sample")
+        self.temperature = gr.Slider(*TEMPERATURE_RANGE, value=gen.temperature, step=0.05, label="Temperature",
+                                     elem_id="temperature")
+        self.top_p = gr.Slider(*TOP_P_RANGE, value=gen.top_p, step=0.01, label="Top-p", elem_id="top-p")
+        self.top_k = gr.Slider(*TOP_K_RANGE, value=gen.top_k, step=1, label="Top-k (0 = off)", elem_id="top-k")
+        self.rep = gr.Slider(*REPETITION_PENALTY_RANGE, value=gen.repetition_penalty, step=0.01,
+                             label="Repetition penalty", elem_id="repetition-penalty")
+
+    @property
+    def components(self) -> list[Any]:
+        return [self.system_prompt, self.max_new, self.turns, self.do_sample, self.temperature, self.top_p,
+                self.top_k, self.rep]
+
+
+def _gen_options(engine: ChatEngine, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
+                 top_k: float, repetition_penalty: float) -> Any:
+    return engine.request_options(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
+
+
+def _history_frame(rows: list[dict[str, Any]]) -> Any:
+    import pandas as pd
+
+    columns = ["reply", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens", "ttft_ms",
+               "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
+    data = []
+    for i, row in enumerate(rows, start=1):
+        peak = row.get("peak_vram_allocated_bytes") or row.get("peak_rss_bytes")
+        data.append({
+            "reply": i, "model": row.get("model"), "quantization": row.get("quantization"),
+            "decode_path": row.get("decode_path"), "prompt_tokens": row.get("prompt_tokens"),
+            "new_tokens": row.get("new_tokens"),
+            "ttft_ms": None if row.get("ttft_s") is None else round(row["ttft_s"] * 1000, 1),
+            "decode_tokens_per_s": None if row.get("decode_tokens_per_s") is None else round(
+                row["decode_tokens_per_s"], 2),
+            "peak_memory_mib": None if peak is None else round(peak / 2**20, 1),
+            "kv_cache_mib": None if row.get("kv_cache_bytes") is None else round(row["kv_cache_bytes"] / 2**20, 2),
+        })
+    return pd.DataFrame(data, columns=columns)
+
+
+def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
+    """The whole UI: Chat, Compare and Session stats tabs. Conversation state lives in each browser session."""
+    pool = pool or EnginePool(settings, primary=engine)
+    comparison = Comparison(pool, settings)
+    report = engine.report
+    del engine  # handlers reach the served model through the pool, so a comparison may unload it if it must
 
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
                 repetition_penalty: float, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON)."""
         try:
-            gen = engine.request_options(max_new_tokens=max_new_tokens, do_sample=do_sample,
-                                         temperature=temperature, top_p=top_p, top_k=top_k,
-                                         repetition_penalty=repetition_penalty)
+            chat_engine = pool.primary()
+            gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty)
             turns = turns_from_messages(history)
-            stream = engine.stream_chat(message, turns, gen=gen, history_turns=_whole(history_turns),
-                                        system_prompt=system_prompt, request_id=_session(request))
+            stream = chat_engine.stream_chat(message, turns, gen=gen, history_turns=_whole(history_turns),
+                                             system_prompt=system_prompt, request_id=_session(request))
             first = next(stream)  # validation, trimming and the first token happen here
         except LLMCoreError as exc:
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
@@ -123,61 +191,175 @@ def build_demo(engine: ChatEngine, settings: Settings) -> gr.Blocks:
             yield out[1:]
 
     def stop(request: gr.Request) -> None:
-        engine.stop(_session(request))
+        for config in pool.resident():
+            pool.get(config)[0].stop(_session(request))
 
     def clear(request: gr.Request) -> tuple[Any, ...]:
-        engine.stop(_session(request))
+        stop(request)
         return [], format_stats(None), {}
 
-    with gr.Blocks(title="Local LLM demo", fill_height=True) as demo:
-        gr.Markdown(f"## Local LLM demo · {engine.report.model} · {engine.report.quantization} · "
-                    f"{engine.report.device_name}")
-        with gr.Row(equal_height=False):
-            with gr.Column(scale=3):
-                chatbot = gr.Chatbot(elem_id="chatbot", label="Chat", height=520, buttons=["copy"])
-                chat_input = gr.Textbox(elem_id="chat-input", show_label=False, lines=2, autofocus=True,
-                                        placeholder="Type a message and press Enter (Shift+Enter for a new line)")
-                with gr.Row():
-                    send = gr.Button("Send", variant="primary", elem_id="send")
-                    stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-                    regen = gr.Button("Regenerate", elem_id="regenerate")
-                    clear_btn = gr.Button("Clear", elem_id="clear")
-            with gr.Column(scale=2):
-                stats_md = gr.Markdown(format_stats(None), elem_id="stats")
-                with gr.Accordion("Raw stats (JSON)", open=False):
-                    stats_json = gr.JSON(value={}, elem_id="stats-json", show_label=False)
-                with gr.Accordion("Generation settings", open=True):
-                    system_prompt = gr.Textbox(settings.chat.system_prompt, label="System prompt", lines=2,
-                                               elem_id="system-prompt")
-                    max_new = gr.Slider(*MAX_NEW_TOKENS_RANGE, value=gen_defaults.max_new_tokens, step=1,
-                                        label="Max new tokens", elem_id="max-new-tokens")
-                    turns = gr.Slider(*HISTORY_TURNS_RANGE, value=settings.chat.history_turns, step=1,
-                                      label="History length (turns)", elem_id="history-turns")
-                    do_sample = gr.Checkbox(gen_defaults.do_sample, label="Sample (off = greedy)",
-                                            elem_id="do-sample")
-                    temperature = gr.Slider(*TEMPERATURE_RANGE, value=gen_defaults.temperature, step=0.05,
-                                            label="Temperature", elem_id="temperature")
-                    top_p = gr.Slider(*TOP_P_RANGE, value=gen_defaults.top_p, step=0.01, label="Top-p",
-                                      elem_id="top-p")
-                    top_k = gr.Slider(*TOP_K_RANGE, value=gen_defaults.top_k, step=1, label="Top-k (0 = off)",
-                                      elem_id="top-k")
-                    rep = gr.Slider(*REPETITION_PENALTY_RANGE, value=gen_defaults.repetition_penalty, step=0.01,
-                                    label="Repetition penalty", elem_id="repetition-penalty")
-                with gr.Accordion("Model", open=False):
-                    gr.Markdown(engine.report.as_markdown(), elem_id="model-info")
+    def compare(prompt: str, model_0: str, mode_0: str, attn_0: str, kv_0: str, model_1: str, mode_1: str,
+                attn_1: str, kv_1: str, model_2: str, mode_2: str, attn_2: str, kv_2: str, system_prompt: str,
+                max_new_tokens: float, history_turns: float, do_sample: bool, temperature: float, top_p: float,
+                top_k: float, rep: float, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+        """Run the chosen configurations (MAX_COMPARE_SIDES sides of model, mode, attention, KV mode) on one
+        prompt; yields every Compare output each step."""
+        sides = [model_0, mode_0, attn_0, kv_0, model_1, mode_1, attn_1, kv_1, model_2, mode_2, attn_2, kv_2]
+        try:
+            configs = [CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
+                       for i in range(0, len(sides), 4) if sides[i + 1] != NO_SIDE]
+            gen = _gen_options(pool.primary(), max_new_tokens, do_sample, temperature, top_p, top_k, rep)
+            texts = ["" for _ in range(MAX_COMPARE_SIDES)]
+            side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
+            notes: list[str] = []
+            for step in comparison.run(configs, prompt, gen, system_prompt, request_id=_session(request)):
+                if step.notes:
+                    notes.extend(n for n in step.notes if n not in notes)
+                if step.update is not None:
+                    texts[step.index] = step.update.text
+                    side_stats[step.index] = format_stats(step.update.stats, live=not step.update.done)
+                elif not step.done:
+                    side_stats[step.index] = f"*Loading / starting {step.config.label}…*"
+                summary = [r.summary_row() for r in step.results]
+                yield (*texts, *side_stats, _summary_frame(summary), _summary_plot(summary),
+                       step.difference or "\n".join(f"*{n}*" for n in notes),
+                       [r.stats.as_dict() for r in step.results] if step.done else gr.skip())
+        except LLMCoreError as exc:
+            raise _user_error(exc) from None
 
-        options = [system_prompt, max_new, turns, do_sample, temperature, top_p, top_k, rep]
+    def record(history_rows: list[dict[str, Any]], new: Any) -> tuple[Any, ...]:
+        """Append finished replies (one stats dict or a list of them) to the session's stats history."""
+        items = new if isinstance(new, list) else [new]
+        seen = {row.get("reply_id") for row in history_rows}
+        rows = history_rows + [r for r in items if isinstance(r, dict) and r.get("reply_id") not in seen]
+        frame = _history_frame(rows)
+        return rows, frame, frame, frame
+
+    def export(history_rows: list[dict[str, Any]], kind: str) -> str:
+        if not history_rows:
+            raise gr.Error("No replies yet: chat or compare first, then export.")
+        folder = Path(tempfile.mkdtemp(prefix="llm-demo-stats-"))
+        if kind == "csv":
+            return str(export_csv(history_rows, folder / "reply-stats.csv"))
+        path = folder / "reply-stats.json"
+        path.write_text(json.dumps(history_rows, indent=2, ensure_ascii=False), encoding="utf-8")
+        return str(path)
+
+    with gr.Blocks(title="Local LLM demo", fill_height=True) as demo:
+        gr.Markdown(f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}")
+        stats_history = gr.State([])
+        with gr.Tab("Chat", id="chat-tab"):
+            with gr.Row(equal_height=False):
+                with gr.Column(scale=3):
+                    chatbot = gr.Chatbot(elem_id="chatbot", label="Chat", height=520, buttons=["copy"])
+                    chat_input = gr.Textbox(elem_id="chat-input", show_label=False, lines=2, autofocus=True,
+                                            placeholder="Type a message and press Enter (Shift+Enter: new line)")
+                    with gr.Row():
+                        send = gr.Button("Send", variant="primary", elem_id="send")
+                        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                        regen = gr.Button("Regenerate", elem_id="regenerate")
+                        clear_btn = gr.Button("Clear", elem_id="clear")
+                with gr.Column(scale=2):
+                    stats_md = gr.Markdown(format_stats(None), elem_id="stats")
+                    with gr.Accordion("Raw stats (JSON)", open=False):
+                        stats_json = gr.JSON(value={}, elem_id="stats-json", show_label=False)
+                    with gr.Accordion("Generation settings", open=True):
+                        options = _Options(settings)
+                    with gr.Accordion("Model", open=False):
+                        gr.Markdown(report.as_markdown(), elem_id="model-info")
+        with gr.Tab("Compare", id="compare-tab"):
+            gr.Markdown("The same prompt, generation settings and seed through each configuration, one after "
+                        "another; each side's own numbers. Generation settings are those of the Chat tab.")
+            compare_input = gr.Textbox(label="Prompt", lines=2, elem_id="compare-input")
+            compare_btn = gr.Button("Compare", variant="primary", elem_id="compare-run")
+            side_inputs: list[Any] = []
+            outputs_text: list[Any] = []
+            outputs_stats: list[Any] = []
+            model_choices = [_model_choice(m) for m in allowed_models(settings)]
+            defaults = _default_sides(settings)
+            with gr.Row(equal_height=False):
+                for i in range(MAX_COMPARE_SIDES):
+                    with gr.Column():
+                        model, mode = defaults[i]
+                        side_inputs += [
+                            gr.Dropdown(model_choices, value=_model_choice(model), label=f"Side {i + 1}: model",
+                                        allow_custom_value=settings.compare.allow_custom_models,
+                                        elem_id=f"compare-model-{i}"),
+                            gr.Dropdown([*settings.compare.modes, *([NO_SIDE] if i >= 2 else [])], value=mode,
+                                        label="Quantization", elem_id=f"compare-mode-{i}"),
+                            gr.Dropdown(["sdpa", "eager"], value="sdpa", label="Attention",
+                                        elem_id=f"compare-attn-{i}"),
+                            gr.Dropdown(["dynamic"], value="dynamic", label="KV cache", elem_id=f"compare-kv-{i}"),
+                        ]
+                        outputs_text.append(gr.Markdown(elem_id=f"compare-output-{i}",
+                                                        container=True, min_height=120))
+                        outputs_stats.append(gr.Markdown(elem_id=f"compare-stats-{i}"))
+            compare_diff = gr.Markdown(elem_id="compare-diff")
+            with gr.Row():
+                compare_summary = gr.Dataframe(elem_id="compare-summary", label="Summary", interactive=False)
+                compare_plot = gr.BarPlot(x="configuration", y="decode_tokens_per_s", elem_id="compare-plot",
+                                          label="Decode tokens/s", x_label_angle=-20)
+            compare_json = gr.JSON(visible=False)
+        with gr.Tab("Session stats", id="history-tab"):
+            gr.Markdown("Every reply of this browser session (chat and compare), with what produced it.")
+            history_table = gr.Dataframe(elem_id="history-table", interactive=False)
+            with gr.Row():
+                speed_plot = gr.LinePlot(x="reply", y="decode_tokens_per_s", label="Decode tokens/s per reply",
+                                         elem_id="history-speed")
+                memory_plot = gr.LinePlot(x="reply", y="peak_memory_mib", label="Peak memory (MiB) per reply",
+                                          elem_id="history-memory")
+            with gr.Row():
+                export_csv_btn = gr.Button("Export CSV", elem_id="export-csv")
+                export_json_btn = gr.Button("Export JSON", elem_id="export-json")
+            export_file = gr.File(label="Export", elem_id="export-file", interactive=False)
+
+        chat_inputs = [chat_input, chatbot, *options.components]
         chat_outputs = [chat_input, chatbot, stats_md, stats_json]
-        send_event = send.click(respond, [chat_input, chatbot, *options], chat_outputs, api_name="chat")
-        submit_event = chat_input.submit(respond, [chat_input, chatbot, *options], chat_outputs,
-                                        api_visibility="private")
-        regen_event = regen.click(regenerate, [chatbot, *options], chat_outputs[1:], api_name="regenerate")
-        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event], queue=False,
-                       api_name="stop")
-        clear_btn.click(clear, None, [chatbot, stats_md, stats_json], cancels=[send_event, submit_event, regen_event],
-                        queue=False, api_name="clear")
+        history_outputs = [stats_history, history_table, speed_plot, memory_plot]
+        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat")
+        submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private")
+        regen_event = regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
+                                  api_name="regenerate")
+        for event in (send_event, submit_event, regen_event):
+            event.then(record, [stats_history, stats_json], history_outputs, api_visibility="private")
+        compare_event = compare_btn.click(
+            compare, [compare_input, *side_inputs, *options.components],
+            [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json],
+            api_name="compare")
+        compare_event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
+        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event, compare_event],
+                       queue=False, api_name="stop")
+        clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
+                        cancels=[send_event, submit_event, regen_event], queue=False, api_name="clear")
+        export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
+        export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
+                              api_visibility="private")
     demo.queue(default_concurrency_limit=1, max_size=settings.server.queue_size)
     return demo
+
+
+NO_SIDE = "— none —"
+MAX_COMPARE_SIDES = 3
+
+
+def _default_sides(settings: Settings) -> list[tuple[str | None, str]]:
+    modes = list(settings.compare.modes)
+    served = settings.model.model_id
+    first = modes[0] if modes else "nf4"
+    second = "none" if "none" in modes and first != "none" else (modes[1] if len(modes) > 1 else first)
+    return [(served, first), (served, second), (served, NO_SIDE)]
+
+
+def _summary_frame(rows: list[dict[str, Any]]) -> Any:
+    import pandas as pd
+
+    return pd.DataFrame(rows, columns=["configuration", "ttft_ms", "decode_tokens_per_s", "new_tokens",
+                                       "peak_memory_mib", "weights_mib", "load_s"])
+
+
+def _summary_plot(rows: list[dict[str, Any]]) -> Any:
+    frame = _summary_frame(rows)[["configuration", "decode_tokens_per_s"]]
+    return frame.astype({"decode_tokens_per_s": "float64"})
 
 
 def _whole(value: Any) -> Any:

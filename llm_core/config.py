@@ -21,6 +21,7 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cuda", "cpu")
 DECODE_PATHS = ("auto", "fast", "plain")
+COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.compare
 
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)
@@ -97,11 +98,19 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class CompareSettings:
+    models: tuple[str, ...] = ()  # models the Compare view may load besides the served one
+    modes: tuple[str, ...] = COMPARE_MODES
+    allow_custom_models: bool = False  # let users type any model id/path in the Compare view
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
+    compare: CompareSettings = field(default_factory=CompareSettings)
 
     @classmethod
     def from_env(
@@ -125,18 +134,13 @@ class Settings:
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> Settings:
-        sections: dict[str, dict[str, Any]] = {"model": {}, "generation": {}, "chat": {}, "server": {}}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         for key, value in raw.items():
             spec = SPEC_BY_NAME.get(key)
             if spec is None:
                 raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
             sections[spec.section][spec.attr] = spec.parse(key, value)
-        settings = cls(
-            model=ModelSettings(**sections["model"]),
-            generation=GenerationSettings(**sections["generation"]),
-            chat=ChatSettings(**sections["chat"]),
-            server=ServerSettings(**sections["server"]),
-        )
+        settings = cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
         settings.validate()
         return settings
 
@@ -163,6 +167,8 @@ class Settings:
             raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
         if self.server.auth is not None:
             parse_auth(self.server.auth)
+        for mode in self.compare.modes:
+            _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
 
     def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
         """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
@@ -216,6 +222,11 @@ def _parse_opt_str(name: str, value: Any) -> str | None:
 
 def _parse_str(name: str, value: Any) -> str:
     return str(value)
+
+
+def _parse_list(name: str, value: Any) -> tuple[str, ...]:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    return tuple(item.strip() for item in items if str(item).strip())
 
 
 def _parse_opt_int(name: str, value: Any) -> int | None:
@@ -307,9 +318,8 @@ class SettingSpec:
         return "--" + self.name.lower().replace("_", "-")
 
     def default(self) -> Any:
-        cls = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
-               "server": ServerSettings}[self.section]
-        return next(f.default for f in dataclasses.fields(cls) if f.name == self.attr)
+        default = next(f.default for f in dataclasses.fields(_SECTIONS[self.section]) if f.name == self.attr)
+        return ",".join(default) if isinstance(default, tuple) else default
 
 
 SPECS: tuple[SettingSpec, ...] = (
@@ -356,8 +366,16 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("AUTH", "server", "auth", _parse_opt_str,
                 "user:password[,user2:password2] required to open the demo", secret=True),
     SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
+    SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,
+                "comma-separated HF ids / folders the Compare view may load besides the served model"),
+    SettingSpec("COMPARE_MODES", "compare", "modes", _parse_list,
+                "quantization presets offered in the Compare view: " + ", ".join(COMPARE_MODES)),
+    SettingSpec("ALLOW_CUSTOM_MODELS", "compare", "allow_custom_models", _parse_bool,
+                "let users type any model id/path in the Compare view (off: only the configured list)"),
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
+_SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
+                              "server": ServerSettings, "compare": CompareSettings}
 
 
 def env_example() -> str:

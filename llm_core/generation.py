@@ -8,6 +8,7 @@ worker raises after `stream_timeout_s`. Nothing can wait forever.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import threading
@@ -158,6 +159,12 @@ class ChatEngine:
     def report(self) -> Any:
         return self.loaded.report
 
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine with no reply running (e.g. to unload it)."""
+        with self._lock:
+            yield
+
     # --- requests ------------------------------------------------------------------------------
     def request_options(self, **options: Any) -> GenerationSettings:
         """Per-request generation options on top of the configured defaults, validated (InputError if bad)."""
@@ -242,11 +249,14 @@ class ChatEngine:
         clock = TokenClock(start_s)
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMemory(loaded.device)
+        report = loaded.report
         stats = ReplyStats(
-            model=loaded.report.model, quantization=loaded.report.quantization, decode_path=self.backend.name,
-            device=loaded.report.device_name, prompt_tokens=int(prepared.input_ids.shape[-1]),
-            weights_bytes=loaded.report.weights_bytes, dropped_turns=prepared.fitted.dropped_turns,
-            notes=list(prepared.notes),
+            model=report.model, revision=report.revision, quantization=report.quantization,
+            double_quant=report.double_quant,
+            compute_dtype=report.compute_dtype, attention=report.attention, decode_path=self.backend.name,
+            device=report.device_name, versions=dict(report.versions),
+            prompt_tokens=int(prepared.input_ids.shape[-1]), weights_bytes=report.weights_bytes,
+            dropped_turns=prepared.fitted.dropped_turns, notes=list(prepared.notes),
         )
         cache = self.backend.make_cache()
         errors: list[BaseException] = []

@@ -255,6 +255,47 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
     return LoadedModel(model, tokenizer, settings, device, compute_dtype, report, source)
 
 
+def estimate_weights_bytes(settings: ModelSettings) -> int:
+    """Bytes the weights will take once loaded with `settings`, computed from the config alone (meta tensors).
+
+    Linear layers inside the network are quantized (nf4/fp4: 0.5 byte per weight plus one absmax per 64 weights,
+    itself 8-bit with double quant; int8: 1 byte plus a row scale); embeddings, norms and lm_head stay in the
+    compute dtype, as bitsandbytes leaves them. Used to decide whether another model fits before loading it.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    source = resolve_source(settings)
+    try:
+        config = AutoConfig.from_pretrained(source.name_or_path, revision=source.revision, token=settings.hf_token,
+                                            trust_remote_code=settings.trust_remote_code)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=settings.trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(_load_failure_message(source, "config", exc)) from exc
+    device = resolve_device(settings)
+    dtype_bytes = torch.empty((), dtype=resolve_compute_dtype(settings, device)).element_size()
+    head = model.get_output_embeddings()
+    quantizable = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            quantizable += module.weight.numel()
+    total = sum(p.numel() for p in model.parameters())  # tied embeddings are one parameter
+    if getattr(config, "tie_word_embeddings", False) and head is not None:
+        input_embeddings = model.get_input_embeddings()
+        if input_embeddings is not None and head.weight is not input_embeddings.weight:
+            total -= head.weight.numel()  # meta init may leave the tie undone; loading ties them
+    rest = total - quantizable
+    if settings.quantization in ("nf4", "fp4"):
+        absmax = quantizable / 64 * (1 if settings.use_double_quant else 4)
+        quantized = quantizable * 0.5 + absmax
+    elif settings.quantization == "int8":
+        quantized = quantizable * 1.0 + quantizable / 4096 * 4  # row-wise fp32 scales (approximate)
+    else:
+        quantized = quantizable * dtype_bytes
+    return int(quantized + rest * dtype_bytes)
+
+
 def _load_failure_message(source: ModelSource, what: str, exc: Exception) -> str:
     text = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     hint = ""

@@ -6,11 +6,14 @@ tokenizing) and each token is stamped when the decode loop hands it to the strea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +24,20 @@ import torch
 class ReplyStats:
     """Numbers for one reply. Byte fields are None where the device cannot report them."""
 
+    reply_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    started_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+    # What produced the reply (tags for comparing and exporting).
     model: str = ""
+    revision: str | None = None
     quantization: str = ""
+    double_quant: bool = False
+    compute_dtype: str = ""
+    attention: str = ""
+    kv_cache: str = "dynamic"
     decode_path: str = ""
     device: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    # What it cost.
     prompt_tokens: int = 0
     new_tokens: int = 0  # generated token ids (not text chunks), EOS included if produced
     ttft_s: float | None = None  # request received -> first generated token on the host
@@ -164,3 +177,32 @@ def export_json(stats: list[ReplyStats], path: str | os.PathLike[str]) -> Path:
     out = Path(path)
     out.write_text(json.dumps([s.as_dict() for s in stats], indent=2, ensure_ascii=False), encoding="utf-8")
     return out
+
+
+def flat_row(stats: ReplyStats | dict[str, Any]) -> dict[str, Any]:
+    """One CSV/table row: nested fields flattened (versions -> "torch 2.13.0; ...", notes joined)."""
+    row = dict(stats.as_dict() if isinstance(stats, ReplyStats) else stats)
+    versions = row.pop("versions", {}) or {}
+    row["versions"] = "; ".join(f"{k} {v}" for k, v in versions.items())
+    row["notes"] = " ".join(row.get("notes") or [])
+    return row
+
+
+def export_csv(stats: list[ReplyStats] | list[dict[str, Any]], path: str | os.PathLike[str]) -> Path:
+    import csv
+
+    out = Path(path)
+    rows = [flat_row(s) for s in stats]
+    columns = [f.name for f in dataclasses.fields(ReplyStats)]
+    with out.open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    return out
+
+
+def read_csv(path: str | os.PathLike[str]) -> list[dict[str, str]]:
+    import csv
+
+    with Path(path).open(newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))

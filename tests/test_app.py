@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import socket
 from collections.abc import Iterator
@@ -10,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from app import build_demo
+from app import EMBEDDED_CHOICE as EMBEDDED
+from app import NO_SIDE, build_demo
 from llm_core.generation import ChatEngine
 
 CHROMIUM = "/usr/bin/chromium"
@@ -128,5 +130,45 @@ def test_browser_sends_a_message_and_sees_the_reply_and_its_numbers(app_url: str
             page.locator("#send").click()
             expect(page.get_by_text("The message is empty")).to_be_visible(timeout=20_000)
             expect(page.locator("#chatbot")).to_contain_text("Name two planets")
+        finally:
+            browser.close()
+
+
+def test_compare_endpoint_answers_with_both_sides_and_a_summary(client: Any) -> None:
+    sides = [EMBEDDED, "nf4", "sdpa", "dynamic", EMBEDDED, "none", "sdpa", "dynamic", EMBEDDED, NO_SIDE, "sdpa",
+             "dynamic"]
+    outputs = list(client.submit("Name a color.", *sides, SYSTEM, 8, 8, False, 0.7, 0.95, 50, 1.05,
+                                 api_name="/compare"))
+    final = outputs[-1]
+    texts, diff, stats = final[0:3], final[8], final[9]
+    assert texts[0] and texts[1] and not texts[2]
+    assert [s["quantization"] for s in stats] == ["nf4", "none"]
+    assert diff.startswith(("Outputs first differ", "All 2 outputs are identical"))
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
+def test_browser_compare_view_and_session_stats_export(app_url: str, artifacts_dir: Path) -> None:
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(app_url)
+            page.get_by_role("tab", name="Compare").click()
+            page.locator("#compare-input textarea").fill("Name a planet.")
+            page.locator("#compare-run").click()
+            expect(page.locator("#compare-diff")).to_contain_text("Outputs", timeout=180_000)
+            for i in (0, 1):
+                expect(page.locator(f"#compare-stats-{i}")).to_contain_text("tokens/s")
+            expect(page.locator("#compare-summary")).to_contain_text("embedded · none · sdpa")
+            page.screenshot(path=str(artifacts_dir / "compare.png"), full_page=True)
+
+            page.get_by_role("tab", name="Session stats").click()
+            expect(page.locator("#history-table")).to_contain_text("none", timeout=20_000)
+            page.locator("#export-csv").click()
+            expect(page.locator("#export-file")).to_contain_text(re.compile(r"reply-stats\s*\.csv"), timeout=20_000)
+            page.screenshot(path=str(artifacts_dir / "session-stats.png"), full_page=True)
         finally:
             browser.close()

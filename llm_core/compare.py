@@ -1,0 +1,336 @@
+"""Comparisons: one prompt through several model configurations, one after another, each with its own numbers.
+
+Configurations come from settings (COMPARE_MODELS x COMPARE_MODES), never free text unless ALLOW_CUSTOM_MODELS.
+An EnginePool keeps loaded engines resident while they fit the memory budget and unloads (truly frees) the
+least recently used ones before loading another that would not fit, saying so. Knows nothing about Gradio.
+
+CLI: python -m llm_core.compare --config nf4 --config none --prompt "Why is the sky blue?" --out compare.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import gc
+import json
+import random
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
+from .errors import InputError, LLMCoreError, ModelLoadError
+from .generation import ChatEngine, ReplyUpdate
+from .loading import estimate_weights_bytes, resolve_device
+from .metrics import ReplyStats, format_bytes
+
+# Quantization presets a comparison may use: name -> (quantization, double_quant).
+MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
+    "nf4": ("nf4", True),
+    "nf4-nodq": ("nf4", False),
+    "fp4": ("fp4", True),
+    "int8": ("int8", None),
+    "none": ("none", None),
+}
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """One side of a comparison: model + quantization preset + attention + KV-cache mode."""
+
+    model_id: str | None = None  # None = the embedded default model
+    mode: str = "nf4"
+    attn_implementation: str = "sdpa"
+    kv_cache: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODE_PRESETS:
+            raise InputError(f"Unknown quantization mode {self.mode!r}; choose one of {', '.join(MODE_PRESETS)}.")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise InputError(f"Unknown attention {self.attn_implementation!r}; choose one of "
+                             f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+
+    @property
+    def label(self) -> str:
+        model = self.model_id or "embedded"
+        parts = [model, self.mode, self.attn_implementation]
+        if self.kv_cache != "dynamic":
+            parts.append(f"{self.kv_cache} KV")
+        return " · ".join(parts)
+
+    def apply(self, base: Settings) -> Settings:
+        quantization, double_quant = MODE_PRESETS[self.mode]
+        compute_dtype = base.model.compute_dtype if quantization not in ("int8",) else "auto"
+        return base.replace(model={"model_id": self.model_id, "quantization": quantization,
+                                   "double_quant": double_quant, "compute_dtype": compute_dtype,
+                                   "attn_implementation": self.attn_implementation})
+
+    @classmethod
+    def of_settings(cls, settings: Settings) -> CompareConfig:
+        m = settings.model
+        mode = m.quantization if m.quantization in ("fp4", "int8", "none") else (
+            "nf4" if m.use_double_quant else "nf4-nodq")
+        return cls(m.model_id, mode, m.attn_implementation)
+
+
+def allowed_models(settings: Settings) -> list[str | None]:
+    """The served model first, then COMPARE_MODELS (None = the embedded default)."""
+    models: list[str | None] = [settings.model.model_id]
+    for item in settings.compare.models:
+        if item not in models:
+            models.append(item)
+    return models
+
+
+def check_allowed(config: CompareConfig, settings: Settings) -> None:
+    if config.mode not in settings.compare.modes:
+        raise InputError(f"Mode {config.mode!r} is not enabled here; allowed: {', '.join(settings.compare.modes)}.")
+    if config.model_id not in allowed_models(settings) and not settings.compare.allow_custom_models:
+        raise InputError(f"Model {config.model_id!r} is not in the configured list (COMPARE_MODELS); the operator "
+                         "can add it, or set ALLOW_CUSTOM_MODELS=true.")
+
+
+def release_memory(device: torch.device) -> None:
+    """Give freed memory back: Python objects, the CUDA caching allocator, and glibc's heap on CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    else:
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def memory_in_use(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def memory_available(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class EnginePool:
+    """Loaded ChatEngines by configuration. Loads on demand; unloads the least recently used before a load that
+    would not fit (weights estimate + reserve vs available memory). The primary engine serves the chat tab."""
+
+    def __init__(self, settings: Settings, primary: ChatEngine | None = None, *, progress: Progress | None = None,
+                 reserve_bytes: int | None = None) -> None:
+        self.settings = settings
+        self.primary_config = CompareConfig.of_settings(settings)
+        self._engines: OrderedDict[CompareConfig, ChatEngine] = OrderedDict()
+        if primary is not None:
+            self._engines[self.primary_config] = primary
+        self._lock = threading.RLock()
+        self._progress = progress or (lambda _m: None)
+        device = resolve_device(settings.model)
+        # Room kept free beyond the weights for activations and the KV cache of a reply.
+        self.reserve_bytes = reserve_bytes if reserve_bytes is not None else (
+            2 * 2**30 if device.type == "cuda" else 1 * 2**30)
+
+    def resident(self) -> list[CompareConfig]:
+        with self._lock:
+            return list(self._engines)
+
+    def primary(self) -> ChatEngine:
+        engine, _notes = self.get(self.primary_config)
+        return engine
+
+    def get(self, config: CompareConfig) -> tuple[ChatEngine, list[str]]:
+        """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
+        happened, for the user."""
+        with self._lock:
+            if config in self._engines:
+                self._engines.move_to_end(config)
+                return self._engines[config], []
+            settings = config.apply(self.settings)
+            device = resolve_device(settings.model)
+            need = estimate_weights_bytes(settings.model) + self.reserve_bytes
+            notes: list[str] = []
+            while self._engines and memory_available(device) < need:
+                victim = next(iter(self._engines))
+                freed = self.unload(victim)
+                notes.append(f"Unloaded {victim.label} (freed {format_bytes(freed)}) to make room for "
+                             f"{config.label}: the two do not fit together, so they run one after another.")
+            if memory_available(device) < need:
+                raise ModelLoadError(f"{config.label} needs about {format_bytes(need)} with its working room, but "
+                                     f"only {format_bytes(memory_available(device))} is available.")
+            self._progress(f"Loading {config.label}…")
+            engine = ChatEngine.load(settings, progress=self._progress)
+            self._engines[config] = engine
+            return engine, notes
+
+    def unload(self, config: CompareConfig) -> int:
+        """Drop an engine and release its memory; returns the bytes freed (measured, not estimated)."""
+        with self._lock:
+            engine = self._engines.pop(config, None)
+            if engine is None:
+                return 0
+            device = engine.loaded.device
+            with engine.exclusive():  # wait for a reply in progress on it to finish
+                before = memory_in_use(device)
+                engine.loaded.model = None
+                engine.loaded.extra.clear()
+            del engine
+            release_memory(device)
+            return max(0, before - memory_in_use(device))
+
+
+@dataclass(frozen=True)
+class SideResult:
+    config: CompareConfig
+    text: str
+    stats: ReplyStats
+    load_s: float | None  # None when the engine was already resident
+    notes: tuple[str, ...] = ()
+
+    def summary_row(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "configuration": self.config.label,
+            "ttft_ms": None if s.ttft_s is None else round(s.ttft_s * 1000, 1),
+            "decode_tokens_per_s": None if s.decode_tokens_per_s is None else round(s.decode_tokens_per_s, 2),
+            "new_tokens": s.new_tokens,
+            "peak_memory_mib": None if s.peak_memory_bytes is None else round(s.peak_memory_bytes / 2**20, 1),
+            "weights_mib": None if s.weights_bytes is None else round(s.weights_bytes / 2**20, 1),
+            "load_s": None if self.load_s is None else round(self.load_s, 2),
+        }
+
+
+@dataclass(frozen=True)
+class CompareUpdate:
+    """Progress of a comparison: side `index` is streaming (update) or finished (result)."""
+
+    index: int
+    config: CompareConfig
+    update: ReplyUpdate | None
+    notes: tuple[str, ...] = ()
+    results: tuple[SideResult, ...] = ()  # every finished side so far
+    done: bool = False
+    difference: str = ""
+
+
+def first_difference(texts: Sequence[str]) -> str:
+    """Where the outputs first differ, in words, for the summary line."""
+    if len(texts) < 2:
+        return ""
+    if all(t == texts[0] for t in texts):
+        return f"All {len(texts)} outputs are identical ({len(texts[0]):,} characters)."
+    n = min(len(t) for t in texts)
+    index = next((i for i in range(n) if any(t[i] != texts[0][i] for t in texts)), n)
+    word = len(texts[0][:index].split())
+    context = texts[0][max(0, index - 30):index]
+    tails = " | ".join(repr(t[index:index + 20]) for t in texts)
+    return f"Outputs first differ at character {index:,} (word {word + 1}), after …{context!r}: {tails}"
+
+
+@dataclass
+class Comparison:
+    """Runs configurations on the same prompt, generation settings and seed, one after another."""
+
+    pool: EnginePool
+    settings: Settings
+    progress: Progress | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, configs: Sequence[CompareConfig], message: str, gen: GenerationSettings,
+            system_prompt: str | None = "", request_id: str | None = None) -> Iterator[CompareUpdate]:
+        if len(configs) < 2:
+            raise InputError("Choose at least two configurations to compare.")
+        if len(set(configs)) != len(configs):
+            raise InputError("Two sides have the same configuration; change one of them.")
+        for config in configs:
+            check_allowed(config, self.settings)
+        if gen.do_sample and gen.seed is None:
+            gen = replace(gen, seed=random.randrange(2**31))  # the same seed for every side
+        results: list[SideResult] = []
+        with self._lock:  # one comparison at a time: the numbers of each side are measured alone
+            for index, config in enumerate(configs):
+                t0 = time.perf_counter()
+                resident = config in self.pool.resident()
+                engine, notes = self.pool.get(config)
+                load_s = None if resident else time.perf_counter() - t0
+                yield CompareUpdate(index, config, None, tuple(notes), tuple(results))
+                last: ReplyUpdate | None = None
+                for last in engine.stream_chat(message, [], gen=gen, history_turns=0, system_prompt=system_prompt,
+                                               request_id=request_id):
+                    yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
+                assert last is not None and last.done
+                stats = replace(last.stats, kv_cache=config.kv_cache, notes=[*last.stats.notes, *notes])
+                results.append(SideResult(config, last.text, stats, load_s, tuple(notes)))
+        yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
+                            difference=first_difference([r.text for r in results]))
+
+
+def parse_config(text: str, default_model: str | None = None) -> CompareConfig:
+    """CLI form: MODE, or MODEL@MODE, optionally :ATTN — e.g. "nf4", "int8:eager", "/models/x@none"."""
+    model: str | None = default_model
+    if "@" in text:
+        model_text, text = text.rsplit("@", 1)
+        model = model_text or None
+    mode, _, attn = text.partition(":")
+    return CompareConfig(model, mode, attn or "sdpa")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Compare model configurations on the same prompts; JSON out.")
+    parser.add_argument("--config", action="append", required=True,
+                        help="MODE | MODEL@MODE | MODE:ATTN (repeat; modes: " + ", ".join(MODE_PRESETS) + ")")
+    prompt_source = parser.add_mutually_exclusive_group(required=True)
+    prompt_source.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    prompt_source.add_argument("--prompt-file", help="a text file, one prompt per line")
+    parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--out", default="-", help="JSON file (default: stdout)")
+    args = parser.parse_args(argv)
+    try:
+        overrides: dict[str, Any] = {"MAX_NEW_TOKENS": args.max_new_tokens, "SEED": args.seed}
+        settings = Settings.from_env(overrides=overrides)
+        settings = settings.replace(compare={"allow_custom_models": True})  # the CLI user chooses freely
+        configs = [parse_config(c, settings.model.model_id) for c in args.config]
+        prompts = args.prompt or [line.strip() for line in open(args.prompt_file, encoding="utf-8") if line.strip()]
+        comparison = Comparison(EnginePool(settings, progress=_log), settings)
+        records = []
+        for prompt in prompts:
+            final = collections.deque(comparison.run(configs, prompt, settings.generation), maxlen=1)[0]
+            for result in final.results:
+                records.append({"prompt": prompt, "configuration": result.config.label, "text": result.text,
+                                "load_s": result.load_s, **result.stats.as_dict()})
+            records.append({"prompt": prompt, "difference": final.difference})
+    except LLMCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    text = json.dumps({"command": " ".join(["python -m llm_core.compare", *(argv or sys.argv[1:])]),
+                       "records": records}, indent=2, ensure_ascii=False)
+    if args.out == "-":
+        print(text)
+    else:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    return 0
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+if __name__ == "__main__":
+    sys.exit(main())
