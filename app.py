@@ -16,9 +16,11 @@ from typing import Any
 
 import gradio as gr
 
+from llm_core.batching import check_history_size
 from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
+    KV_CACHE_MODES,
     MAX_NEW_TOKENS_RANGE,
     REPETITION_PENALTY_RANGE,
     SPECS,
@@ -51,12 +53,14 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
     def num(value: float | None, fmt: str, unit: str) -> str:
         return "…" if value is None else f"{value:{fmt}} {unit}"
 
+    predicted = format_bytes(stats.predicted_peak_bytes)
     if stats.peak_vram_allocated_bytes is not None:
-        memory = (f"{format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
+        memory = (f"predicted {predicted} · measured {format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
                   f"{format_bytes(stats.peak_vram_reserved_bytes)} reserved")
         memory_label = "Peak VRAM"
     else:
-        memory = format_bytes(stats.peak_rss_bytes) if not live else "…"
+        memory = (f"{format_bytes(stats.peak_rss_bytes) if not live else '…'} process "
+                  f"(model's predicted peak {predicted})")
         memory_label = "Peak RSS (CPU)"
     rows = [
         ("TTFT", num(stats.ttft_s and stats.ttft_s * 1000, ",.0f", "ms")),
@@ -64,7 +68,10 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         ("Tokens in / out", f"{stats.prompt_tokens:,} / {stats.new_tokens:,}"),
         ("End to end", num(stats.end_to_end_s, ",.2f", "s") if not live else "streaming…"),
         (memory_label, memory),
-        ("KV cache", format_bytes(stats.kv_cache_bytes) if not live else "…"),
+        ("KV cache", (format_bytes(stats.kv_cache_bytes) if not live else "…") + f" ({stats.kv_cache})"),
+        ("Context meter", "…" if stats.context_fit_tokens is None else
+         f"{stats.prompt_tokens:,} of {stats.context_fit_tokens:,} prompt tokens that fit "
+         f"(budget {format_bytes(stats.memory_budget_bytes)})"),
         ("Decode path", stats.decode_path),
     ]
     if not live and stats.finish_reason:
@@ -108,17 +115,21 @@ class _Options:
         self.top_k = gr.Slider(*TOP_K_RANGE, value=gen.top_k, step=1, label="Top-k (0 = off)", elem_id="top-k")
         self.rep = gr.Slider(*REPETITION_PENALTY_RANGE, value=gen.repetition_penalty, step=0.01,
                              label="Repetition penalty", elem_id="repetition-penalty")
+        self.kv_cache = gr.Dropdown(list(KV_CACHE_MODES), value=gen.kv_cache, label="KV cache",
+                                    info="quantized: ~3.5x more context per GiB, slower; offload: CPU RAM, last resort",
+                                    elem_id="kv-cache")
 
     @property
     def components(self) -> list[Any]:
         return [self.system_prompt, self.max_new, self.turns, self.do_sample, self.temperature, self.top_p,
-                self.top_k, self.rep]
+                self.top_k, self.rep, self.kv_cache]
 
 
 def _gen_options(engine: ChatEngine, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
-                 top_k: float, repetition_penalty: float) -> Any:
+                 top_k: float, repetition_penalty: float, kv_cache: str | None = None) -> Any:
     return engine.request_options(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty)
+                                  top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                                  kv_cache=kv_cache)
 
 
 def _history_frame(rows: list[dict[str, Any]]) -> Any:
@@ -147,15 +158,19 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     pool = pool or EnginePool(settings, primary=engine)
     comparison = Comparison(pool, settings)
     report = engine.report
+    concurrency = engine.max_concurrent_replies  # chat events served at once (batched decoding when above 1)
     del engine  # handlers reach the served model through the pool, so a comparison may unload it if it must
 
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
-                repetition_penalty: float, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON)."""
         try:
             chat_engine = pool.primary()
-            gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty)
+            gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
+                               kv_cache)
+            check_history_size(history, max_messages=settings.chat.max_history_messages,
+                               max_chars=settings.chat.max_history_chars)
             turns = turns_from_messages(history)
             stream = chat_engine.stream_chat(message, turns, gen=gen, history_turns=_whole(history_turns),
                                              system_prompt=system_prompt, request_id=_session(request))
@@ -179,10 +194,10 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
 
     def regenerate(history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
                    do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,
-                   request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                   kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Answer the last user message again, replacing the reply(ies) after it."""
         values = (system_prompt, max_new_tokens, history_turns, do_sample, temperature, top_p, top_k,
-                  repetition_penalty)
+                  repetition_penalty, kv_cache)
         last_user = next((i for i in range(len(history) - 1, -1, -1) if history[i].get("role") == "user"), None)
         if last_user is None:
             raise gr.Error("There is no message to regenerate yet.")
@@ -201,7 +216,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     def compare(prompt: str, model_0: str, mode_0: str, attn_0: str, kv_0: str, model_1: str, mode_1: str,
                 attn_1: str, kv_1: str, model_2: str, mode_2: str, attn_2: str, kv_2: str, system_prompt: str,
                 max_new_tokens: float, history_turns: float, do_sample: bool, temperature: float, top_p: float,
-                top_k: float, rep: float, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                top_k: float, rep: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Run the chosen configurations (MAX_COMPARE_SIDES sides of model, mode, attention, KV mode) on one
         prompt; yields every Compare output each step."""
         sides = [model_0, mode_0, attn_0, kv_0, model_1, mode_1, attn_1, kv_1, model_2, mode_2, attn_2, kv_2]
@@ -289,7 +304,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                                         label="Quantization", elem_id=f"compare-mode-{i}"),
                             gr.Dropdown(["sdpa", "eager"], value="sdpa", label="Attention",
                                         elem_id=f"compare-attn-{i}"),
-                            gr.Dropdown(["dynamic"], value="dynamic", label="KV cache", elem_id=f"compare-kv-{i}"),
+                            gr.Dropdown(list(KV_CACHE_MODES), value="dynamic", label="KV cache",
+                                        elem_id=f"compare-kv-{i}"),
                         ]
                         outputs_text.append(gr.Markdown(elem_id=f"compare-output-{i}",
                                                         container=True, min_height=120))
@@ -316,16 +332,18 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         chat_inputs = [chat_input, chatbot, *options.components]
         chat_outputs = [chat_input, chatbot, stats_md, stats_json]
         history_outputs = [stats_history, history_table, speed_plot, memory_plot]
-        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat")
-        submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private")
+        # One queue for every chat reply (concurrency_id), so Gradio's queue position and estimate are right.
+        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
+        submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private",
+                                         concurrency_id="chat")
         regen_event = regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
-                                  api_name="regenerate")
+                                  api_name="regenerate", concurrency_id="chat")
         for event in (send_event, submit_event, regen_event):
             event.then(record, [stats_history, stats_json], history_outputs, api_visibility="private")
         compare_event = compare_btn.click(
             compare, [compare_input, *side_inputs, *options.components],
             [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json],
-            api_name="compare")
+            api_name="compare", concurrency_limit=1)  # loads/unloads models: one comparison at a time
         compare_event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
         stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event, compare_event],
                        queue=False, api_name="stop")
@@ -334,7 +352,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
         export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
                               api_visibility="private")
-    demo.queue(default_concurrency_limit=1, max_size=settings.server.queue_size)
+    demo.queue(default_concurrency_limit=concurrency, max_size=settings.server.queue_size)
     return demo
 
 

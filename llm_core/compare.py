@@ -271,11 +271,12 @@ class Comparison:
                 load_s = None if resident else time.perf_counter() - t0
                 yield CompareUpdate(index, config, None, tuple(notes), tuple(results))
                 last: ReplyUpdate | None = None
-                for last in engine.stream_chat(message, [], gen=gen, history_turns=0, system_prompt=system_prompt,
-                                               request_id=request_id):
+                side_gen = replace(gen, kv_cache=config.kv_cache)
+                for last in engine.stream_chat(message, [], gen=side_gen, history_turns=0,
+                                               system_prompt=system_prompt, request_id=request_id):
                     yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
                 assert last is not None and last.done
-                stats = replace(last.stats, kv_cache=config.kv_cache, notes=[*last.stats.notes, *notes])
+                stats = replace(last.stats, notes=[*last.stats.notes, *notes])
                 results.append(SideResult(config, last.text, stats, load_s, tuple(notes)))
         yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
                             difference=first_difference([r.text for r in results]))

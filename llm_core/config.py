@@ -22,6 +22,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cuda", "cpu")
 DECODE_PATHS = ("auto", "fast", "plain")
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.compare
+KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.kv_cache
 
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)
@@ -31,6 +32,9 @@ TOP_P_RANGE = (0.0, 1.0)
 TOP_K_RANGE = (0, 1000)
 REPETITION_PENALTY_RANGE = (1.0, 2.0)
 MAX_MESSAGE_CHARS_RANGE = (1, 1_000_000)
+MAX_HISTORY_MESSAGES_RANGE = (0, 100_000)
+MAX_HISTORY_CHARS_RANGE = (0, 100_000_000)
+MAX_BATCH_SIZE_RANGE = (1, 64)
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,7 @@ class GenerationSettings:
     repetition_penalty: float = 1.05
     seed: int | None = None
     stream_timeout_s: float = 120.0  # longest wait for the next token before the reply is failed
+    kv_cache: str = "dynamic"  # dynamic | quantized (4-bit, ~3.5x more context) | offload (CPU RAM, slow)
 
     def validate(self) -> GenerationSettings:
         _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
@@ -78,6 +83,7 @@ class GenerationSettings:
             raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
         if self.stream_timeout_s <= 0:
             raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
+        _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)
         return self
 
 
@@ -86,6 +92,8 @@ class ChatSettings:
     system_prompt: str = "You are a helpful assistant."
     history_turns: int = 8  # past user/assistant exchanges kept in the prompt
     max_message_chars: int = 16_000
+    max_history_messages: int = 256  # messages accepted in one request's history (API limit)
+    max_history_chars: int = 256_000  # characters of text in one request's history (API limit)
 
 
 @dataclass(frozen=True)
@@ -95,6 +103,14 @@ class ServerSettings:
     share: bool = False
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
+    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on CUDA, 1 on CPU); 1 = serial
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    budget_bytes: int | None = None  # device bytes the process may use in total; None = free after load - margin
+    margin_bytes: int | None = None  # kept free when the budget is derived; None = 512 MiB on CUDA, 1 GiB on CPU
+    prefill_chunk_tokens: int = 2048  # long prompts are prefilled in chunks of this size (flat peak); 0 = off
 
 
 @dataclass(frozen=True)
@@ -111,6 +127,7 @@ class Settings:
     chat: ChatSettings = field(default_factory=ChatSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     compare: CompareSettings = field(default_factory=CompareSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
 
     @classmethod
     def from_env(
@@ -163,12 +180,22 @@ class Settings:
         self.generation.validate()
         _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
         _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
+        _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
+        _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)
+        if self.server.max_batch_size is not None:
+            _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
+            if self.server.max_batch_size > 1 and m.decode_path == "fast":
+                raise SettingsError(f"DECODE_PATH=fast serves one reply at a time, but MAX_BATCH_SIZE="
+                                    f"{self.server.max_batch_size}; set MAX_BATCH_SIZE=1 (or empty) or "
+                                    "DECODE_PATH=auto.")
         if not 0 < self.server.port < 65536:
             raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
         if self.server.auth is not None:
             parse_auth(self.server.auth)
         for mode in self.compare.modes:
             _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
+        if self.memory.prefill_chunk_tokens < 0:
+            raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
 
     def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
         """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
@@ -222,6 +249,25 @@ def _parse_opt_str(name: str, value: Any) -> str | None:
 
 def _parse_str(name: str, value: Any) -> str:
     return str(value)
+
+
+_BYTE_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(name: str, value: Any) -> int | None:
+    """"7.5GiB", "8000MiB", "8e9" -> bytes; empty -> None. Must be positive."""
+    text = str(value).strip().lower().replace(" ", "")
+    if not text or text == "auto":
+        return None
+    number = text.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = text[len(number):] or "b"
+    try:
+        amount = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise SettingsError(f"{name}={value!r} is not a size; write e.g. {name}=7.5GiB or 8000MiB.") from None
+    if amount <= 0:
+        raise SettingsError(f"{name} must be a positive size, got {value!r}.")
+    return int(amount)
 
 
 def _parse_list(name: str, value: Any) -> tuple[str, ...]:
@@ -356,16 +402,31 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("SEED", "generation", "seed", _parse_opt_int, "random seed for sampling; empty = random"),
     SettingSpec("STREAM_TIMEOUT_S", "generation", "stream_timeout_s", _parse_float,
                 "fail a reply when no token arrives for this many seconds"),
+    SettingSpec("KV_CACHE", "generation", "kv_cache", _parse_choice(KV_CACHE_MODES),
+                "dynamic | quantized (4-bit KV, ~3.5x more context, slower) | offload (KV in CPU RAM: last resort)"),
+    SettingSpec("VRAM_BUDGET", "memory", "budget_bytes", parse_bytes,
+                "memory a reply may use in total, weights included, e.g. 7.5GiB; empty = free after load - margin"),
+    SettingSpec("MEMORY_MARGIN", "memory", "margin_bytes", parse_bytes,
+                "kept free when VRAM_BUDGET is derived; empty = 512MiB on CUDA, 1GiB on CPU"),
+    SettingSpec("PREFILL_CHUNK_TOKENS", "memory", "prefill_chunk_tokens", _parse_int,
+                "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off"),
     SettingSpec("SYSTEM_PROMPT", "chat", "system_prompt", _parse_str, "system prompt of new conversations"),
     SettingSpec("HISTORY_TURNS", "chat", "history_turns", _parse_int,
                 f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})"),
     SettingSpec("MAX_MESSAGE_CHARS", "chat", "max_message_chars", _parse_int, "longest accepted user message"),
+    SettingSpec("MAX_HISTORY_MESSAGES", "chat", "max_history_messages", _parse_int,
+                "most messages accepted in a request's history (older turns are trimmed anyway)"),
+    SettingSpec("MAX_HISTORY_CHARS", "chat", "max_history_chars", _parse_int,
+                "most characters of text accepted in a request's history"),
     SettingSpec("HOST", "server", "host", _parse_str, "address to bind; 127.0.0.1 keeps the demo local"),
     SettingSpec("PORT", "server", "port", _parse_int, "port to serve on"),
     SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
     SettingSpec("AUTH", "server", "auth", _parse_opt_str,
                 "user:password[,user2:password2] required to open the demo", secret=True),
     SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
+    SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
+                f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
+                "empty = auto: 8 on CUDA, 1 on CPU; 1 = one at a time"),
     SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,
                 "comma-separated HF ids / folders the Compare view may load besides the served model"),
     SettingSpec("COMPARE_MODES", "compare", "modes", _parse_list,
@@ -375,7 +436,7 @@ SPECS: tuple[SettingSpec, ...] = (
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
 _SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
-                              "server": ServerSettings, "compare": CompareSettings}
+                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings}
 
 
 def env_example() -> str:

@@ -9,8 +9,6 @@ worker raises after `stream_timeout_s`. Nothing can wait forever.
 from __future__ import annotations
 
 import contextlib
-import gc
-import inspect
 import threading
 import time
 import uuid
@@ -21,11 +19,24 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
+from .batching import BatchScheduler, ReplySlots, RowKV, SessionSlots
 from .config import GenerationSettings, Settings
 from .errors import GenerationError, InputError, LLMCoreError, OutOfMemoryError, SettingsError
-from .history import FittedHistory, Turn, clean_text, fit_history
+from .history import FittedHistory, Turn, build_messages, clean_text, fit_history
+from .kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
 from .loading import LoadedModel, Progress, load_model
-from .metrics import PeakMemory, ReplyStats, TokenClock, cache_bytes
+from .memory import (
+    MemoryBudget,
+    ModelMemoryFacts,
+    OOMInjector,
+    free_memory,
+    is_oom_error,
+    max_context_tokens,
+    plan_reply,
+    refit_reserve,
+    require_fit,
+)
+from .metrics import PeakMemory, ReplyStats, TokenClock
 
 # How long the caller waits for the worker thread to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
@@ -48,15 +59,21 @@ class PreparedPrompt:
     attention_mask: torch.Tensor  # (1, prompt_tokens)
     max_new_tokens: int
     notes: tuple[str, ...] = ()
+    kv_cache: str = "dynamic"
+    predicted: Any = None  # memory.PeakPrediction for prompt + max_new_tokens
+    context_fit_tokens: int | None = None  # prompt tokens that fit the memory budget with this max_new_tokens
 
 
 class _StopOnEvent(StoppingCriteria):
-    """Halts `generate` between steps once the request's stop event is set."""
+    """Halts `generate` between steps once the request's stop event is set; `on_step` runs after every step."""
 
-    def __init__(self, event: threading.Event) -> None:
+    def __init__(self, event: threading.Event, on_step: Callable[[], None] | None = None) -> None:
         self.event = event
+        self.on_step = on_step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.on_step is not None:
+            self.on_step()
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
@@ -89,11 +106,20 @@ class ChatEngine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        self._lock = threading.Lock()  # one reply on the device at a time
+        self._lock = ReplySlots(1)  # replies in the engine at once: 1 (serial), or MAX_BATCH_SIZE when batching
+        self._sessions = SessionSlots()  # one running reply per session (request_id)
+        self._tokenizer_lock = threading.Lock()
         self._stops: dict[str, threading.Event] = {}
         self._stops_lock = threading.Lock()
         self.backend = self._plain_backend("DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
-        self._select_backend()
+        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
+        self.oom_injector = OOMInjector()  # tests arm it to prove OOM recovery; never fires otherwise
+        self.memory_facts = ModelMemoryFacts.from_loaded(loaded)
+        budget = settings.memory.budget_bytes
+        self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
+            loaded.device, settings.memory.margin_bytes)
+        self.scheduler: BatchScheduler | None = None
+        self._configure_decode()
 
     # --- construction --------------------------------------------------------------------------
     @classmethod
@@ -107,9 +133,7 @@ class ChatEngine:
         return DecodeBackend("plain", reason, self._run_plain, self._dynamic_cache)
 
     def _dynamic_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.loaded.model.config)
+        return make_cache("dynamic", self.loaded.model)
 
     def _select_backend(self) -> None:
         mode = self.settings.model.decode_path
@@ -138,6 +162,35 @@ class ChatEngine:
         self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None))
         self._fast_decoder = decoder
 
+    def _configure_decode(self) -> None:
+        """Batched decoding (llm_core.batching) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
+        reply at a time on the plain or fast path."""
+        from .batching import batching_support, default_kv_budget_bytes, make_batched_run, resolve_max_batch_size
+
+        loaded = self.loaded
+        size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
+                                      self.settings.model.decode_path)
+        ok, why = batching_support(loaded.model) if size > 1 else (False, "")
+        if not ok:
+            self._select_backend()
+            if why:
+                self.backend.reason = "; ".join(filter(None, [self.backend.reason, f"batching off: {why}"]))
+            return
+        self.scheduler = BatchScheduler.for_model(
+            loaded.model, max_batch_size=size,
+            kv_budget_bytes=default_kv_budget_bytes(loaded, size, self.memory_budget.budget_bytes, self.memory_facts),
+            cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(_eos_ids(loaded)),
+            cache_kwarg=cache_kwarg(loaded.model))
+        run, make_cache = make_batched_run(self.scheduler)
+        self.backend = DecodeBackend("batched", f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch",
+                                     run, make_cache)
+        self._lock = ReplySlots(size)
+
+    @property
+    def max_concurrent_replies(self) -> int:
+        """Replies served at once (the batch size when batching, else 1): the UI's queue concurrency."""
+        return self._lock.n
+
     def warmup(self, progress: Progress | None = None) -> float:
         """Run once at start-up (never per request): first-call costs (kernel repacking, compile) happen here."""
         say = progress or (lambda _m: None)
@@ -162,7 +215,7 @@ class ChatEngine:
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the engine with no reply running (e.g. to unload it)."""
-        with self._lock:
+        with self._lock.exclusive():
             yield
 
     # --- requests ------------------------------------------------------------------------------
@@ -192,9 +245,10 @@ class ChatEngine:
         return int(self._encode(messages)["input_ids"].shape[-1])
 
     def _encode(self, messages: list[dict[str, str]]) -> Any:
-        return self.loaded.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )
+        with self._tokenizer_lock:  # concurrent requests (batching) share one tokenizer
+            return self.loaded.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+            )
 
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
@@ -205,12 +259,25 @@ class ChatEngine:
                              f"{self.loaded.context_length:,}-token context; lower it.")
         fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                              budget_tokens=budget_tokens, count_tokens=self.count_tokens)
+        # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.
+        self.oom_injector.check("plan")
+        chunk = self.settings.memory.prefill_chunk_tokens or None
+        newest_only = self.count_tokens(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
+            fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
+        plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
+                                      gen.max_new_tokens, gen.kv_cache, min_prompt_tokens=newest_only,
+                                      prefill_chunk_tokens=chunk))
+        if plan.trims_prompt:
+            fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
+                                 budget_tokens=plan.allowed_prompt_tokens, count_tokens=self.count_tokens)
         encoded = self._encode(fitted.messages)
         device = self.loaded.device
-        note = fitted.describe()
-        notes = (note,) if note else ()
+        notes = tuple(n for n in (fitted.describe(), plan.message) if n)
+        fit_tokens = max_context_tokens(self.memory_facts, self.memory_budget.budget_bytes, plan.allowed_new_tokens,
+                                        gen.kv_cache, prefill_chunk_tokens=chunk)
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
-                              gen.max_new_tokens, notes)
+                              plan.allowed_new_tokens, notes, gen.kv_cache, plan.predicted,
+                              min(fit_tokens, budget_tokens))
 
     def stop(self, request_id: str | None) -> bool:
         """Halt the reply running for `request_id` (e.g. a browser session). True if one was running."""
@@ -236,8 +303,14 @@ class ChatEngine:
         if isinstance(history_turns, bool) or not isinstance(history_turns, int) or history_turns < 0:
             raise InputError(f"history_turns must be a whole number of 0 or more, got {history_turns!r}.")
         request_id = request_id or uuid.uuid4().hex
-        with self._lock:
-            prepared = self.prepare(text, history, gen=gen, history_turns=history_turns, system_prompt=system_prompt)
+        with self._sessions.hold(request_id), self._lock:  # a session's second request is refused, not queued
+            try:
+                prepared = self.prepare(text, history, gen=gen, history_turns=history_turns,
+                                        system_prompt=system_prompt)
+            except Exception as exc:  # OOM while tokenizing/planning: same recovery as in the worker
+                if not is_oom_error(exc):
+                    raise
+                raise self._translate(exc) from exc
             yield from self._stream(prepared, gen, request_id, start_s)
 
     def _stream(self, prepared: PreparedPrompt, gen: GenerationSettings, request_id: str,
@@ -250,21 +323,28 @@ class ChatEngine:
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMemory(loaded.device)
         report = loaded.report
+        backend = self.backend if prepared.kv_cache == "dynamic" else self._plain
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
-            double_quant=report.double_quant,
-            compute_dtype=report.compute_dtype, attention=report.attention, decode_path=self.backend.name,
+            double_quant=report.double_quant, kv_cache=prepared.kv_cache,
+            compute_dtype=report.compute_dtype, attention=report.attention, decode_path=backend.name,
             device=report.device_name, versions=dict(report.versions),
             prompt_tokens=int(prepared.input_ids.shape[-1]), weights_bytes=report.weights_bytes,
             dropped_turns=prepared.fitted.dropped_turns, notes=list(prepared.notes),
+            predicted_peak_bytes=prepared.predicted.peak_allocated_bytes if prepared.predicted else None,
+            memory_budget_bytes=self.memory_budget.budget_bytes, context_fit_tokens=prepared.context_fit_tokens,
         )
-        cache = self.backend.make_cache()
+        if backend is self._plain:
+            cache = make_cache(prepared.kv_cache, self.loaded.model,
+                               capacity_tokens=stats.prompt_tokens + prepared.max_new_tokens)
+        else:
+            cache = backend.make_cache()
         errors: list[BaseException] = []
 
         def work() -> None:
             try:
                 with torch.inference_mode():
-                    self.backend.run(prepared, gen, streamer, stop_event, cache)
+                    backend.run(prepared, gen, streamer, stop_event, cache)
             except BaseException as exc:  # relayed to the caller below, never swallowed
                 errors.append(exc)
                 streamer.end()
@@ -290,7 +370,7 @@ class ChatEngine:
             worker.join(_JOIN_TIMEOUT_S)
             if errors:
                 raise self._translate(errors[0]) from errors[0]
-            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded)
+            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend)
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
@@ -303,7 +383,8 @@ class ChatEngine:
         return replace(stats, **clock.snapshot())
 
     def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMemory, cache: Any,
-                     stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel) -> ReplyStats:
+                     stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel,
+                     backend: DecodeBackend) -> ReplyStats:
         timing = clock.snapshot()
         count, rate = timing["new_tokens"], timing["decode_tokens_per_s"]
         if loaded.device.type == "cuda":
@@ -316,26 +397,37 @@ class ChatEngine:
             reason = "eos"
         else:
             reason = "length" if count >= prepared.max_new_tokens else "eos"
-        kv = cache_bytes(cache if cache is not None else self.backend.make_cache())
+        if isinstance(cache, RowKV):  # batched: this reply's row of the shared cache
+            kv = cache.nbytes
+        else:
+            kv = cache_bytes(cache if cache is not None else backend.make_cache()) or None
+        measured = peak.read()
+        reserved = measured.get("peak_vram_reserved_bytes")
+        if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
+            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,
             kv_cache_bytes=kv, finish_reason=reason,
             decode_bandwidth_bytes_per_s=(rate * loaded.report.weights_bytes) if rate else None,
-            **peak.read(),
+            **measured,
         )
 
     def _run_plain(self, prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                    stop_event: threading.Event, cache: Any) -> None:
         model = self.loaded.model
+        self.oom_injector.check("prefill")
+        chunk = self.settings.memory.prefill_chunk_tokens
+        if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
+            prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
+        stop = _StopOnEvent(stop_event, on_step=lambda: self.oom_injector.check("decode"))
         kwargs: dict[str, Any] = dict(
             input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
             max_new_tokens=prepared.max_new_tokens, do_sample=gen.do_sample,
             repetition_penalty=gen.repetition_penalty, streamer=streamer, use_cache=True,
-            stopping_criteria=StoppingCriteriaList([_StopOnEvent(stop_event)]),
-            pad_token_id=_pad_id(self.loaded),
+            stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=_pad_id(self.loaded),
         )
         if cache is not None:
-            kwargs[cache_kwarg_name(model)] = cache
+            kwargs[cache_kwarg(model)] = cache
         if gen.do_sample:
             kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
             if gen.seed is not None:
@@ -347,30 +439,13 @@ class ChatEngine:
     def _translate(self, exc: BaseException) -> LLMCoreError:
         if isinstance(exc, LLMCoreError):
             return exc
-        if _is_oom(exc):
-            free_device_memory(self.loaded.device)
+        if is_oom_error(exc):
+            free_memory(self.loaded.device)
             return OutOfMemoryError(
                 "The device ran out of memory during this reply. Memory was freed and the conversation kept; "
                 "lower max new tokens or the history length and try again."
             )
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
-
-
-def cache_kwarg_name(model: Any) -> str:
-    """transformers >= 5.2x names the KV-cache argument `cache`; earlier 5.x releases `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-
-
-def _is_oom(exc: BaseException) -> bool:
-    return isinstance(exc, (torch.cuda.OutOfMemoryError, MemoryError)) or (
-        isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
-    )
-
-
-def free_device_memory(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

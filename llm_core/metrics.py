@@ -48,6 +48,9 @@ class ReplyStats:
     peak_vram_reserved_bytes: int | None = None  # CUDA: max reserved by the caching allocator during this reply
     peak_rss_bytes: int | None = None  # CPU: peak resident set size of the process during this reply
     kv_cache_bytes: int | None = None  # bytes held by the KV cache at the end of the reply
+    predicted_peak_bytes: int | None = None  # memory model's peak allocated for prompt + max_new_tokens
+    memory_budget_bytes: int | None = None  # what the memory guard planned this reply against
+    context_fit_tokens: int | None = None  # context meter: prompt tokens that fit the budget with this reply
     weights_bytes: int | None = None
     decode_bandwidth_bytes_per_s: float | None = None  # weights_bytes x decode_tokens_per_s (KV reads excluded)
     finish_reason: str = ""  # eos | length | stopped | error
@@ -147,21 +150,6 @@ def _read_status_bytes(key: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
-
-
-def cache_bytes(cache: Any) -> int | None:
-    """Bytes of key/value tensors held by a transformers Cache (any layout); None if it holds none."""
-    if cache is None:
-        return None
-    total = 0
-    seen: set[int] = set()
-    for layer in getattr(cache, "layers", []) or []:
-        for value in vars(layer).values():
-            for tensor in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(tensor, torch.Tensor) and id(tensor) not in seen and tensor.dim() >= 3:
-                    seen.add(id(tensor))
-                    total += tensor.numel() * tensor.element_size()
-    return total or None
 
 
 def format_bytes(n: int | float | None) -> str:

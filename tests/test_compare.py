@@ -75,15 +75,17 @@ def test_unload_really_frees_memory() -> None:
     assert freed >= 0.8 * weights and before - after >= 0.8 * weights  # RSS really dropped (malloc_trim)
 
 
-def test_a_config_that_does_not_fit_beside_the_others_unloads_them_first() -> None:
-    settings = make_settings()
-    own_pool = EnginePool(settings, reserve_bytes=0)
-    own_pool.get(NF4)
+def test_a_config_that_does_not_fit_beside_the_others_unloads_them_first(monkeypatch: pytest.MonkeyPatch) -> None:
     from llm_core import compare
 
-    available = compare.memory_available(own_pool.get(NF4)[0].loaded.device)
-    own_pool.reserve_bytes = available - estimate_weights_bytes(NONE.apply(settings).model) // 2
-    _, notes = own_pool.get(NONE)  # would not fit beside nf4 with that reserve: nf4 goes first
+    settings = make_settings()
+    own_pool = EnginePool(settings, reserve_bytes=0)
+    sizes = {c: estimate_weights_bytes(c.apply(settings).model) for c in (NF4, NONE)}
+    capacity = sizes[NF4] + sizes[NONE] - 1  # each fits alone, not both: a simulated small device
+    monkeypatch.setattr(compare, "memory_available",
+                        lambda device: capacity - sum(sizes[c] for c in own_pool.resident()))
+    own_pool.get(NF4)
+    _, notes = own_pool.get(NONE)
     assert own_pool.resident() == [NONE]
     assert len(notes) == 1 and notes[0].startswith("Unloaded embedded · nf4 · sdpa (freed")
     assert "run one after another" in notes[0]

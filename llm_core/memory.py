@@ -1,0 +1,849 @@
+"""Memory model: the bytes one reply needs (weights, KV cache, prefill, logits, allocator reserve) and whether they
+fit a budget; arithmetic over a model config, plus small helpers to measure a peak and recover from OOM.
+It never generates: llm_core.kv_cache builds the caches it describes, and the engine asks it before each reply.
+
+Units are bytes unless a name says otherwise. The formulas and their calibration are written up in docs/memory.md.
+
+Peak model (batch 1, a llama-style decoder: RMSNorm -> attention -> RMSNorm -> gated MLP), b = compute-dtype bytes,
+h = hidden size, I = MLP intermediate size, q = tokens in one forward pass (the whole prompt, or one prefill chunk):
+
+    peak_allocated = weights + workspace + max(prefill peak, decode peak) + logits
+    prefill peak   = KV(prompt) + activation(q)          (the last layer's MLP of the last prefill pass)
+    activation(q)  = q * (2*head_dim*b + 8)               rotary cos/sin + int64 position ids, live all pass
+                     + max(q*(4h + 3I)*b,                 embeddings, layer input, residual, normed input + the
+                           q*(4h + 2I)*b + W_dq,          MLP's act(gate), up and their product; or, while a 4-bit
+                           q*(6h + 2*q_dim)*b + mask)     weight is dequantized for the matmul (bitsandbytes does
+                                                          this for prefill), that bf16 copy W_dq = h*I*b (+ absmax
+                                                          in fp32); or the attention block (a bound)
+    decode peak    = KV(prompt + new) + one layer's K being re-concatenated (dynamic) / the dequantized scratch
+                     (quantized) / two layers brought back from the CPU (offload)
+    reserve        = reserve_fraction * (KV + activation) + reserve_fixed   (caching allocator: reserved > allocated)
+
+Traced against tensor allocations on CPU to the byte (tests/test_memory.py) and against the H200 reference peaks
+(Llama-2-7B and Llama-3-8B NF4, 11 points) to within 10 MiB, the rounding of the recorded numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from .errors import ContextBudgetError, SettingsError
+
+KV_MODES = ("dynamic", "quantized", "offload")
+
+MiB = 2**20
+GiB = 2**30
+
+# torch allocates the cuBLAS workspace (":4096:8" = 8 x 4 MiB on sm90) through the caching allocator at the first
+# matmul, so it shows in memory_allocated: the H200 reference shows it as 3.61 -> 3.64 GiB after a warm-up reply.
+CUDA_WORKSPACE_BYTES = 32 * MiB
+# Allocator reserve (reserved - allocated) as a fraction of KV + activations. 0.30 is what the seed recipe's OOM
+# boundary under an 8 GiB cap implies (Llama-2-7B OOM at 6,144 needs >= 0.22, Llama-3-8B fine at 8,192 allows
+# <= 0.39); bench/memory_bench.py measures it and `refit_reserve` raises it from what a reply really reserved.
+DEFAULT_CUDA_RESERVE_FRACTION = 0.30
+DEFAULT_CPU_RESERVE_FRACTION = 0.10  # glibc heap growth around large tensors
+DEFAULT_RESERVE_FIXED_BYTES = 16 * MiB
+DEFAULT_CUDA_MARGIN_BYTES = 512 * MiB  # other processes, CUDA graphs, a second tokenizer thread...
+DEFAULT_CPU_MARGIN_BYTES = 1 * GiB
+BNB_4BIT_BLOCK = 64  # bitsandbytes NF4/FP4 block size: one absmax per 64 weights
+DEQUANT_CHUNK_TOKENS = 8192  # the quantized KV cache dequantizes at most this many tokens per kernel batch
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element of a torch dtype, given as a dtype or its name ("bfloat16", "torch.float16", "fp8")."""
+    if isinstance(dtype, torch.dtype):
+        return dtype.itemsize
+    name = str(dtype).removeprefix("torch.").lower()
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32",
+               "fp8": "float8_e4m3fn"}
+    resolved = getattr(torch, aliases.get(name, name), None)
+    if not isinstance(resolved, torch.dtype):
+        raise SettingsError(f"Unknown dtype {dtype!r}; use e.g. bfloat16, float16 or float32.")
+    return resolved.itemsize
+
+
+@dataclass(frozen=True)
+class QuantizedKVSpec:
+    """Layout of the quantized KV cache (llm_core.kv_cache's builtin backend, KIVI-style).
+
+    Keys: per channel, one (scale, zero) pair per `group_size` tokens. Values: per token, one pair per `group_size`
+    channels (or per head when head_dim is smaller). The newest tokens of an incomplete group stay in full precision
+    in a residual buffer of `group_size` tokens. Scales and zero points are stored in the cache dtype.
+    """
+
+    nbits: int = 4
+    group_size: int = 64
+
+    def validate(self) -> QuantizedKVSpec:
+        if self.nbits not in (2, 4, 8):
+            raise SettingsError(f"KV cache quantization supports 2, 4 or 8 bits, got {self.nbits}.")
+        if self.group_size < 8 or self.group_size & (self.group_size - 1):
+            raise SettingsError(f"KV quantization group size must be a power of two >= 8, got {self.group_size}.")
+        return self
+
+    def value_group(self, head_dim: int) -> int:
+        group = min(self.group_size, head_dim)
+        if head_dim % group:
+            raise SettingsError(f"head_dim {head_dim} is not a multiple of the KV quantization group {group}.")
+        return group
+
+
+# --- model layout ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelMemoryFacts:
+    """What the memory model needs about one loaded model: config shape, measured weights, device and dtypes."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    layer_windows: tuple[int | None, ...]  # per layer: None = full attention, n = sliding window of n tokens
+    weights_bytes: int  # parameters, buffers and quantization states as held on the device
+    compute_dtype: str = "bfloat16"
+    cache_dtype: str = "bfloat16"
+    weight_quantization: str = "nf4"  # nf4 | fp4 | int8 | none: nf4/fp4 add the dequantized-weight temporary
+    device_type: str = "cuda"
+    workspace_bytes: int = CUDA_WORKSPACE_BYTES  # allocated once by the first matmul (0 when already in weights)
+    reserve_fraction: float = DEFAULT_CUDA_RESERVE_FRACTION
+    reserve_fixed_bytes: int = DEFAULT_RESERVE_FIXED_BYTES
+    logits_to_keep: bool = True  # the model computes prefill logits for the last position only
+    context_length: int = 4096
+
+    # -- construction --
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        weights_bytes: int,
+        compute_dtype: torch.dtype | str,
+        *,
+        weight_quantization: str = "nf4",
+        device_type: str = "cuda",
+        cache_dtype: torch.dtype | str | None = None,
+        workspace_bytes: int | None = None,
+        reserve_fraction: float | None = None,
+        logits_to_keep: bool = True,
+    ) -> ModelMemoryFacts:
+        """Facts from a transformers config (no weights needed) and a measured or estimated `weights_bytes`."""
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = int(text.num_attention_heads)
+        kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+        cuda = device_type == "cuda"
+        return cls(
+            num_layers=int(text.num_hidden_layers),
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(getattr(text, "intermediate_size", None) or 4 * text.hidden_size),
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=int(text.vocab_size),
+            layer_windows=layer_windows(text),
+            weights_bytes=int(weights_bytes),
+            compute_dtype=_dtype_name(compute_dtype),
+            cache_dtype=_dtype_name(cache_dtype if cache_dtype is not None else compute_dtype),
+            weight_quantization=weight_quantization,
+            device_type=device_type,
+            workspace_bytes=(CUDA_WORKSPACE_BYTES if cuda else 0) if workspace_bytes is None else workspace_bytes,
+            reserve_fraction=(DEFAULT_CUDA_RESERVE_FRACTION if cuda else DEFAULT_CPU_RESERVE_FRACTION)
+            if reserve_fraction is None else reserve_fraction,
+            logits_to_keep=logits_to_keep,
+            context_length=int(getattr(text, "max_position_embeddings", None) or 4096),
+        )
+
+    @classmethod
+    def from_loaded(cls, loaded: Any, **overrides: Any) -> ModelMemoryFacts:
+        """Facts of an llm_core LoadedModel; weights are counted from its tensors (incl. bitsandbytes states)."""
+        model = loaded.model
+        kwargs: dict[str, Any] = dict(
+            weight_quantization=loaded.settings.quantization,
+            device_type=loaded.device.type,
+            logits_to_keep=_supports_logits_to_keep(model),
+        )
+        kwargs.update(overrides)
+        facts = cls.from_config(model.config, model_weights_bytes(model, loaded.device), loaded.compute_dtype,
+                                **kwargs)
+        return replace(facts, context_length=int(getattr(loaded, "context_length", facts.context_length)))
+
+    # -- derived numbers --
+    @property
+    def compute_bytes(self) -> int:
+        return dtype_bytes(self.compute_dtype)
+
+    @property
+    def cache_bytes_per_element(self) -> int:
+        return dtype_bytes(self.cache_dtype)
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def dequant_weight_bytes(self) -> int:
+        """The bf16 copy bitsandbytes makes of the largest 4-bit weight (h x I) for a multi-token matmul."""
+        if self.weight_quantization not in ("nf4", "fp4"):
+            return 0
+        n = self.hidden_size * self.intermediate_size
+        return n * self.compute_bytes + (n // BNB_4BIT_BLOCK) * 4  # + the absmax dequantized to fp32 (double quant)
+
+
+def layer_windows(config: Any) -> tuple[int | None, ...]:
+    """Per decoder layer: None for full attention, the window in tokens for sliding-window layers.
+
+    Follows transformers: `layer_types` when the config has it ("sliding_attention" / "chunked_attention" layers
+    hold a window), else every layer slides when `sliding_window` is set (Mistral-style), else all are full.
+    """
+    n = int(config.num_hidden_layers)
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return tuple([int(window) if window else (int(chunk) if chunk else None)] * n)
+    out: list[int | None] = []
+    for kind in types:
+        if kind in ("sliding_attention", "hybrid_sliding") and window:
+            out.append(int(window))
+        elif kind == "chunked_attention" and chunk:
+            out.append(int(chunk))
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _facts_of(config: Any, cache_dtype: torch.dtype | str | None = None) -> ModelMemoryFacts:
+    if isinstance(config, ModelMemoryFacts):
+        return config if cache_dtype is None else replace(config, cache_dtype=_dtype_name(cache_dtype))
+    return ModelMemoryFacts.from_config(config, 0, cache_dtype or "bfloat16")
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    dtype_bytes(dtype)  # validates
+    return str(dtype).removeprefix("torch.")
+
+
+def _supports_logits_to_keep(model: Any) -> bool:
+    import inspect
+
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def model_weights_bytes(model: Any, device: torch.device | str | None = None) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers, bitsandbytes absmax/code states), each storage
+    counted once; only tensors on `device` when given (offloaded layers live elsewhere)."""
+    seen: set[tuple[str, int]] = set()
+    total = 0
+    want = torch.device(device).type if device is not None else None
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if want is not None and t.device.type != want:
+            return
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        add(tensor)
+        state = getattr(tensor, "quant_state", None)
+        while state is not None:  # bitsandbytes QuantState, nested once with double quant
+            for name in ("absmax", "code", "offset"):
+                add(getattr(state, name, None))
+            state = getattr(state, "state2", None)
+    return total
+
+
+# --- KV cache bytes --------------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(
+    config: Any,
+    cache_dtype: torch.dtype | str,
+    kv_mode: str = "dynamic",
+    quant: QuantizedKVSpec | None = None,
+) -> int:
+    """KV-cache bytes one more token of history costs, summed over layers (a sliding layer counts until its
+    window is full): 2 (K and V) x layers x KV heads x head_dim x bytes per element.
+
+    quantized: bytes per element = nbits/8 + 2 x scale bytes / group (one scale and one zero point per group), e.g.
+    4-bit, group 64, bf16 scales: 0.5 + 4/64 = 0.5625 B, 3.56x less than bf16. Rounded up to whole bytes.
+    offload: the same bytes as dynamic, held in CPU memory instead of on the device.
+    """
+    facts = _facts_of(config, cache_dtype)
+    _check_mode(kv_mode)
+    elems = 2 * facts.num_layers * facts.kv_dim
+    b = facts.cache_bytes_per_element
+    if kv_mode != "quantized":
+        return elems * b
+    spec = (quant or QuantizedKVSpec()).validate()
+    per_element = spec.nbits / 8 + 2 * b / spec.group_size
+    return math.ceil(elems * per_element)
+
+
+def kv_bytes(
+    config: Any,
+    tokens: int,
+    cache_dtype: torch.dtype | str,
+    kv_mode: str = "dynamic",
+    quant: QuantizedKVSpec | None = None,
+) -> int:
+    """Exact bytes a cache holding `tokens` tokens of history keeps (all layers, K and V).
+
+    dynamic/offload: a full-attention layer holds every token; a sliding layer holds at most `window` tokens
+    (transformers keeps a view of the last window - 1 of the window it just attended to, so the storage of the whole
+    window stays alive; right after a prefill it is the whole prompt: see `predict_peak_bytes`). offload holds the
+    same bytes, in CPU memory.
+    quantized (builtin backend, preallocated for `tokens`): per full-attention layer, floor(tokens / G) * G tokens
+    packed at nbits with key scales per (group of G tokens, channel) and value scales per (token, group of channels),
+    plus a full-precision residual buffer of G tokens; sliding layers stay full precision within their window.
+    The dequantization scratch (one layer, shared) is not part of it: see `kv_workspace_bytes`.
+    """
+    facts = _facts_of(config, cache_dtype)
+    _check_mode(kv_mode)
+    tokens = max(0, int(tokens))
+    b = facts.cache_bytes_per_element
+    total = 0
+    for window in facts.layer_windows:
+        if window is not None:
+            total += 2 * min(tokens, window) * facts.kv_dim * b
+        elif kv_mode != "quantized":
+            total += 2 * tokens * facts.kv_dim * b
+        else:
+            total += _quantized_layer_bytes(facts, tokens, (quant or QuantizedKVSpec()).validate())
+    return total
+
+
+def _quantized_layer_bytes(facts: ModelMemoryFacts, tokens: int, spec: QuantizedKVSpec) -> int:
+    b = facts.cache_bytes_per_element
+    g = spec.group_size
+    hd, kvh = facts.head_dim, facts.num_kv_heads
+    n_q = (tokens // g) * g
+    packed = 2 * n_q * kvh * hd * spec.nbits // 8
+    key_scales = 2 * (n_q // g) * kvh * hd * b  # scale + zero per (token group, channel)
+    value_scales = 2 * n_q * kvh * (hd // spec.value_group(hd)) * b  # scale + zero per (token, channel group)
+    residual = 2 * g * kvh * hd * b
+    return packed + key_scales + value_scales + residual
+
+
+def kv_workspace_bytes(config: Any, tokens: int, cache_dtype: torch.dtype | str, kv_mode: str) -> int:
+    """Device bytes a cache needs besides what it stores, at `tokens` of history.
+
+    quantized: the shared scratch that one layer's K and V are dequantized into (2 x tokens x kv_dim x b, allocated
+    once for the reply's capacity) plus the unpacking temporaries of one dequantization batch (bounded by
+    batch x kv_dim x (2 + b): the codes are unpacked to uint8 and multiplied straight into the scratch).
+    offload: the two layers resident on the device (the one being used and the one prefetched).
+    dynamic: 0 (its transient is counted with the decode step).
+    """
+    facts = _facts_of(config, cache_dtype)
+    b = facts.cache_bytes_per_element
+    if kv_mode == "quantized":
+        batch = min(tokens, DEQUANT_CHUNK_TOKENS)
+        return 2 * tokens * facts.kv_dim * b + batch * facts.kv_dim * (2 + b)
+    if kv_mode == "offload":
+        return 2 * 2 * tokens * facts.kv_dim * b
+    return 0
+
+
+def _check_mode(kv_mode: str) -> None:
+    if kv_mode not in KV_MODES:
+        raise SettingsError(f"KV_CACHE={kv_mode!r} is not supported; choose one of: {', '.join(KV_MODES)}.")
+
+
+def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_mode: str, quant: QuantizedKVSpec | None,
+                     pass_tokens: int = 1) -> int:
+    """KV bytes resident on the device (offload keeps all layers but two on the CPU: see kv_workspace_bytes).
+    Right after a pass of `pass_tokens` a sliding layer still holds window - 1 + pass_tokens tokens."""
+    if kv_mode == "offload":
+        return 0
+    total = kv_bytes(facts, tokens, facts.cache_dtype, kv_mode, quant)
+    for window in facts.layer_windows:
+        if window is not None:
+            extra = min(tokens, window - 1 + pass_tokens) - min(tokens, window)
+            total += 2 * max(0, extra) * facts.kv_dim * facts.cache_bytes_per_element
+    return total
+
+
+# --- activations -----------------------------------------------------------------------------------------------
+
+
+def forward_activation_bytes(facts: ModelMemoryFacts, new_tokens: int, cached_tokens: int = 0,
+                             kv_mode: str = "dynamic") -> int:
+    """Peak bytes of temporaries in one forward pass over `new_tokens` tokens after `cached_tokens` of history.
+
+    The largest of three moments, each with the per-pass rotary tables and position ids:
+    MLP product       q(4h + 3I)b        embeddings, layer input, residual, normed input, act(gate), up, product
+    4-bit matmul      q(4h + 2I)b + W_dq the same minus the product, plus bitsandbytes' bf16 copy of a weight
+    attention (bound) q(6h + 2 q_dim)b   + with history (chunked prefill): the bool mask and SDPA's additive copy of
+                                         it, the GQA repeat of K/V, and the cache update's transient copy
+    """
+    q, b = int(new_tokens), facts.compute_bytes
+    if q <= 0:
+        return 0
+    h, inter = facts.hidden_size, facts.intermediate_size
+    mlp = q * (4 * h + 3 * inter) * b
+    mlp_dq = q * (4 * h + 2 * inter) * b + facts.dequant_weight_bytes if q > 4 else 0  # M <= 4: fused gemv
+    attn = q * (6 * h + 2 * facts.q_dim) * b
+    if cached_tokens > 0:
+        kv_len = cached_tokens + q
+        attn += q * kv_len * (1 + 2 * b)  # bool mask + additive mask in the compute dtype (+ alignment copy)
+        if facts.num_kv_heads < facts.num_attention_heads:
+            attn += 2 * kv_len * facts.q_dim * b  # repeat_kv: SDPA gets full-head K and V when a mask is passed
+        if kv_mode in ("dynamic", "offload"):
+            attn += cached_tokens * facts.kv_dim * facts.cache_bytes_per_element  # torch.cat keeps old + new
+    per_pass = q * (2 * facts.head_dim * b + 8)  # cos/sin tables + int64 position ids
+    return max(mlp, mlp_dq, attn) + per_pass
+
+
+def decode_transient_bytes(facts: ModelMemoryFacts, context_tokens: int, kv_mode: str = "dynamic") -> int:
+    """Temporaries of one decode step at `context_tokens` of history: the cache's own transient plus, for GQA,
+    the K/V repeat some SDPA kernels make (counted to stay on the safe side)."""
+    b = facts.cache_bytes_per_element
+    t = int(context_tokens)
+    transient = 0
+    if kv_mode in ("dynamic", "offload"):
+        transient = t * facts.kv_dim * b  # torch.cat: one layer's old K (or V) and the new one coexist
+    step = 16 * facts.hidden_size * facts.compute_bytes + facts.intermediate_size * 3 * facts.compute_bytes
+    if facts.num_kv_heads < facts.num_attention_heads:
+        step += 2 * t * facts.q_dim * b
+    return transient + step
+
+
+def logits_bytes(facts: ModelMemoryFacts, positions: int = 1) -> int:
+    """Logits of the positions the prefill scores (one with logits_to_keep) in the compute dtype, generate's fp32
+    copy and one processed fp32 copy (logits processors / softmax)."""
+    return positions * facts.vocab_size * (facts.compute_bytes + 4 + 4)
+
+
+# --- prediction ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeakPrediction:
+    """Predicted device peak of one reply. total_bytes = weights + workspace + kv + activation + logits + reserve;
+    `peak_allocated_bytes` leaves the allocator reserve out (compare it with torch.cuda.max_memory_allocated)."""
+
+    weights_bytes: int
+    kv_bytes: int  # KV held on the device at the peak moment
+    prefill_activation_bytes: int  # temporaries of the largest prefill pass
+    logits_bytes: int
+    reserve_bytes: int
+    total_bytes: int
+    workspace_bytes: int = 0  # cuBLAS workspace + KV dequantization scratch / offload staging at the peak
+    activation_bytes: int = 0  # temporaries at the peak moment (prefill activations or the decode transient)
+    decode_transient_bytes: int = 0
+    kv_end_bytes: int = 0  # the whole cache after the reply (host memory for offload)
+    phase: str = "prefill"  # where the peak falls: "prefill" or "decode"
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    kv_mode: str = "dynamic"
+    prefill_chunk_tokens: int | None = None
+
+    @property
+    def peak_allocated_bytes(self) -> int:
+        return self.total_bytes - self.reserve_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return asdict(self) | {"peak_allocated_bytes": self.peak_allocated_bytes}
+
+
+def predict_peak_bytes(
+    model_facts: ModelMemoryFacts,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    kv_mode: str = "dynamic",
+    *,
+    prefill_chunk_tokens: int | None = None,
+    quant: QuantizedKVSpec | None = None,
+) -> PeakPrediction:
+    """Predicted peak device bytes of a reply: prompt of `prompt_tokens`, up to `max_new_tokens` new tokens.
+
+    `prefill_chunk_tokens`: prefill in passes of at most that many tokens (llm_core.kv_cache.prefill_in_chunks);
+    None = one pass over the whole prompt (plain generate). The cache is counted for prompt + new tokens.
+    """
+    f = model_facts
+    _check_mode(kv_mode)
+    p, n = max(0, int(prompt_tokens)), max(0, int(max_new_tokens))
+    end = p + n
+    chunk = p if not prefill_chunk_tokens or prefill_chunk_tokens >= p else int(prefill_chunk_tokens)
+    last_pass = (p - 1) % chunk + 1 if chunk else 0  # the final pass is the largest KV + activation moment
+    # The last pass is at most `chunk` tokens over p - last_pass cached ones; a full chunk just before it has less
+    # history, so the last full-size chunk bounds every pass.
+    cached_before = max(0, p - chunk)
+    prefill_act = forward_activation_bytes(f, chunk, cached_before, kv_mode) if p else 0
+    if last_pass != chunk and p > chunk:
+        prefill_act = max(prefill_act, forward_activation_bytes(f, last_pass, p - last_pass, kv_mode))
+    # The quantized cache is preallocated for the whole reply; the others grow to `p` during the prefill.
+    kv_at_prefill = _kv_device_bytes(f, end if kv_mode == "quantized" else p, kv_mode, quant, chunk)
+    kv_at_end = _kv_device_bytes(f, end, kv_mode, quant)
+    ws_prefill = kv_workspace_bytes(f, end if kv_mode == "quantized" else p, f.cache_dtype, kv_mode)
+    ws_end = kv_workspace_bytes(f, end, f.cache_dtype, kv_mode)
+    decode_t = decode_transient_bytes(f, end, kv_mode) if n else 0
+    prefill_total = kv_at_prefill + ws_prefill + prefill_act
+    decode_total = kv_at_end + ws_end + decode_t
+    if prefill_total >= decode_total:
+        phase, kv_peak, ws_peak, act_peak = "prefill", kv_at_prefill, ws_prefill, prefill_act
+    else:
+        phase, kv_peak, ws_peak, act_peak = "decode", kv_at_end, ws_end, decode_t
+    logits = logits_bytes(f, 1 if f.logits_to_keep else max(chunk, 1))
+    reserve = int(f.reserve_fraction * (kv_peak + ws_peak + act_peak)) + f.reserve_fixed_bytes
+    workspace = f.workspace_bytes + ws_peak
+    total = f.weights_bytes + workspace + kv_peak + act_peak + logits + reserve
+    return PeakPrediction(
+        weights_bytes=f.weights_bytes,
+        kv_bytes=kv_peak,
+        prefill_activation_bytes=prefill_act,
+        logits_bytes=logits,
+        reserve_bytes=reserve,
+        total_bytes=total,
+        workspace_bytes=workspace,
+        activation_bytes=act_peak,
+        decode_transient_bytes=decode_t,
+        kv_end_bytes=kv_bytes(f, end, f.cache_dtype, kv_mode, quant),
+        phase=phase,
+        prompt_tokens=p,
+        new_tokens=n,
+        kv_mode=kv_mode,
+        prefill_chunk_tokens=prefill_chunk_tokens,
+    )
+
+
+# --- budget ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """The most device bytes a reply may use in total, weights included (what the allocator may reserve)."""
+
+    budget_bytes: int
+    source: str = "setting"  # "setting" or how it was derived, shown next to the context meter
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0:
+            raise SettingsError(f"The memory budget must be positive, got {self.budget_bytes} bytes.")
+
+    @classmethod
+    def from_device(cls, device: torch.device | str, margin_bytes: int | None = None) -> MemoryBudget:
+        budget = default_budget_bytes(device, margin_bytes)
+        return cls(budget, f"free on {torch.device(device).type} after loading, minus a margin")
+
+    def fits(self, prediction: PeakPrediction) -> bool:
+        return prediction.total_bytes <= self.budget_bytes
+
+
+def default_budget_bytes(device: torch.device | str, margin_bytes: int | None = None) -> int:
+    """Bytes this process may use in total: on CUDA what the allocator holds now (the loaded weights) plus what the
+    device has free, capped by torch.cuda.set_per_process_memory_fraction, minus `margin_bytes`; on CPU the RAM
+    the process holds plus what is available (psutil), minus the margin. Call it after loading the model."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        margin = DEFAULT_CUDA_MARGIN_BYTES if margin_bytes is None else margin_bytes
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free_bytes, total_bytes = torch.cuda.mem_get_info(index)
+        held = torch.cuda.memory_reserved(index)
+        available = held + free_bytes
+        fraction_of = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        if fraction_of is not None:
+            available = min(available, int(fraction_of(index) * total_bytes))
+        return max(0, available - margin)
+    import psutil
+
+    margin = DEFAULT_CPU_MARGIN_BYTES if margin_bytes is None else margin_bytes
+    held = psutil.Process().memory_info().rss
+    return max(0, held + psutil.virtual_memory().available - margin)
+
+
+def max_context_tokens(
+    facts: ModelMemoryFacts,
+    budget_bytes: int,
+    max_new_tokens: int,
+    kv_mode: str = "dynamic",
+    *,
+    prefill_chunk_tokens: int | None = None,
+    quant: QuantizedKVSpec | None = None,
+) -> int:
+    """Largest prompt (tokens) whose reply of `max_new_tokens` is predicted to fit `budget_bytes`, within the
+    model's context length; 0 when not even a one-token prompt fits. Non-decreasing in the budget."""
+
+    def fits(p: int) -> bool:
+        pred = predict_peak_bytes(facts, p, max_new_tokens, kv_mode, prefill_chunk_tokens=prefill_chunk_tokens,
+                                  quant=quant)
+        return pred.total_bytes <= budget_bytes
+
+    hi = max(0, facts.context_length - max(0, int(max_new_tokens)))
+    if hi == 0 or not fits(1):
+        return 0
+    lo = 1  # fits(lo) holds; the predicted peak is non-decreasing in the prompt, so bisect
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@dataclass(frozen=True)
+class ReplyPlan:
+    """What the guard allows for one reply. The engine drops oldest whole turns until the prompt has at most
+    `allowed_prompt_tokens` tokens, then generates at most `allowed_new_tokens` tokens."""
+
+    fits: bool
+    allowed_prompt_tokens: int
+    allowed_new_tokens: int
+    predicted: PeakPrediction
+    message: str  # for the user: empty when nothing was cut, else what was cut and why
+    budget_bytes: int = 0
+    requested_prompt_tokens: int = 0
+    requested_new_tokens: int = 0
+
+    @property
+    def trims_prompt(self) -> bool:
+        return self.allowed_prompt_tokens < self.requested_prompt_tokens
+
+    @property
+    def lowers_new_tokens(self) -> bool:
+        return self.allowed_new_tokens < self.requested_new_tokens
+
+
+def plan_reply(
+    facts: ModelMemoryFacts,
+    budget_bytes: int,
+    prompt_tokens: int,
+    max_new_tokens: int,
+    kv_mode: str = "dynamic",
+    *,
+    min_prompt_tokens: int | None = None,
+    min_new_tokens: int = 1,
+    prefill_chunk_tokens: int | None = None,
+    quant: QuantizedKVSpec | None = None,
+) -> ReplyPlan:
+    """Fit one reply into `budget_bytes`: keep it as asked if it fits; else allow fewer prompt tokens (the engine
+    drops oldest whole turns) down to `min_prompt_tokens` (system prompt + newest message: what cannot be dropped;
+    default: the whole prompt); else also lower max_new_tokens, to no fewer than `min_new_tokens`; else refuse."""
+    kw: dict[str, Any] = dict(prefill_chunk_tokens=prefill_chunk_tokens, quant=quant)
+    p, n = int(prompt_tokens), int(max_new_tokens)
+    floor_p = p if min_prompt_tokens is None else min(p, int(min_prompt_tokens))
+    common = dict(budget_bytes=int(budget_bytes), requested_prompt_tokens=p, requested_new_tokens=n)
+    budget_text = _gib(budget_bytes)
+
+    asked = predict_peak_bytes(facts, p, n, kv_mode, **kw)
+    if asked.total_bytes <= budget_bytes:
+        return ReplyPlan(True, p, n, asked, "", **common)
+
+    fit_p = max_context_tokens(facts, budget_bytes, n, kv_mode, **kw)
+    if fit_p >= floor_p and fit_p > 0:
+        pred = predict_peak_bytes(facts, fit_p, n, kv_mode, **kw)
+        msg = (f"Older turns were dropped to fit the memory budget ({budget_text}): the prompt may use at most "
+               f"{fit_p:,} of its {p:,} tokens with a reply of up to {n:,} tokens "
+               f"(predicted peak {_gib(asked.total_bytes)} as asked).")
+        return ReplyPlan(True, fit_p, n, pred, msg, **common)
+
+    # Not even the newest message fits with n new tokens: keep only it and lower n (largest that fits).
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if predict_peak_bytes(facts, floor_p, mid, kv_mode, **kw).total_bytes <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo >= max(1, min_new_tokens):
+        pred = predict_peak_bytes(facts, floor_p, lo, kv_mode, **kw)
+        dropped = "All older turns were dropped and the reply was shortened" if floor_p < p else \
+            "The reply was shortened"
+        msg = f"{dropped}: max_new_tokens was lowered from {n:,} to {lo:,} to fit the memory budget ({budget_text})."
+        return ReplyPlan(True, floor_p, lo, pred, msg, **common)
+
+    pred = predict_peak_bytes(facts, floor_p, max(1, min_new_tokens), kv_mode, **kw)
+    most = max_context_tokens(facts, budget_bytes, max(1, min_new_tokens), kv_mode, **kw)
+    hint = " Try KV cache mode 'quantized'." if kv_mode == "dynamic" else ""
+    msg = (f"This message does not fit in memory: it needs {floor_p:,} prompt tokens (system prompt and your "
+           f"message), predicted peak {_gib(pred.total_bytes)}, but the budget of {budget_text} fits at most "
+           f"{most:,} prompt tokens with kv cache '{kv_mode}'. Shorten the message or raise the memory budget."
+           + hint + " The conversation is kept.")
+    return ReplyPlan(False, 0, 0, pred, msg, **common)
+
+
+def require_fit(plan: ReplyPlan) -> ReplyPlan:
+    """The plan itself when the reply can run; raises ContextBudgetError with the plan's message otherwise."""
+    if not plan.fits:
+        raise ContextBudgetError(plan.message)
+    return plan
+
+
+def refit_reserve(facts: ModelMemoryFacts, predicted: PeakPrediction, measured_reserved_bytes: int,
+                  headroom: float = 1.10) -> ModelMemoryFacts:
+    """Facts whose reserve fraction covers a measured peak of reserved bytes (never lowered): after each reply the
+    engine can feed back torch.cuda.max_memory_reserved so the next plans account for this allocator's reality."""
+    variable = predicted.kv_bytes + predicted.activation_bytes + (predicted.workspace_bytes - facts.workspace_bytes)
+    excess = measured_reserved_bytes - predicted.peak_allocated_bytes - facts.reserve_fixed_bytes
+    if variable <= 0 or excess <= 0:
+        return facts
+    needed = headroom * excess / variable
+    return replace(facts, reserve_fraction=max(facts.reserve_fraction, min(needed, 4.0)))
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 4 else f"{n / MiB:.0f} MiB"
+
+
+# --- measuring -------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeasuredPeak:
+    """One measured peak. CUDA: allocator statistics. CPU: resident set size sampled every few milliseconds."""
+
+    device_type: str
+    peak_allocated_bytes: int  # CUDA max_memory_allocated; CPU peak RSS
+    peak_reserved_bytes: int  # CUDA max_memory_reserved; CPU peak RSS
+    start_bytes: int  # allocated (CUDA) or RSS (CPU) when the block started
+    seconds: float
+
+    @property
+    def delta_bytes(self) -> int:
+        return self.peak_allocated_bytes - self.start_bytes
+
+
+class PeakMeter:
+    """`with PeakMeter(device) as meter: ...` then `meter.result`: the peak inside the block.
+
+    CUDA: resets the allocator's peak statistics on entry (the peak is over the block only) and reads
+    max_memory_allocated/reserved on exit, after a synchronize. CPU: a thread samples RSS every `interval_s`.
+    """
+
+    def __init__(self, device: torch.device | str, interval_s: float = 0.002) -> None:
+        self.device = torch.device(device)
+        self.interval_s = interval_s
+        self.result: MeasuredPeak | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._peak_rss = 0
+        self._start = 0
+        self._t0 = 0.0
+
+    def __enter__(self) -> PeakMeter:
+        self._t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._start = torch.cuda.memory_allocated(self.device)
+        else:
+            import psutil
+
+            proc = psutil.Process()
+            self._start = self._peak_rss = proc.memory_info().rss
+
+            def sample() -> None:
+                while not self._stop.is_set():
+                    self._peak_rss = max(self._peak_rss, proc.memory_info().rss)
+                    self._stop.wait(self.interval_s)
+
+            self._thread = threading.Thread(target=sample, name="peak-rss", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        seconds = time.perf_counter() - self._t0
+        if self.device.type == "cuda":
+            with contextlib.suppress(RuntimeError):  # after a CUDA OOM the sync may fail: keep the stats
+                torch.cuda.synchronize(self.device)
+            alloc = torch.cuda.max_memory_allocated(self.device)
+            reserved = torch.cuda.max_memory_reserved(self.device)
+            self.result = MeasuredPeak("cuda", alloc, reserved, self._start, seconds)
+        else:
+            self._stop.set()
+            if self._thread is not None:
+                self._thread.join()
+            import psutil
+
+            self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
+            self.result = MeasuredPeak("cpu", self._peak_rss, self._peak_rss, self._start, seconds)
+
+
+# --- out of memory ---------------------------------------------------------------------------------------------
+
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate")
+
+
+def is_oom_error(exc: BaseException | None) -> bool:
+    """True for torch.OutOfMemoryError (CUDA), MemoryError, and RuntimeErrors whose message says the allocator
+    ran out (CPU "can't allocate memory", cuBLAS/cuDNN "CUDA error: out of memory"), also when wrapped as cause."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+            return True
+        if isinstance(exc, RuntimeError) and any(text in str(exc).lower() for text in _OOM_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def free_memory(device: torch.device | str) -> None:
+    """Give back what a failed or finished reply left: collect garbage (drops the cache and activations once the
+    caller let go of them), empty the CUDA caching allocator and reset its peak statistics."""
+    gc.collect()
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):
+            torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+@dataclass
+class OOMInjector:
+    """A test hook the engine is handed explicitly: `injector.check("prefill")` at named points of a reply raises
+    torch.OutOfMemoryError while armed for that point. The default object never fires."""
+
+    armed: dict[str, int] = field(default_factory=dict)  # point -> how many more times to fire
+    fired: list[str] = field(default_factory=list)
+
+    def arm(self, point: str, times: int = 1) -> OOMInjector:
+        self.armed[point] = self.armed.get(point, 0) + times
+        return self
+
+    def check(self, point: str) -> None:
+        left = self.armed.get(point, 0)
+        if left > 0:
+            self.armed[point] = left - 1
+            self.fired.append(point)
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected at {point!r} by OOMInjector).")
+
+    @contextlib.contextmanager
+    def armed_for(self, point: str, times: int = 1) -> Iterator[OOMInjector]:
+        """Arm within a block only: `with injector.armed_for("decode"): engine.reply(...)`."""
+        self.arm(point, times)
+        try:
+            yield self
+        finally:
+            self.armed.pop(point, None)
+
+
+OOM_POINTS = ("plan", "prefill", "decode")  # the points the engine is expected to check
