@@ -24,9 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+
+if "--expandable-segments" in sys.argv:  # before torch touches CUDA; see llm_core.loading.configure_cuda_allocator
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 import platform
 import shlex
-import sys
 import time
 import traceback
 from dataclasses import replace
@@ -277,8 +280,9 @@ class Bench:
     def set_cap(self, on: bool) -> None:
         if self.device.type != "cuda":
             return
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        torch.cuda.set_per_process_memory_fraction(self.cap_bytes / total if on else 1.0, self.device)
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(self.cap_bytes / total if on else 1.0, index)
 
     def phase_b_seed(self) -> int:
         """The seed recipe under the cap, prompt growing by `step` until it runs out of memory."""
@@ -363,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "memory.json"))
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny random llama on CPU, emulated cap")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for the whole run (what the app sets)")
     parser.add_argument("--cap-gib", type=float, default=8.0, help="simulated card size for phases b-d")
     parser.add_argument("--smoke-cap-mib", type=float, default=0.0, help="CPU smoke: emulated cap (0 = auto)")
     parser.add_argument("--new-tokens", type=int, default=128)

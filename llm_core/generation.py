@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -361,7 +362,8 @@ class ChatEngine:
                     yield ReplyUpdate(reply, self._live_stats(stats, clock))
             except Exception as exc:  # queue.Empty: no token within stream_timeout_s
                 if errors:
-                    raise self._translate(errors[0]) from errors[0]
+                    cache = None  # drop the KV cache before recovering memory
+                    raise self._translate(errors[0]) from None
                 stop_event.set()
                 raise GenerationError(
                     f"No new token for {gen.stream_timeout_s:.0f} s; the reply was stopped. Try again, or "
@@ -369,7 +371,8 @@ class ChatEngine:
                 ) from exc
             worker.join(_JOIN_TIMEOUT_S)
             if errors:
-                raise self._translate(errors[0]) from errors[0]
+                cache = None  # drop the KV cache before recovering memory
+                raise self._translate(errors[0]) from None
             final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend)
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
@@ -440,6 +443,7 @@ class ChatEngine:
         if isinstance(exc, LLMCoreError):
             return exc
         if is_oom_error(exc):
+            traceback.clear_frames(exc.__traceback__)  # the failed step's frames still hold activations
             free_memory(self.loaded.device)
             return OutOfMemoryError(
                 "The device ran out of memory during this reply. Memory was freed and the conversation kept; "

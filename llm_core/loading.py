@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -183,9 +184,17 @@ def context_length_of(config: Any, tokenizer: Any) -> int:
     return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else 2048
 
 
+def configure_cuda_allocator() -> None:
+    """Use expandable segments unless the operator configured the allocator: a KV cache that grows step by step
+    otherwise fragments the caching allocator (measured on an H200 under an 8 GiB cap: 1.6 GiB reserved but
+    unusable, and an OOM at 6.95 GiB allocated). Takes effect only before the first CUDA allocation."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def load_model(settings: ModelSettings, progress: Progress | None = None) -> LoadedModel:
     """Load tokenizer and model once per process, as `settings` says. Raises ModelLoadError/SettingsError."""
     say = progress or (lambda _msg: None)
+    configure_cuda_allocator()
     device = resolve_device(settings)
     compute_dtype = resolve_compute_dtype(settings, device)
     quant_config = build_quantization_config(settings, device)
