@@ -54,12 +54,14 @@ AUTO_BATCH_SIZE_CUDA = 8
 # --- settings ----------------------------------------------------------------------------------------------------
 
 
-def resolve_max_batch_size(setting: int | None, device: torch.device, decode_path: str) -> int:
-    """MAX_BATCH_SIZE as the engine uses it. Empty (None) = auto: 8 on CUDA, 1 (serial) on CPU and with
-    DECODE_PATH=fast, whose static cache serves one reply at a time."""
+def resolve_max_batch_size(setting: int | None, device: torch.device, decode_path: str, shared: bool = False) -> int:
+    """MAX_BATCH_SIZE as the engine uses it. Empty (None) = auto: batched (8) on CUDA when the demo is shared
+    (SHARE, AUTH or a non-local HOST: several users at once); otherwise 1, so a single user on a GPU gets the fast
+    single-reply path (batching runs transformers' eager forward, several times slower for one reply). Always 1
+    on CPU and with DECODE_PATH=fast, whose static cache serves one reply at a time."""
     if setting is not None:
         return int(setting)
-    if device.type != "cuda" or decode_path == "fast":
+    if device.type != "cuda" or decode_path == "fast" or not shared:
         return 1
     return AUTO_BATCH_SIZE_CUDA
 
@@ -459,13 +461,19 @@ class BatchScheduler:
                         if not self._rows and not self._waiting:
                             self._cond.wait(0.5)
                             continue
-                    self._drop_stopped()
-                    self._admit()
-                    if self._rows:
-                        self._decode_step()
-                    elif self._waiting:
-                        with self._cond:
-                            self._cond.wait(0.02)
+                    try:
+                        self._drop_stopped()
+                        self._admit()
+                        if self._rows:
+                            self._decode_step()
+                        elif self._waiting:
+                            with self._cond:
+                                self._cond.wait(0.02)
+                    except Exception as exc:  # a bug around the model calls: fail the running rows, keep serving
+                        for row in self._rows:
+                            self._finish(row.request, "error", GenerationError(
+                                f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}"))
+                        self._select_rows([])
             error: BaseException = GenerationError("The model was unloaded or the demo is shutting down; this "
                                                    "reply was stopped.")
         except BaseException as exc:  # a bug in the loop itself: fail every reply rather than hang them
@@ -572,6 +580,9 @@ class BatchScheduler:
             cache = self._new_cache()
             logits = self._forward(prompt, torch.ones_like(prompt), torch.arange(prompt.shape[1],
                                    device=self.device).unsqueeze(0), cache)
+            if cache.get_seq_length() != prompt.shape[1]:
+                raise GenerationError(f"The model did not fill the cache passed as `{self.cache_kwarg}`; batching "
+                                      "cannot run with this model / transformers version. Set MAX_BATCH_SIZE=1.")
             self.stats.prefills += 1
             row = self._make_row(request, len(request.prompt_ids))
             token = self._pick(row, logits)
@@ -781,6 +792,10 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def _free_after_error(exc: BaseException, device: torch.device) -> None:
+    """Let go of the failed call's activations (its finished frames hold them), then, after an OOM, of the memory."""
+    import traceback
+
+    traceback.clear_frames(exc.__traceback__)
     if _is_oom(exc):
         from .memory import free_memory
 

@@ -103,7 +103,12 @@ class ServerSettings:
     share: bool = False
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
-    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on CUDA, 1 on CPU); 1 = serial
+    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
+
+    @property
+    def is_shared(self) -> bool:
+        """Reachable by others (public link, login, or bound beyond loopback): expect several users at once."""
+        return self.share or self.auth is not None or self.host not in ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -426,7 +431,7 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
     SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
-                "empty = auto: 8 on CUDA, 1 on CPU; 1 = one at a time"),
+                "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
     SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,
                 "comma-separated HF ids / folders the Compare view may load besides the served model"),
     SettingSpec("COMPARE_MODES", "compare", "modes", _parse_list,

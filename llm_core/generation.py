@@ -170,7 +170,7 @@ class ChatEngine:
 
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
-                                      self.settings.model.decode_path)
+                                      self.settings.model.decode_path, self.settings.server.is_shared)
         ok, why = batching_support(loaded.model) if size > 1 else (False, "")
         if not ok:
             self._select_backend()
