@@ -6,12 +6,14 @@ It takes a `LoadedModel` and token ids, never text, settings files or the UI. Th
 - pack_weights: the model's own tensors, read in place (no copy) from transformers modules; q/k/v and gate/up
   are fused into one linear each by concatenating their rows. For bitsandbytes NF4 the packed 4-bit data is
   concatenated exactly (blocks never straddle rows) and the transformers modules are re-pointed at views of the
-  fused storage, so the plain path keeps working on the same bytes and memory is not doubled.
-- prefill: eager, one pass over the prompt (flash/SDPA causal attention), writes K/V into the static cache.
-- decode_step: a hand-written llama-family layer (RMSNorm, RoPE, cache write, attention over a prefix of the
-  cache, SwiGLU) compiled once with torch.compile(fullgraph=True) with the attended length dynamic, then captured
-  as one CUDA graph per attention-length bucket at warm-up. Replaying a graph launches every kernel of all layers
-  with no Python and no host sync.
+  fused storage, so the plain path keeps working on the same bytes and memory is not doubled. Double-quantized
+  absmax is kept exactly (per-256-block scale and offset) or, for bitsandbytes' kernel, requantized once.
+- prefill: one pass over the prompt (SDPA causal attention), writes K/V into the static cache; on CUDA each
+  layer is compiled with the prompt length dynamic (one compile for every length), eager if that fails.
+- decode_step: a hand-written llama-family layer (RMSNorm, RoPE, cache write, attention, SwiGLU) compiled once
+  with torch.compile(fullgraph=True), the attended length dynamic, then captured as one CUDA graph per length
+  bucket at warm-up. Attention is a Triton split-K kernel that reads cache rows up to the live position only.
+  Replaying a graph launches every kernel of all layers with no Python and no host sync.
 - select: repetition penalty, min-new-tokens and greedy argmax run inside the graph; sampling (temperature, top-k,
   top-p, multinomial) runs eagerly on the device right after the replay, with a per-request generator.
 - stream: each new token is copied into pinned host memory with an event; the host reads token i after it has
@@ -26,7 +28,6 @@ import bisect
 import hashlib
 import json
 import logging
-import math
 import os
 import threading
 import time
@@ -46,10 +47,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time
-GEMV_KERNELS = ("bnb", "torch", "triton")
+GEMV_KERNELS = ("bnb", "torch", "triton", "triton2")
 ABSMAX_MODES = ("keep", "fp32", "requant")
-# The 4-bit matrix-vector kernel the decode step uses when options.gemv == "auto" (chosen from the H200 bench).
-DEFAULT_GEMV = "torch"
 MIN_BUCKET_TOKENS = 256
 
 
@@ -120,7 +119,7 @@ class _Arch:
             raise _Unsupported(f"RoPE type {rope_type!r} changes with the sequence length; not supported")
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise _Unsupported(f"activation {cfg.hidden_act!r} is not implemented by the fast path (silu only)")
-        inner = getattr(model, "model", None)
+        inner: Any = getattr(model, "model", None)
         layers = list(getattr(inner, "layers", []) or [])
         if not layers or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
             raise _Unsupported("the model does not have the llama layout (model.layers, norm, rotary_emb)")
@@ -168,23 +167,38 @@ def _check_linear(module: Any) -> None:
 
 @dataclass(frozen=True)
 class FastDecodeOptions:
-    """How the decode step is built. Defaults are the fastest measured on an H200 (bench/results)."""
+    """How the decode step is built. Defaults pick the fastest measured choice (see docs/fast_decode.md)."""
 
-    gemv: str = "auto"  # 4-bit matrix-vector kernel: bnb (bitsandbytes) | torch (fused by inductor) | triton
+    # 4-bit matrix-vector kernel: bnb (bitsandbytes' gemm_4bit, fastest on the H200: 125 us/layer vs 466-559 for
+    # triton2, bench/results/2026-11-30-h200-decode.json) | auto (time bnb and triton2 at start, ~8 s) | torch
+    # (inductor-generated) | triton | triton2
+    gemv: str = "bnb"
     fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
     absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
+    attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
+    dense_gemv: str = "cublas"  # unquantized weights at one token: cublas (F.linear) | reduce (inductor reduction)
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
+    compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
 
-    def resolved(self, device: torch.device) -> FastDecodeOptions:
-        gemv = DEFAULT_GEMV if self.gemv == "auto" else self.gemv
-        if gemv not in GEMV_KERNELS:
-            raise GenerationError(f"Unknown gemv kernel {gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
+    def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
+        if self.gemv not in ("auto", *GEMV_KERNELS):
+            raise GenerationError(f"Unknown gemv kernel {self.gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
-        if gemv == "triton" and device.type != "cuda" and not _triton_interpreter():
-            gemv = "torch"
-        return replace(self, gemv=gemv)
+        triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
+        gemv = self.gemv
+        if gemv.startswith("triton") and not triton_ok:
+            gemv = "bnb"
+        if gemv == "auto" and (device.type != "cuda" or not triton_ok):
+            gemv = "bnb"  # on CPU: the same kernel as the plain path
+        attention = self.attention
+        pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        if attention == "auto":
+            attention = "triton" if triton_ok and pow2 else "torch"
+        if attention == "triton" and not (triton_ok and pow2):
+            attention = "torch"
+        return replace(self, gemv=gemv, attention=attention)
 
 
 def _triton_interpreter() -> bool:
@@ -235,7 +249,7 @@ def _nf4_parts(module: Any) -> dict[str, Any]:
     if getattr(qs, "packing_format_for_cpu", False):
         from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
-        log.warning("Linear4bit weights were repacked for CPU; restoring the generic layout (absmax requantized).")
+        log.info("Linear4bit weights were repacked for CPU; restoring the generic layout (absmax requantized).")
         weight.data, qs = _convert_weight_packed_for_cpu_inverse(weight.data, qs)
         weight.quant_state = module.quant_state = qs
     n, k = int(qs.shape[0]), int(qs.shape[1])
@@ -254,10 +268,14 @@ def _nf4_parts(module: Any) -> dict[str, Any]:
     return parts
 
 
-def _nested_to_fp32(q8: torch.Tensor, absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor) -> torch.Tensor:
+def _nested_to_fp32(q8: torch.Tensor, absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor
+                    ) -> torch.Tensor:
     """Exact dequantization of double-quantized absmax: code2[q8] * absmax2[block] + offset[block] (fp32, flat)."""
+    codes = code2[q8.to(torch.int32)]
+    if q8.numel() % 256 == 0:  # every second-level block full: one multiply-add per 256-row
+        return torch.addcmul(offsets[:, None], codes.view(-1, 256), absmax2[:, None]).view(-1)
     idx = torch.arange(q8.numel(), device=q8.device) // 256
-    return code2[q8.to(torch.int32)] * absmax2[idx] + offsets[idx]
+    return codes * absmax2[idx] + offsets[idx]
 
 
 def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
@@ -267,7 +285,8 @@ def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
 
 
 def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> _Packed:
-    """One linear from one module, or a fused one from several sharing the input (rows concatenated)."""
+    """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
+    the 4-bit kernel; unquantized weights use opts.dense_gemv."""
     splits = tuple(int(m.out_features) for m in modules)
     if all(not _is_bnb4(m) for m in modules):
         weights = [m.weight for m in modules]
@@ -282,7 +301,8 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
         if has_bias:
             tensors.append(torch.cat([b.detach() if b is not None else torch.zeros(s, dtype=w.dtype, device=w.device)
                                       for b, s in zip(bias, splits, strict=True)]))
-        spec = _LinSpec("dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias, "dense", False)
+        kernel = "dense-reduce" if opts.dense_gemv == "reduce" else "dense"
+        spec = _LinSpec("dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias, kernel, False)
         return _Packed(spec, tensors)
     if not all(_is_bnb4(m) for m in modules):
         raise _Unsupported("a fused projection mixes 4-bit and plain weights")
@@ -390,9 +410,229 @@ def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor
     return y.to(x.dtype).view(1, n)
 
 
+try:  # the hand-written kernel needs Triton (shipped with CUDA builds of PyTorch); CPU-only installs skip it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+if triton is not None:
+
+    def _triton_configs() -> list[Any]:
+        shapes = [(1, 16, 2), (2, 16, 4), (4, 8, 4), (4, 16, 4), (8, 8, 4), (8, 16, 8), (16, 4, 4), (16, 8, 8),
+                  (32, 4, 8)]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in shapes]
+
+    @triton.jit
+    def _nf4_matvec_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code_ptr, code2_ptr,
+                           bias_ptr, y_ptr, N, K2: tl.constexpr, NBLK: tl.constexpr, PER: tl.constexpr,
+                           NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_B: tl.constexpr):
+        """y[n] = sum_k x[k] * code[q(n, k)] * absmax(n, k // blocksize): BLOCK_N rows per program, BLOCK_B quant
+        blocks (PER packed bytes each) per loop step; nested absmax decoded in the loop (code2[q8] * s2 + off)."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        lane = tl.arange(0, PER)
+        acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+        for b0 in range(0, NBLK, BLOCK_B):
+            blks = b0 + tl.arange(0, BLOCK_B)
+            bmask = blks < NBLK
+            m2 = rmask[:, None] & bmask[None, :]
+            offs = rows[:, None, None] * K2 + blks[None, :, None] * PER + lane[None, None, :]
+            w = tl.load(w_ptr + offs, mask=m2[:, :, None], other=0)
+            hi = tl.load(code_ptr + (w >> 4).to(tl.int32))
+            lo = tl.load(code_ptr + (w & 15).to(tl.int32))
+            xo = blks[:, None] * (2 * PER) + 2 * lane[None, :]
+            x0 = tl.load(x_ptr + xo, mask=bmask[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + xo + 1, mask=bmask[:, None], other=0.0).to(tl.float32)
+            part = tl.sum(hi * x0[None, :, :] + lo * x1[None, :, :], axis=2)
+            bidx = rows[:, None] * NBLK + blks[None, :]
+            if NESTED:
+                q = tl.load(q8_ptr + bidx, mask=m2, other=0).to(tl.int32)
+                scale = (tl.load(code2_ptr + q) * tl.load(absmax2_ptr + bidx // 256, mask=m2, other=0.0)
+                         + tl.load(offsets_ptr + bidx // 256, mask=m2, other=0.0))
+            else:
+                scale = tl.load(absmax_ptr + bidx, mask=m2, other=0.0)
+            acc += part * scale
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+    @triton.jit
+    def _nf4_matvec_kernel2(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code_ptr, code2_ptr,
+                            bias_ptr, y_ptr, N, K2: tl.constexpr, NBLK: tl.constexpr, PER: tl.constexpr,
+                            NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_B: tl.constexpr):
+        """As _nf4_matvec_kernel, but products accumulate element-wise in registers; the cross-lane sum happens
+        once at the end instead of every loop step."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        lane = tl.arange(0, PER)
+        acc = tl.zeros((BLOCK_N, BLOCK_B, PER), dtype=tl.float32)
+        for b0 in range(0, NBLK, BLOCK_B):
+            blks = b0 + tl.arange(0, BLOCK_B)
+            bmask = blks < NBLK
+            m2 = rmask[:, None] & bmask[None, :]
+            offs = rows[:, None, None] * K2 + blks[None, :, None] * PER + lane[None, None, :]
+            w = tl.load(w_ptr + offs, mask=m2[:, :, None], other=0)
+            hi = tl.load(code_ptr + (w >> 4).to(tl.int32))
+            lo = tl.load(code_ptr + (w & 15).to(tl.int32))
+            xo = blks[:, None] * (2 * PER) + 2 * lane[None, :]
+            x0 = tl.load(x_ptr + xo, mask=bmask[:, None], other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + xo + 1, mask=bmask[:, None], other=0.0).to(tl.float32)
+            bidx = rows[:, None] * NBLK + blks[None, :]
+            if NESTED:
+                q = tl.load(q8_ptr + bidx, mask=m2, other=0).to(tl.int32)
+                scale = (tl.load(code2_ptr + q) * tl.load(absmax2_ptr + bidx // 256, mask=m2, other=0.0)
+                         + tl.load(offsets_ptr + bidx // 256, mask=m2, other=0.0))
+            else:
+                scale = tl.load(absmax_ptr + bidx, mask=m2, other=0.0)
+            acc += (hi * x0[None, :, :] + lo * x1[None, :, :]) * scale[:, :, None]
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+    def _triton_configs2() -> list[Any]:
+        shapes = [(1, 8, 2), (2, 8, 4), (4, 4, 4), (4, 8, 4), (8, 4, 4), (8, 8, 8), (16, 2, 4), (16, 4, 8),
+                  (32, 2, 8), (2, 16, 4)]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in shapes]
+
+    # Block shapes are tuned per weight shape on first use (warm-up); the interpreter (CPU tests) has no timer.
+    _nf4_matvec_tuned = triton.autotune(configs=_triton_configs(), key=["N", "K2"])(_nf4_matvec_kernel)
+    _nf4_matvec_tuned2 = triton.autotune(configs=_triton_configs2(), key=["N", "K2"])(_nf4_matvec_kernel2)
+
+    @torch.library.custom_op(
+        "llm_core::nf4_matvec", mutates_args=(),
+        schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code, "
+               "Tensor code2, Tensor? bias, bool nested, int version) -> Tensor")
+    def _nf4_matvec_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
+                       absmax2: torch.Tensor, offsets: torch.Tensor, code: torch.Tensor, code2: torch.Tensor,
+                       bias: torch.Tensor | None, nested: bool, version: int) -> torch.Tensor:
+        n, k2 = packed.shape
+        nblk = q8.numel() // n if nested else absmax.shape[1]
+        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        args = (x.contiguous(), packed, absmax, q8, absmax2, offsets, code, code2, bias if bias is not None else code,
+                y, n, k2, nblk)
+        flags = {"PER": k2 // nblk, "NESTED": nested, "HAS_BIAS": bias is not None}
+        kernel = _nf4_matvec_kernel2 if version == 2 else _nf4_matvec_kernel
+        tuned = _nf4_matvec_tuned2 if version == 2 else _nf4_matvec_tuned
+        if _triton_interpreter():
+            kernel[grid](*args, **flags, BLOCK_N=4, BLOCK_B=4)
+        else:
+            tuned[grid](*args, **flags)
+        return y
+
+    @_nf4_matvec_op.register_fake
+    def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x.new_empty(1, packed.shape[0])
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_l, stride_h,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+        """Flash-decoding, step 1: program (kv head h, split s) attends the G query heads of h to cache rows
+        [s*chunk, min((s+1)*chunk, pos+1)); writes unnormalized output, running max and sum. Rows after pos are
+        never read, whatever the captured bucket length."""
+        h = tl.program_id(0)
+        sp = tl.program_id(1)
+        length = tl.load(pos_ptr).to(tl.int32) + 1
+        gi = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        qmask = gi < G
+        q = tl.load(q_ptr + (h * G + gi)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        start = sp * chunk
+        end = tl.minimum(start + chunk, length)
+        for off in range(start, end, BLOCK_L):
+            li = off + tl.arange(0, BLOCK_L)
+            lmask = li < end
+            kv = li[:, None] * stride_l + h * stride_h + d[None, :]
+            k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(lmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        row = sp * (HKV * G) + h * G + gi
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+        tl.store(m_ptr + row, m_i, mask=qmask)
+        tl.store(l_ptr + row, l_i, mask=qmask)
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, nsplit, HQ: tl.constexpr, D: tl.constexpr,
+                             SP: tl.constexpr):
+        """Flash-decoding, step 2: merge the splits of one query head (log-sum-exp weights)."""
+        r = tl.program_id(0)
+        sp = tl.arange(0, SP)
+        smask = sp < nsplit
+        m = tl.load(m_ptr + sp * HQ + r, mask=smask, other=float("-inf"))
+        lsum = tl.load(l_ptr + sp * HQ + r, mask=smask, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))
+        d = tl.arange(0, D)
+        o = tl.load(o_ptr + (sp[:, None] * HQ + r) * D + d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+        tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+
+    @torch.library.custom_op("llm_core::decode_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+        length, hkv, dim = k.shape
+        hq = q.shape[0]
+        chunk, nsplit = _attention_splits(length, hkv, k.device)
+        o = torch.empty(nsplit, hq, dim, dtype=torch.float32, device=q.device)
+        m = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
+        lsum = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
+        groups = hq // hkv
+        if k.stride() != v.stride() or k.stride(2) != 1:
+            raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
+        _attn_split_kernel[(hkv, nsplit)](q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1),
+                                          HKV=hkv, G=groups,
+                                          GP=max(16, triton.next_power_of_2(groups)), D=dim,
+                                          BLOCK_L=ATTENTION_BLOCK, IEEE=q.dtype == torch.float32)
+        out = torch.empty(hq, dim, dtype=q.dtype, device=q.device)
+        _attn_combine_kernel[(hq,)](o, m, lsum, out, nsplit, HQ=hq, D=dim, SP=triton.next_power_of_2(nsplit))
+        return out
+
+    @_decode_attention_op.register_fake
+    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
+
+
+ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
+
+
+def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    target = max(1, -(-4 * sms // kv_heads))
+    chunk = max(ATTENTION_BLOCK, _round_up(-(-length // target), ATTENTION_BLOCK))
+    return chunk, -(-length // chunk)
+
+
 def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """x (1, K) -> (1, N) in the decode step."""
     if spec.fmt == "dense":
+        if spec.gemv == "dense-reduce":  # one fused reduction kernel per linear (fp32 accumulate), not cuBLAS
+            bias = _bias(spec, ts)
+            y = (ts[0].float() * x.float()).sum(-1)
+            return (y if bias is None else y + bias.float()).to(x.dtype).view(1, -1)
         return F.linear(x, ts[0], _bias(spec, ts))
     if spec.gemv == "bnb":
         packed = ts[0].view(-1, 1)
@@ -404,13 +644,13 @@ def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) 
                                                     spec.blocksize, "nf4", _bias(spec, ts))
         return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4",
                                                 _bias(spec, ts), ts[1], ts[4], ts[5])
-    if spec.gemv == "triton":
-        from . import _nf4_triton
-
+    if spec.gemv in ("triton", "triton2"):
+        bias, version = _bias(spec, ts), 2 if spec.gemv == "triton2" else 1
         if spec.absmax == "fp32":
-            return _nf4_triton.nf4_matvec(x, ts[0], ts[1], None, None, None, _code(spec, ts), _bias(spec, ts))
-        return _nf4_triton.nf4_matvec(x, ts[0], None, ts[1], ts[2], ts[3], _code(spec, ts), _bias(spec, ts),
-                                      code2=ts[4])
+            return torch.ops.llm_core.nf4_matvec(x, ts[0], ts[1], ts[1], ts[1], ts[1], _code(spec, ts), ts[1],
+                                                 bias, False, version)
+        return torch.ops.llm_core.nf4_matvec(x, ts[0], ts[2], ts[1], ts[2], ts[3], _code(spec, ts), ts[4], bias, True,
+                                             version)
     return nf4_matvec_torch(x, ts[0], _absmax_2d(spec, ts), _code(spec, ts), _bias(spec, ts))
 
 
@@ -450,6 +690,7 @@ class _LayerSpec:
     qk_norm_eps: float | None
     linears: tuple[_LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
     fused: bool
+    attention: str  # triton (custom kernel) | reduce (torch, written for inductor) | matmul (torch, eager)
 
 
 def _split_linears(spec: _LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -493,16 +734,27 @@ def _mlp(spec: _LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], firs
 
 def _decode_attention(spec: _LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       pos: torch.Tensor) -> torch.Tensor:
-    """One query token over the cache prefix. q (H, D); k/v_cache (L, Hkv, D) with rows > pos masked -> (1, H*D).
-    Written as broadcast products and reductions (no repeat_kv copy) so inductor fuses it into a few kernels."""
+    """One query token over the cache prefix. q (H, D); k/v_cache (L, Hkv, D), rows after pos masked -> (1, H*D).
+
+    Compiled form: broadcast products and reductions in fp32 (no repeat_kv copy, no fp32 copy of the cache) that
+    inductor fuses into a few kernels. Eager form (CPU): the same math as two batched matmuls."""
+    if spec.attention == "triton":
+        out = torch.ops.llm_core.decode_attention(q, k_cache, v_cache, pos, spec.scale)
+        return out.reshape(1, spec.n_heads * spec.head_dim)
     groups = spec.n_heads // spec.n_kv_heads
     length = k_cache.shape[0]
-    qf = q.float().view(1, spec.n_kv_heads, groups, spec.head_dim)
-    scores = (qf * k_cache.float()[:, :, None, :]).sum(-1) * spec.scale  # (L, Hkv, G)
     valid = torch.arange(length, device=q.device) <= pos  # (L,)
-    scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=0)
-    out = (probs[..., None] * v_cache.float()[:, :, None, :]).sum(0)  # (Hkv, G, D)
+    if spec.attention == "reduce":
+        qf = q.float().view(1, spec.n_kv_heads, groups, spec.head_dim)
+        scores = (qf * k_cache.float()[:, :, None, :]).sum(-1) * spec.scale  # (L, Hkv, G)
+        scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=0)
+        out = (probs[..., None] * v_cache.float()[:, :, None, :]).sum(0)  # (Hkv, G, D)
+    else:
+        qf = q.float().view(spec.n_kv_heads, groups, spec.head_dim)
+        scores = torch.matmul(qf, k_cache.float().permute(1, 2, 0)) * spec.scale  # (Hkv, G, L)
+        probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        out = torch.matmul(probs, v_cache.float().transpose(0, 1))  # (Hkv, G, D)
     return out.reshape(1, spec.n_heads * spec.head_dim).to(q.dtype)
 
 
@@ -667,12 +919,15 @@ class FastDecoder:
         self.dtype = loaded.compute_dtype if loaded.settings.quantization == "nf4" else _weights_dtype(loaded.model)
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.use_graphs = self.compile and self.device.type == "cuda"
-        self.options = (options or FastDecodeOptions()).resolved(self.device)
+        self._arch = _Arch.from_model(loaded.model)
+        self.options = (options or FastDecodeOptions()).resolved(self.device, self._arch.head_dim)
         self.reason = reason
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
-        self._arch = _Arch.from_model(loaded.model)
+        self.gemv_timings_us: dict[str, float] = {}
         with torch.no_grad():
+            if self.options.gemv == "auto":
+                self.options = replace(self.options, gemv=self._pick_gemv())
             self._build_plan()
         vocab = self._arch.vocab
         dev = self.device
@@ -690,29 +945,62 @@ class FastDecoder:
         self._pool: Any = None
         self._host_tokens: torch.Tensor | None = None
         self._events: list[Any] = []
+        self._cpu_tokens: dict[int, int] = {}
         self._compiled = False
         self.warmup_s: float | None = None
         self.compile_cache_loaded = False
         self.compile_s: float | None = None
         self.capture_s: float | None = None
+        self.prefill_warm_s: float | None = None
 
     # --- weights ---------------------------------------------------------------------------------------------
+    def _layer_groups(self, layer: Any) -> list[list[Any]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        if self.options.fuse:
+            return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                    [mlp.down_proj]]
+        return [[attn.q_proj], [attn.k_proj], [attn.v_proj], [attn.o_proj], [mlp.gate_proj], [mlp.up_proj],
+                [mlp.down_proj]]
+
+    def _pick_gemv(self) -> str:
+        """Time each 4-bit kernel on the first layer's real (fused) weights; keep the fastest. Dense weights and
+        CPU never get here. Falls back to bitsandbytes' kernel if a candidate fails."""
+        if self.loaded.settings.quantization != "nf4":
+            return "bnb"
+        groups = self._layer_groups(self._arch.layers[0])
+        for cand in ("bnb", "triton2"):
+            try:
+                packed = [_pack_linears(g, replace(self.options, gemv=cand), cand) for g in groups]
+                total = 0.0
+                for p in packed:
+                    x = torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device)
+                    for _ in range(3):  # first calls: Triton compile and autotune
+                        _linear_decode(p.spec, x, p.tensors)
+                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(20):
+                        _linear_decode(p.spec, x, p.tensors)
+                    stop.record()
+                    stop.synchronize()
+                    total += start.elapsed_time(stop) * 1e3 / 20
+                self.gemv_timings_us[cand] = round(total, 2)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
+                log.warning("4-bit kernel %s unavailable: %s", cand, exc)
+        if not self.gemv_timings_us:
+            return "bnb"
+        return min(self.gemv_timings_us, key=lambda k: self.gemv_timings_us[k])
+
     def _build_plan(self) -> None:
         a, opts = self._arch, self.options
         gemv = opts.gemv
+        attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         layer_specs: dict[_LayerSpec, _LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[_LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
         notes: set[str] = set()
         for i, layer in enumerate(a.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            if opts.fuse:
-                groups = [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj],
-                          [mlp.gate_proj, mlp.up_proj], [mlp.down_proj]]
-            else:
-                groups = [[attn.q_proj], [attn.k_proj], [attn.v_proj], [attn.o_proj],
-                          [mlp.gate_proj], [mlp.up_proj], [mlp.down_proj]]
-            packed = [_pack_linears(g, opts, gemv) for g in groups]
+            attn = layer.self_attn
+            packed = [_pack_linears(g, opts, gemv) for g in self._layer_groups(layer)]
             notes.update(p.note for p in packed if p.note)
             next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
             rest = [layer.post_attention_layernorm.weight, next_norm.weight]
@@ -722,7 +1010,7 @@ class FastDecoder:
                 qk_eps = float(_eps(attn.q_norm))
             spec = _LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse)
+                              tuple(p.spec for p in packed), opts.fuse, attention)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = _pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
@@ -748,14 +1036,24 @@ class FastDecoder:
         for spec in self._layer_specs:
             if id(spec) not in layer_fns:
                 layer_fns[id(spec)] = _bind_layer(spec)
+        prefill_fns: dict[int, Callable[..., Any]] = {}
+        for spec in self._layer_specs:
+            if id(spec) not in prefill_fns:
+                prefill_fns[id(spec)] = _bind_prefill(spec)
         self._prologue_fn: Callable[..., Any] = prologue
         self._head_fn: Callable[..., Any] = head
         self._layer_fns: list[Callable[..., Any]] = [layer_fns[id(s)] for s in self._layer_specs]
+        self._prefill_eager_fns: list[Callable[..., Any]] = [prefill_fns[id(s)] for s in self._layer_specs]
+        self._prefill_fns = self._prefill_eager_fns
+        self._prefill_compiled_ok = False
         if self.compile:
             compiled: dict[int, Callable[..., Any]] = {}
             self._prologue_fn = self._compile(prologue)
             self._head_fn = self._compile(head)
             self._layer_fns = [compiled.setdefault(id(fn), self._compile(fn)) for fn in self._layer_fns]
+            if self.options.compile_prefill:
+                self._prefill_fns = [compiled.setdefault(id(fn), self._compile(fn)) for fn in self._prefill_fns]
+                self._prefill_compiled_ok = True
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         backend = self.options.compile_backend
@@ -799,7 +1097,8 @@ class FastDecoder:
             "buckets": len(self._buckets), "weights_bytes_per_token": self.weights_bytes_per_token,
             "kv_bytes_per_token": self.kv_bytes_per_token(), "warmup_s": self.warmup_s,
             "compile_s": self.compile_s, "capture_s": self.capture_s,
-            "compile_cache_loaded": self.compile_cache_loaded,
+            "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
+            "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
         }
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
@@ -830,8 +1129,9 @@ class FastDecoder:
             self._capture_all()
             self.capture_s = round(time.perf_counter() - t0, 3)
 
-    def warmup(self) -> float:
-        """Compile and capture everything a first reply needs (all buckets of the cache); returns seconds."""
+    def warmup(self, cache_tokens: int | None = None) -> float:
+        """Compile and capture everything a first reply needs: the cache for `cache_tokens` (default
+        max_cache_len) and a graph for each of its attention buckets. Returns seconds."""
         t0 = time.perf_counter()
         with self._lock, torch.no_grad():
             cache_file = self._compile_cache_file()
@@ -839,12 +1139,12 @@ class FastDecoder:
                 self.compile_cache_loaded = _load_compile_artifacts(cache_file)
             if self.compile and not self._compiled:
                 t1 = time.perf_counter()
-                self._allocate_plain(min(self.max_cache_len, MIN_BUCKET_TOKENS))
-                self._warm_step(MIN_BUCKET_TOKENS)  # compiles prologue, layer(s), head with a dynamic length
+                self._allocate_plain(_round_up(min(self.max_cache_len, MIN_BUCKET_TOKENS), 16))
+                self._warm_step(self._cache_len)  # compiles prologue, layer(s), head with a dynamic length
                 self._sync()
                 self.compile_s = round(time.perf_counter() - t1, 3)
                 self._compiled = True
-            self._allocate(_round_up(self.max_cache_len, 16))
+            self._allocate(_round_up(min(cache_tokens or self.max_cache_len, self.max_cache_len), 16))
             self._warm_prefill_and_sampling()
             if self.compile and cache_file is not None:
                 _save_compile_artifacts(cache_file)
@@ -863,7 +1163,17 @@ class FastDecoder:
     def _warm_prefill_and_sampling(self) -> None:
         ids = torch.arange(min(8, self._cache_len - 2), device=self.device) % self._arch.vocab
         self._seen.zero_()
-        scores, _ = self._prefill(ids)
+        t0 = time.perf_counter()
+        try:
+            scores, _ = self._prefill(ids)
+        except Exception as exc:  # noqa: BLE001 - the eager prefill is always there; say why it is used
+            if not self._prefill_compiled_ok:
+                raise
+            log.warning("Compiled prefill unavailable (%s: %s); the prefill runs eagerly.", type(exc).__name__, exc)
+            self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
+            self._prefill_compiled_ok = False
+            scores, _ = self._prefill(ids)
+        self.prefill_warm_s = round(time.perf_counter() - t0, 3)
         sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
                            torch.Generator(device=self.device))
         self._sync()
@@ -960,9 +1270,15 @@ class FastDecoder:
             h = F.embedding(part, self._embed)[None]
             cos, sin = self._arch.rotary(h, pos[None])
             hn = _rms(h, self._norm0, self._head_spec.eps0)
-            for i, (spec, w) in enumerate(zip(self._layer_specs, self._layer_weights, strict=True)):
-                h, hn = _layer_prefill(spec, h, hn, cos, sin, start, self._k[i], self._v[i], w)
-            hn_last = hn[:, -1]
+            fns = self._prefill_fns if self._prefill_compiled_ok and part.numel() > 1 else self._prefill_eager_fns
+            for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
+                if fns is self._prefill_fns:
+                    for t in (h, hn, cos, sin):
+                        torch._dynamo.maybe_mark_dynamic(t, 1)
+                    for t in (self._k[i], self._v[i]):
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                h, hn = fn(h, hn, cos, sin, start, self._k[i], self._v[i], w)
+            hn_last = hn[:, -1].clone()  # (1, H) contiguous: the same input layout as the decode step
         assert hn_last is not None
         return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
 
@@ -989,7 +1305,7 @@ class FastDecoder:
 
     def _prompt_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise GenerationError(f"The fast decode path takes one prompt (batch 1), got shape {tuple(input_ids.shape)}.")
+            raise GenerationError(f"The fast decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
         ids = input_ids[0]
         if attention_mask is not None and not bool(attention_mask.all()):
             keep = attention_mask[0].bool()
@@ -1068,9 +1384,7 @@ class FastDecoder:
             self._host_tokens[index:index + 1].copy_(self._tok, non_blocking=True)
             self._events[index % len(self._events)].record()
         else:
-            self._last_cpu = int(self._tok.item())
-            self._cpu_tokens = getattr(self, "_cpu_tokens", {})
-            self._cpu_tokens[index] = self._last_cpu
+            self._cpu_tokens[index] = int(self._tok.item())
 
     def _collect(self, index: int) -> int:
         if self._host_tokens is not None and self.device.type == "cuda":
@@ -1112,6 +1426,14 @@ class FastDecoder:
             return (time.perf_counter() - t0) / steps
 
 
+def _bind_prefill(spec: _LayerSpec) -> Callable[..., Any]:
+    def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, w: list[torch.Tensor]) -> Any:
+        return _layer_prefill(spec, h, hn, cos, sin, start, k_cache, v_cache, w)
+
+    return layer
+
+
 def _bind_layer(spec: _LayerSpec) -> Callable[..., Any]:
     def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
               k_cache: torch.Tensor, v_cache: torch.Tensor, w: list[torch.Tensor]) -> Any:
@@ -1121,7 +1443,8 @@ def _bind_layer(spec: _LayerSpec) -> Callable[..., Any]:
 
 
 def _eps(norm: Any) -> float:
-    return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(eps if eps is not None else getattr(norm, "eps", 1e-6))
 
 
 def _weights_dtype(model: Any) -> torch.dtype:
@@ -1161,4 +1484,3 @@ def kv_cache_exact_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
 
 __all__ = ["FastDecodeOptions", "FastDecoder", "KVCacheView", "bucket_list", "fast_path_support",
            "kv_cache_exact_bytes", "nf4_matvec_torch", "sample_from_scores"]
-_ = math  # math kept for callers' type of rounding helpers

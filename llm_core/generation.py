@@ -153,7 +153,7 @@ class ChatEngine:
             return
         if not ok and mode == "fast" and self.loaded.device.type == "cuda":
             raise SettingsError(f"DECODE_PATH=fast cannot run here: {reason}. Use DECODE_PATH=auto.")
-        decoder = fast_decode.FastDecoder(self.loaded)
+        decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens())
 
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                      stop_event: threading.Event, cache: Any) -> None:
@@ -162,6 +162,22 @@ class ChatEngine:
 
         self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None))
         self._fast_decoder = decoder
+
+    def _fast_cache_tokens(self) -> int:
+        """The fast path's static KV cache is allocated once at warm-up: size it to what the memory budget allows
+        for a prompt plus the default reply length, never beyond the model's context."""
+        max_new = self.settings.generation.max_new_tokens
+        fits = max_context_tokens(self.memory_facts, self.memory_budget.budget_bytes, max_new, "dynamic",
+                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None)
+        return max(256, min(self.loaded.context_length, fits + max_new))
+
+    @property
+    def context_limit(self) -> int:
+        """Tokens one reply (prompt + new tokens) may span: the model's context, or the fast path's cache."""
+        decoder = getattr(self, "_fast_decoder", None)
+        if decoder is not None and self.backend.name == "fast":
+            return min(self.loaded.context_length, int(decoder.max_cache_len))
+        return self.loaded.context_length
 
     def _configure_decode(self) -> None:
         """Batched decoding (llm_core.batching) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
@@ -254,10 +270,11 @@ class ChatEngine:
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
-        budget_tokens = self.loaded.context_length - gen.max_new_tokens
+        context = self.context_limit if gen.kv_cache == "dynamic" else self.loaded.context_length
+        budget_tokens = context - gen.max_new_tokens
         if budget_tokens <= 0:
             raise InputError(f"max_new_tokens ({gen.max_new_tokens:,}) leaves no room for a prompt in the "
-                             f"{self.loaded.context_length:,}-token context; lower it.")
+                             f"{context:,}-token context; lower it.")
         fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                              budget_tokens=budget_tokens, count_tokens=self.count_tokens)
         # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.

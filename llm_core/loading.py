@@ -168,11 +168,10 @@ class LoadedModel:
 
 
 def count_quantized_linears(model: Any) -> int:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return 0
-    return sum(isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt)) for m in model.modules())
+    # By class name, without importing bitsandbytes here: its import logs a caught ImportError whose traceback
+    # would keep this frame (and so the model) alive wherever log records are kept.
+    names = {"Linear4bit", "Linear8bitLt"}
+    return sum(type(m).__name__ in names and type(m).__module__.startswith("bitsandbytes") for m in model.modules())
 
 
 def context_length_of(config: Any, tokenizer: Any) -> int:

@@ -449,13 +449,15 @@ def test_budget_from_the_cpu_is_positive_and_validated() -> None:
 
 
 def test_peak_meter_on_cpu_sees_a_temporary_allocation() -> None:
-    with PeakMeter("cpu", interval_s=0.001) as meter:
-        block = torch.ones(64 * MiB // 4)  # 64 MiB, touched
-        block += 1
-        import time
+    import mmap
+    import time
 
+    with PeakMeter("cpu", interval_s=0.001) as meter:
+        # Fresh anonymous pages, all touched: a tensor could reuse heap pages that are already resident.
+        block = mmap.mmap(-1, 64 * MiB)
+        block.write(b"\x01" * (64 * MiB))
         time.sleep(0.05)
-        del block
+        block.close()
     assert meter.result is not None
     assert meter.result.delta_bytes >= 48 * MiB
 
