@@ -252,10 +252,11 @@ class Bench:
     # --- run ---------------------------------------------------------------------------------------------------
     def run(self) -> None:
         args = self.args
+        made_s = write_checkpoint(self.ckpt, self.shape, self.device)
+        # The cap applies to serving, after the bf16/fp32 random checkpoint was written (it needs ~27 GB).
         if self.device.type == "cuda" and args.budget_gib:
             total = torch.cuda.get_device_properties(0).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gib * GiB / total))
-        made_s = write_checkpoint(self.ckpt, self.shape, self.device)
         self.summary(checkpoint_s=round(made_s, 1), checkpoint=str(self.ckpt))
         engine = self.load(args.chats)
         budget = default_budget_bytes(self.device, margin_bytes=0) if self.device.type == "cuda" else None
