@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .errors import ContextBudgetError, GenerationError, InputError
-from .memory import kv_bytes_per_token
+from .memory import free_memory, is_oom_error, kv_bytes_per_token
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -681,7 +681,7 @@ class BatchScheduler:
             if layer.keys is not None and layer.keys.shape[-2] > width:
                 layer.keys = layer.keys[..., :width, :]
                 layer.values = layer.values[..., :width, :]
-        if _is_oom(exc) and len(self._rows) > 1:
+        if is_oom_error(exc) and len(self._rows) > 1:
             newest = max(range(len(self._rows)), key=lambda i: self._rows[i].request.arrived_s)
             self._finish(self._rows[newest].request, "error", exc)
             self._select_rows([i for i in range(len(self._rows)) if i != newest])
@@ -785,20 +785,12 @@ def _processors(options: SamplingOptions) -> Any:
     return processors
 
 
-def _is_oom(exc: BaseException) -> bool:
-    from .memory import is_oom_error
-
-    return is_oom_error(exc)
-
-
 def _free_after_error(exc: BaseException, device: torch.device) -> None:
     """Let go of the failed call's activations (its finished frames hold them), then, after an OOM, of the memory."""
     import traceback
 
     traceback.clear_frames(exc.__traceback__)
-    if _is_oom(exc):
-        from .memory import free_memory
-
+    if is_oom_error(exc):
         free_memory(device)
 
 

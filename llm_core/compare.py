@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
-import gc
 import json
 import random
 import sys
@@ -29,6 +27,7 @@ from .config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
 from .errors import InputError, LLMCoreError, ModelLoadError
 from .generation import ChatEngine, ReplyUpdate
 from .loading import estimate_weights_bytes, resolve_device
+from .memory import free_memory
 from .metrics import ReplyStats, format_bytes
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
@@ -97,19 +96,6 @@ def check_allowed(config: CompareConfig, settings: Settings) -> None:
     if config.model_id not in allowed_models(settings) and not settings.compare.allow_custom_models:
         raise InputError(f"Model {config.model_id!r} is not in the configured list (COMPARE_MODELS); the operator "
                          "can add it, or set ALLOW_CUSTOM_MODELS=true.")
-
-
-def release_memory(device: torch.device) -> None:
-    """Give freed memory back: Python objects, the CUDA caching allocator, and glibc's heap on CPU."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    else:
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -191,7 +177,7 @@ class EnginePool:
                 engine.loaded.model = None
                 engine.loaded.extra.clear()
             del engine
-            release_memory(device)
+            free_memory(device)
             return max(0, before - memory_in_use(device))
 
 

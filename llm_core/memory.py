@@ -26,6 +26,7 @@ Traced against tensor allocations on CPU to the byte (tests/test_memory.py) and 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import math
 import threading
@@ -806,8 +807,9 @@ def is_oom_error(exc: BaseException | None) -> bool:
 
 
 def free_memory(device: torch.device | str) -> None:
-    """Give back what a failed or finished reply left: collect garbage (drops the cache and activations once the
-    caller let go of them), empty the CUDA caching allocator and reset its peak statistics."""
+    """Give back what a failed or finished reply (or an unloaded model) left: collect garbage (drops the cache and
+    activations once the caller let go of them), then empty the CUDA caching allocator and reset its peak
+    statistics, or on CPU return glibc's free heap pages to the OS (malloc_trim) so RSS really drops."""
     gc.collect()
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.is_available():
@@ -815,6 +817,9 @@ def free_memory(device: torch.device | str) -> None:
             torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu":
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass
