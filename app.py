@@ -206,8 +206,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
             yield out[1:]
 
     def stop(request: gr.Request) -> None:
-        for config in pool.resident():
-            pool.get(config)[0].stop(_session(request))
+        for engine in pool.engines():  # never waits for a model load in progress
+            engine.stop(_session(request))
 
     def clear(request: gr.Request) -> tuple[Any, ...]:
         stop(request)

@@ -126,7 +126,8 @@ class EnginePool:
         self._engines: OrderedDict[CompareConfig, ChatEngine] = OrderedDict()
         if primary is not None:
             self._engines[self.primary_config] = primary
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # serialises loads and unloads (held for a whole load)
+        self._map_lock = threading.Lock()  # guards _engines only: never held across a load
         self._progress = progress or (lambda _m: None)
         device = resolve_device(settings.model)
         # Room kept free beyond the weights for activations and the KV cache of a reply.
@@ -134,8 +135,13 @@ class EnginePool:
             2 * 2**30 if device.type == "cuda" else 1 * 2**30)
 
     def resident(self) -> list[CompareConfig]:
-        with self._lock:
+        with self._map_lock:
             return list(self._engines)
+
+    def engines(self) -> list[ChatEngine]:
+        """The loaded engines right now, without waiting for a load in progress (e.g. to Stop a reply)."""
+        with self._map_lock:
+            return list(self._engines.values())
 
     def primary(self) -> ChatEngine:
         engine, _notes = self.get(self.primary_config)
@@ -145,15 +151,16 @@ class EnginePool:
         """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
         happened, for the user."""
         with self._lock:
-            if config in self._engines:
-                self._engines.move_to_end(config)
-                return self._engines[config], []
+            with self._map_lock:
+                if config in self._engines:
+                    self._engines.move_to_end(config)
+                    return self._engines[config], []
             settings = config.apply(self.settings)
             device = resolve_device(settings.model)
             need = estimate_weights_bytes(settings.model) + self.reserve_bytes
             notes: list[str] = []
-            while self._engines and memory_available(device) < need:
-                victim = next(iter(self._engines))
+            while self.resident() and memory_available(device) < need:
+                victim = self.resident()[0]
                 freed = self.unload(victim)
                 notes.append(f"Unloaded {victim.label} (freed {format_bytes(freed)}) to make room for "
                              f"{config.label}: the two do not fit together, so they run one after another.")
@@ -162,13 +169,15 @@ class EnginePool:
                                      f"only {format_bytes(memory_available(device))} is available.")
             self._progress(f"Loading {config.label}…")
             engine = ChatEngine.load(settings, progress=self._progress)
-            self._engines[config] = engine
+            with self._map_lock:
+                self._engines[config] = engine
             return engine, notes
 
     def unload(self, config: CompareConfig) -> int:
         """Drop an engine and release its memory; returns the bytes freed (measured, not estimated)."""
         with self._lock:
-            engine = self._engines.pop(config, None)
+            with self._map_lock:
+                engine = self._engines.pop(config, None)
             if engine is None:
                 return 0
             device = engine.loaded.device

@@ -133,3 +133,27 @@ def test_command_line_twin_writes_the_same_json(tmp_path: Path, monkeypatch: pyt
     assert sum("difference" in r for r in records) == 2
     assert all(r["new_tokens"] > 0 for r in records if "configuration" in r)
     assert data["command"].startswith("python -m llm_core.compare --config nf4")
+
+
+def test_listing_engines_for_stop_never_waits_for_a_load_in_progress(pool: EnginePool) -> None:
+    import threading
+    import time
+
+    loading = threading.Event()
+    release = threading.Event()
+
+    def slow_load() -> None:
+        with pool._lock:  # what get() holds for the whole of a model load
+            loading.set()
+            release.wait(10)
+
+    loader = threading.Thread(target=slow_load)
+    loader.start()
+    try:
+        assert loading.wait(5)
+        t0 = time.perf_counter()
+        engines = pool.engines()
+        assert time.perf_counter() - t0 < 0.5 and engines  # the chat engine, listed without waiting
+    finally:
+        release.set()
+        loader.join()
