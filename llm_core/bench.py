@@ -54,6 +54,8 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
 NF4_VARIANTS: dict[str, FastDecodeOptions] = {
     "auto": FastDecodeOptions(),  # what the demo runs: kernel timed at start-up, fused, double quant kept
     "auto-eagerprefill": FastDecodeOptions(compile_prefill=False),
+    "nf4-fused-dq": FastDecodeOptions(gemv="nf4", fuse=True, absmax="keep"),
+    "nf4-fused-dqoff": FastDecodeOptions(gemv="nf4", fuse=True, absmax="fp32"),
     "bnb-unfused-dq": FastDecodeOptions(gemv="bnb", fuse=False, absmax="keep"),
     "bnb-fused-dq-requant": FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant"),
     "bnb-fused-dqoff": FastDecodeOptions(gemv="bnb", fuse=True, absmax="fp32"),

@@ -42,12 +42,13 @@ import torch.nn.functional as F
 from .config import GenerationSettings
 from .errors import GenerationError, OutOfMemoryError
 from .loading import LoadedModel
+from .nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time
-GEMV_KERNELS = ("bnb", "torch", "triton", "triton2")
+GEMV_KERNELS = ("bnb", "nf4", "torch", "triton", "triton2")
 ABSMAX_MODES = ("keep", "fp32", "requant")
 MIN_BUCKET_TOKENS = 256
 
@@ -169,10 +170,11 @@ def _check_linear(module: Any) -> None:
 class FastDecodeOptions:
     """How the decode step is built. Defaults pick the fastest measured choice (see docs/fast_decode.md)."""
 
-    # 4-bit matrix-vector kernel: bnb (bitsandbytes' gemm_4bit, fastest on the H200: 125 us/layer vs 466-559 for
-    # triton2, bench/results/2026-11-30-h200-decode.json) | auto (time bnb and triton2 at start, ~8 s) | torch
-    # (inductor-generated) | triton | triton2
-    gemv: str = "bnb"
+    # 4-bit matrix-vector kernel: auto (time bnb and nf4 on the first layer at start-up inside a CUDA graph, keep
+    # the faster) | nf4 (llm_core.nf4_gemv: Triton, NF4 table in registers; bf16 activations, CUDA only) | bnb
+    # (bitsandbytes' gemm_4bit) | torch (inductor-generated) | triton, triton2 (table read from L1: 3.7x slower
+    # than bnb; kept so bench/results/2026-11-30-h200-decode.json can be repeated)
+    gemv: str = "auto"
     fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
     absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
     attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
@@ -189,6 +191,8 @@ class FastDecodeOptions:
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
         gemv = self.gemv
         if gemv.startswith("triton") and not triton_ok:
+            gemv = "bnb"
+        if gemv == "nf4" and not (_NF4_KERNEL_AVAILABLE and device.type == "cuda"):  # PTX inside: CUDA only
             gemv = "bnb"
         if gemv == "auto" and (device.type != "cuda" or not triton_ok):
             gemv = "bnb"  # on CPU: the same kernel as the plain path
@@ -223,6 +227,7 @@ class _LinSpec:
     bias: bool
     gemv: str  # dense | bnb | torch | triton
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
+    levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
 
 
 @dataclass
@@ -326,6 +331,7 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
     if gemv == "bnb" and mode == "keep" and len(parts) > 1:
         mode, note = "requant", "bitsandbytes' kernel reads one absmax offset: fused absmax requantized"
     code = parts[0]["code"]
+    levels = tuple(float(v) for v in code.tolist())
     bias_list = [p["bias"] for p in parts]
     has_bias = any(b is not None for b in bias_list)
     tail: list[torch.Tensor] = [code]
@@ -335,7 +341,7 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
                                for b, p in zip(bias_list, parts, strict=True)]))
     if mode == "fp32":
         absmax = torch.cat([_parts_absmax_fp32(p) for p in parts]).view(n, k // bs)
-        spec = _LinSpec("nf4", "fp32", n, k, bs, splits, has_bias, gemv, False)
+        spec = _LinSpec("nf4", "fp32", n, k, bs, splits, has_bias, gemv, False, levels)
         return _Packed(spec, [packed, absmax, *tail], note)
     if mode == "requant":
         from bitsandbytes.functional import quantize_blockwise
@@ -346,14 +352,14 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
         nb2 = state2.absmax.numel()
         tensors = [packed, q8.view(-1), state2.absmax.float(), offset.repeat(nb2), state2.code.float(),
                    offset.reshape(())]
-        spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, True)
+        spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, True, levels)
         return _Packed(spec, [*tensors, *tail], note or "absmax requantized after fusing")
     # keep: exact nested absmax; fused parts are 256-aligned so each keeps its own second-level scale and offset
     q8 = parts[0]["q8"] if len(parts) == 1 else torch.cat([p["q8"] for p in parts])
     absmax2 = parts[0]["absmax2"] if len(parts) == 1 else torch.cat([p["absmax2"] for p in parts])
     offsets = parts[0]["offsets"] if len(parts) == 1 else torch.cat([p["offsets"] for p in parts])
     uniform = len(parts) == 1
-    spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, uniform)
+    spec = _LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, uniform, levels)
     return _Packed(spec, [packed, q8, absmax2, offsets, parts[0]["code2"], parts[0]["offset_scalar"], *tail], note)
 
 
@@ -644,6 +650,12 @@ def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) 
                                                     spec.blocksize, "nf4", _bias(spec, ts))
         return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4",
                                                 _bias(spec, ts), ts[1], ts[4], ts[5])
+    if spec.gemv == "nf4":  # llm_core.nf4_gemv: NF4 table in registers, nested absmax read in place
+        if spec.absmax == "fp32":
+            return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], _bias(spec, ts),
+                                               spec.blocksize, False, list(spec.levels))
+        return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], _bias(spec, ts),
+                                           spec.blocksize, True, list(spec.levels))
     if spec.gemv in ("triton", "triton2"):
         bias, version = _bias(spec, ts), 2 if spec.gemv == "triton2" else 1
         if spec.absmax == "fp32":
@@ -925,6 +937,8 @@ class FastDecoder:
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
         self.gemv_timings_us: dict[str, float] = {}
+        if self.options.gemv == "nf4" and self.dtype != torch.bfloat16:  # the kernel reads bf16 activations
+            self.options = replace(self.options, gemv="bnb")
         with torch.no_grad():
             if self.options.gemv == "auto":
                 self.options = replace(self.options, gemv=self._pick_gemv())
@@ -963,27 +977,39 @@ class FastDecoder:
                 [mlp.down_proj]]
 
     def _pick_gemv(self) -> str:
-        """Time each 4-bit kernel on the first layer's real (fused) weights; keep the fastest. Dense weights and
-        CPU never get here. Falls back to bitsandbytes' kernel if a candidate fails."""
+        """Time each 4-bit kernel on the first layer's real (fused) weights, as the decode step runs them (inside a
+        CUDA graph, so Python launch costs don't count); keep the fastest. Dense weights and CPU never get here.
+        Falls back to bitsandbytes' kernel if a candidate fails."""
         if self.loaded.settings.quantization != "nf4":
             return "bnb"
         groups = self._layer_groups(self._arch.layers[0])
-        for cand in ("bnb", "triton2"):
+        candidates = ["bnb"] + (["nf4"] if _NF4_KERNEL_AVAILABLE and self.dtype == torch.bfloat16 else [])
+        reps = 10
+        for cand in candidates:
             try:
                 packed = [_pack_linears(g, replace(self.options, gemv=cand), cand) for g in groups]
-                total = 0.0
-                for p in packed:
-                    x = torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device)
-                    for _ in range(3):  # first calls: Triton compile and autotune
+                xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
+
+                def layer(packed: list[_Packed] = packed, xs: list[torch.Tensor] = xs) -> None:
+                    for p, x in zip(packed, xs, strict=True):
                         _linear_decode(p.spec, x, p.tensors)
-                    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(20):
-                        _linear_decode(p.spec, x, p.tensors)
-                    stop.record()
-                    stop.synchronize()
-                    total += start.elapsed_time(stop) * 1e3 / 20
-                self.gemv_timings_us[cand] = round(total, 2)
+
+                for _ in range(3):  # first calls: Triton compile and autotune, outside the capture
+                    layer()
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    for _ in range(reps):
+                        layer()
+                graph.replay()
+                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(5):
+                    graph.replay()
+                stop.record()
+                stop.synchronize()
+                self.gemv_timings_us[cand] = round(start.elapsed_time(stop) * 1e3 / (5 * reps), 2)
+                del graph
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
                 log.warning("4-bit kernel %s unavailable: %s", cand, exc)
         if not self.gemv_timings_us:
@@ -1288,8 +1314,9 @@ class FastDecoder:
                  min_new_tokens: int = 0) -> torch.Tensor:
         """Like model.generate for batch 1: returns (1, P+N) ids. streamer.put(prompt) first, then each new token
         as it is produced (one step behind the GPU), then streamer.end(), also on stop or error."""
-        try:
-            with self._lock, torch.no_grad():
+        try:  # warm-up's grad mode whatever the caller's: tensors made under inference_mode carry other dispatch
+            # keys, and dynamo would recompile the prefill, head and prologue inside the first reply
+            with self._lock, torch.inference_mode(False), torch.no_grad():
                 new = self._generate(input_ids, attention_mask, gen, streamer, stop_event, max_new_tokens,
                                      min_new_tokens)
             tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device).view(1, -1)

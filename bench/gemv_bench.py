@@ -1,0 +1,172 @@
+"""One-token NF4 kernels on the GPU, per weight shape: bitsandbytes' kernels against llm_core.nf4_gemv.
+
+Every kernel runs on the same bitsandbytes-quantized weights (double quant on, blocksize 64), over enough
+distinct copies that the weights come from HBM, not L2 (60 MB on an H200), inside one CUDA graph; the time is
+per call. Error is against x @ dequantize_4bit(W).T in fp32.
+
+    python bench/gemv_bench.py --out gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llm_core import nf4_gemv
+from llm_core.loading import library_versions
+
+SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
+    "llama-2-7b": [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 22016, 4096), ("down", 4096, 11008)],
+    "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
+}
+LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
+
+
+def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
+    """Microseconds per call: all calls captured in one CUDA graph, replayed `replays` times."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (replays * len(calls))
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    us = time_calls([lambda: b.copy_(a)], replays=10)
+    return 2 * a.numel() / (us * 1e-6)
+
+
+class Weights:
+    """One quantized weight, cloned `copies` times (distinct memory), in every form the kernels read."""
+
+    def __init__(self, n: int, k: int, copies: int) -> None:
+        import bitsandbytes.functional as bf
+
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        packed, qs = bf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        self.n, self.k, self.qs = n, k, qs
+        self.deq = bf.dequantize_4bit(packed, qs).float()
+        self.code = qs.code.float()
+        self.code_host = tuple(self.code.tolist())
+        self.code2 = qs.state2.code.float()
+        self.offset = qs.offset.float().reshape(())
+        nb2 = qs.state2.absmax.numel()
+        self.copies = []
+        absmax_fp32 = (bf.dequantize_blockwise(qs.absmax, qs.state2) + qs.offset).float().view(-1)
+        for _ in range(copies):
+            p = packed.clone().view(torch.uint8).reshape(n, k // 2)
+            self.copies.append({
+                "packed": p, "words": nf4_gemv.words_view(p), "q8": qs.absmax.clone().view(-1),
+                "absmax2": qs.state2.absmax.float().clone(), "offsets": self.offset.repeat(nb2),
+                "absmax_fp32": absmax_fp32.clone()})
+
+    @property
+    def nbytes_nested(self) -> int:
+        return self.n * self.k // 2 + self.n * self.k // 64  # packed + one uint8 absmax per block
+
+
+def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[int, int, int]] | None) -> dict[str, list[Callable]]:
+    n, k = wt.n, wt.k
+    out: dict[str, list[Callable]] = {}
+    out["bnb_gemm_4bit_nested"] = [
+        (lambda c=c: torch.ops.bitsandbytes.gemm_4bit(x, c["packed"].view(-1, 1), [n, k], c["absmax2"], 64, "nf4",
+                                                      None, c["q8"], wt.code2, wt.offset)) for c in wt.copies]
+    out["bnb_gemm_4bit_fp32"] = [
+        (lambda c=c: torch.ops.bitsandbytes.gemm_4bit(x, c["packed"].view(-1, 1), [n, k], c["absmax_fp32"], 64,
+                                                      "nf4", None)) for c in wt.copies]
+    out["bnb_gemv_4bit_fp32"] = [
+        (lambda c=c: torch.ops.bitsandbytes.gemv_4bit(x, c["packed"].view(-1, 1), [n, k], c["absmax_fp32"],
+                                                      wt.code, 64)) for c in wt.copies]
+
+    def ours(c: dict[str, Any], nested: bool, **kw: Any) -> Callable[[], Any]:
+        if nested:
+            state = (c["q8"], c["absmax2"], c["offsets"], wt.code2)
+            return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, nested=state, **kw)
+        return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, absmax=c["absmax_fp32"], **kw)
+
+    out["ours_nested"] = [ours(c, True) for c in wt.copies]
+    out["ours_fp32"] = [ours(c, False) for c in wt.copies]
+    for cfg in configs or []:
+        out[f"ours_nested_cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = [ours(c, True, config=cfg) for c in wt.copies]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="also time every block shape of ours, untuned")
+    ap.add_argument("--min-bytes", type=float, default=1.0e9, help="weights per timed graph (>> L2)")
+    ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"title": "One-token NF4 kernels per weight shape", "command": " ".join(sys.argv),
+                              "device": torch.cuda.get_device_name(), "versions": library_versions(),
+                              "triton": getattr(nf4_gemv.triton, "__version__", None),
+                              "copy_bandwidth_bytes_per_s": copy_bandwidth(), "records": [], "layers": {}}
+    x = torch.randn(1, 1, dtype=torch.bfloat16, device="cuda")
+    for arch in args.arch:
+        per_layer: dict[str, float] = {}
+        for name, n, k in SHAPES[arch]:
+            if time.perf_counter() - t0 > args.budget_s:
+                result["stopped"] = f"budget reached before {arch}/{name}"
+                break
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+            probe = Weights(n, k, 1)
+            copies = max(2, math.ceil(args.min_bytes / probe.nbytes_nested))
+            del probe
+            wt = Weights(n, k, copies)
+            ref = x.float() @ wt.deq.T
+            sweep = [tuple(c) for c in nf4_gemv.CONFIGS] if args.sweep and arch == args.arch[0] else None
+            for kname, calls in kernels(wt, x, sweep).items():
+                rec: dict[str, Any] = {"arch": arch, "shape": name, "n": n, "k": k, "kernel": kname, "copies": copies}
+                try:
+                    y = calls[0]().float()
+                    rec["max_abs_err_rel"] = float((y - ref).abs().max() / ref.abs().max())
+                    us = time_calls(calls)
+                    rec["us_per_call"] = us
+                    rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
+                    if kname.startswith("ours") and "cfg" not in kname:
+                        rec["tuned_config"] = nf4_gemv.best_config(n, k // 8)
+                    per_layer[kname] = per_layer.get(kname, 0.0) + us
+                except Exception as exc:  # noqa: BLE001 - record and go on with the other kernels
+                    rec["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                result["records"].append(rec)
+                print(json.dumps(rec), flush=True)
+            del wt
+            torch.cuda.empty_cache()
+        result["layers"][arch] = {kname: {"us_per_layer": us, "ms_per_step_gemv": us * LAYERS[arch] / 1e3}
+                                  for kname, us in per_layer.items()}
+        args.out.write_text(json.dumps(result, indent=1))
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.write_text(json.dumps(result, indent=1))
+    for arch, table in result["layers"].items():
+        print(arch)
+        for kname, v in sorted(table.items(), key=lambda kv: kv[1]["us_per_layer"]):
+            print(f"  {kname:40s} {v['us_per_layer']:8.1f} us/layer  {v['ms_per_step_gemv']:6.2f} ms/step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""llm_core.nf4_gemv: the register-table NF4 kernel.
+
+On CPU there is no Triton and no PTX, so the kernel's core, the PTX of `dot8_asm`, runs here under a small
+emulator of the five instructions it uses (prmt, lop3, shl/shr/and, fma): every word of 8 indices must dot with 8
+activations exactly as the bf16-rounded NF4 levels do. The kernel itself runs in the GPU tests (marked `gpu`).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core import fast_decode as fd
+from llm_core import nf4_gemv
+from llm_core.fast_decode import FastDecodeOptions
+
+NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+       -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+       0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+MASK = 0xFFFFFFFF
+
+
+def _f2b(f: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", f))[0])
+
+
+def _b2f(b: int) -> float:
+    return float(struct.unpack("<f", struct.pack("<I", b & MASK))[0])
+
+
+def _prmt(a: int, b: int, c: int) -> int:
+    pool = [(a >> (8 * i)) & 0xFF for i in range(4)] + [(b >> (8 * i)) & 0xFF for i in range(4)]
+    out = 0
+    for i in range(4):
+        sel = (c >> (4 * i)) & 0xF
+        byte = pool[sel & 7]
+        if sel & 8:  # sign-replicate mode
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def _lop3(a: int, b: int, c: int, lut: int) -> int:
+    out = 0
+    for bit in range(32):
+        idx = (((a >> bit) & 1) << 2) | (((b >> bit) & 1) << 1) | ((c >> bit) & 1)
+        out |= ((lut >> idx) & 1) << bit
+    return out
+
+
+def run_ptx(asm: str, regs: dict[str, int]) -> float:
+    """Execute the straight-line PTX of dot8_asm; regs holds $1.. as 32-bit patterns; returns $0 as fp32."""
+
+    def value(tok: str) -> int:
+        tok = tok.strip()
+        if tok.startswith("0f"):
+            return int(tok[2:], 16)
+        if tok.startswith("0x"):
+            return int(tok, 16)
+        return regs[tok] if tok in regs else int(tok)
+
+    for line in asm.splitlines():
+        for stmt in line.split(";"):
+            stmt = stmt.strip()
+            if not stmt or stmt.startswith(("{", "}", ".reg")):
+                continue
+            op, rest = stmt.split(None, 1)
+            dst, *srcs = [o.strip() for o in rest.split(",")]
+            a = [value(s) for s in srcs]
+            if op.startswith("mov."):
+                r = a[0]
+            elif op == "and.b32":
+                r = a[0] & a[1]
+            elif op == "shl.b32":
+                r = a[0] << a[1]
+            elif op == "shr.u32":
+                r = a[0] >> a[1]
+            elif op == "prmt.b32":
+                r = _prmt(*a)
+            elif op == "lop3.b32":
+                r = _lop3(*a)
+            elif op == "fma.rn.f32":
+                r = _f2b(_b2f(a[0]) * _b2f(a[1]) + _b2f(a[2]))
+            else:
+                raise AssertionError(f"unexpected instruction {op}")
+            regs[dst] = r & MASK
+    return _b2f(regs["$0"])
+
+
+def test_level_table_bytes_are_the_bf16_levels() -> None:
+    lo, hi = nf4_gemv.table_bytes(NF4)
+    want = torch.tensor(NF4).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    for q in range(16):
+        byte_lo = (lo[q // 4] >> (8 * (q % 4))) & 0xFF
+        byte_hi = (hi[q // 4] >> (8 * (q % 4))) & 0xFF
+        assert byte_lo | byte_hi << 8 == int(want[q])
+
+
+def test_dot8_ptx_dots_every_nibble_with_its_activation() -> None:
+    asm = nf4_gemv.dot8_asm(NF4)
+    levels = torch.tensor(NF4).to(torch.bfloat16).float().tolist()
+    g = torch.Generator().manual_seed(0)
+    words = [[q] * 8 for q in range(16)] + [torch.randint(0, 16, (8,), generator=g).tolist() for _ in range(150)]
+    for nib in words:
+        x = torch.randn(8, generator=g).to(torch.bfloat16)
+        # bitsandbytes' layout: byte p holds weight 2p in its high nibble and weight 2p + 1 in its low nibble
+        word = sum(((nib[2 * p] << 4) | nib[2 * p + 1]) << (8 * p) for p in range(4))
+        xb = (x.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+        pairs = [xb[2 * p] | xb[2 * p + 1] << 16 for p in range(4)]
+        got = run_ptx(asm, {"$1": word, "$2": pairs[0], "$3": pairs[1], "$4": pairs[2], "$5": pairs[3]})
+        want = sum(levels[nib[e]] * float(x[e]) for e in range(8))
+        assert abs(got - want) <= 1e-5 * (1 + abs(want)), (nib, got, want)
+
+
+def test_words_view_shares_the_bytes_and_refuses_odd_layouts() -> None:
+    packed = torch.randint(0, 256, (6, 32), dtype=torch.uint8)
+    words = nf4_gemv.words_view(packed)
+    assert words is not None and words.shape == (6, 8) and words.data_ptr() == packed.data_ptr()
+    assert nf4_gemv.words_view(packed[:, :30]) is None  # rows not contiguous
+    assert nf4_gemv.words_view(torch.zeros(4, 6, dtype=torch.uint8)) is None  # K/2 not a multiple of 4
+
+
+def test_cpu_options_never_select_the_cuda_kernel() -> None:
+    assert FastDecodeOptions(gemv="nf4").resolved(torch.device("cpu"), 64).gemv == "bnb"
+    assert FastDecodeOptions().resolved(torch.device("cpu"), 64).gemv == "bnb"  # auto -> bnb on CPU
+
+
+# --- GPU only ------------------------------------------------------------------------------------------------
+
+needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and nf4_gemv.AVAILABLE),
+                                  reason="needs CUDA and Triton")
+
+
+def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
+    import bitsandbytes.functional as bf
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    return bf.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+
+
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 11008), (12288, 512)])
+def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int]) -> None:
+    """As close to x @ dequantize_4bit(W).T (fp32) as bitsandbytes' own kernel is, over shapes whose rows and
+    blocks are not multiples of the block shapes (masking)."""
+    import bitsandbytes.functional as bf
+
+    n, k = shape
+    packed, qs = _quantized(n, k, nested)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ bf.dequantize_4bit(packed, qs).float().T + bias.float()
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    code = tuple(qs.code.float().tolist())
+    if nested:
+        nb2 = qs.state2.absmax.numel()
+        state = (qs.absmax.view(-1), qs.state2.absmax.float(), qs.offset.float().reshape(()).repeat(nb2),
+                 qs.state2.code.float())
+        got = nf4_gemv.nf4_gemv(x, words, 64, code, nested=state, bias=bias)
+    else:
+        got = nf4_gemv.nf4_gemv(x, words, 64, code, absmax=qs.absmax.float().view(-1), bias=bias)
+    theirs = bf.gemv_4bit(x, packed.t(), state=qs) + bias
+    err = ((got.float() - want).norm() / want.norm()).item()
+    their_err = ((theirs.float() - want).norm() / want.norm()).item()
+    assert err <= max(2 * their_err, 5e-3), (err, their_err)
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) -> None:
+    """The decode step built on llm_core.nf4_gemv against the same step on bitsandbytes' kernel, teacher-forced
+    (a random tiny llama, no download): scores agree within bf16 noise."""
+    from llm_core.bench import load, make_random_checkpoint
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
+    loaded = load(str(folder), "nf4", "cuda", tmp_path / "cache", "bfloat16")
+    ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(0)).cuda()
+    forced = torch.randint(3, 500, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    scores = {}
+    for gemv in ("bnb", "nf4"):
+        decoder = fd.FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv=gemv))
+        assert decoder.options.gemv == gemv
+        decoder.warmup()
+        scores[gemv] = decoder.forced_scores(ids, forced)
+        del decoder
+    rel = ((scores["nf4"] - scores["bnb"]).norm(dim=-1) / scores["bnb"].norm(dim=-1)).max().item()
+    assert rel <= 2e-2
