@@ -245,12 +245,16 @@ class Comparison:
     pool: EnginePool
     settings: Settings
     progress: Progress | None = None
+    # The Compare view and the CLI ask for two or more sides; bench/compare_bench.py measures one side at a time
+    # through this same path (min_sides=1).
+    min_sides: int = 2
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def run(self, configs: Sequence[CompareConfig], message: str, gen: GenerationSettings,
             system_prompt: str | None = "", request_id: str | None = None) -> Iterator[CompareUpdate]:
-        if len(configs) < 2:
-            raise InputError("Choose at least two configurations to compare.")
+        if len(configs) < max(1, self.min_sides):
+            raise InputError("Choose at least two configurations to compare." if self.min_sides == 2 else
+                             f"Choose at least {max(1, self.min_sides)} configuration(s).")
         if len(set(configs)) != len(configs):
             raise InputError("Two sides have the same configuration; change one of them.")
         for config in configs:

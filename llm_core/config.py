@@ -72,9 +72,13 @@ class GenerationSettings:
     seed: int | None = None
     stream_timeout_s: float = 120.0  # longest wait for the next token before the reply is failed
     kv_cache: str = "dynamic"  # dynamic | quantized (4-bit, ~3.5x more context) | offload (CPU RAM, slow)
+    # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
+    # reply exactly max_new_tokens long, as llm_core.bench does. Honoured by the plain and fast paths, not batched.
+    min_new_tokens: int = 0
 
     def validate(self) -> GenerationSettings:
         _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
+        _check_range("min_new_tokens", self.min_new_tokens, (0, MAX_NEW_TOKENS_RANGE[1]))
         _check_range("TEMPERATURE", self.temperature, TEMPERATURE_RANGE)
         _check_range("TOP_P", self.top_p, TOP_P_RANGE)
         _check_range("TOP_K", self.top_k, TOP_K_RANGE)

@@ -1,14 +1,16 @@
 """The chat engine: fit_history -> encode_chat -> start_stream -> iterate -> stats. Knows nothing about Gradio.
 
-Generation runs in a worker thread feeding a `TextIteratorStreamer` with a timeout; the caller iterates text
-updates. Stop sets a per-request event checked by a stopping criterion, so the worker really halts. A worker
-exception is re-raised in the caller as a GenerationError (OutOfMemoryError after freeing memory); a stalled
-worker raises after `stream_timeout_s`. Nothing can wait forever.
+Generation runs on one of the engine's long-lived worker threads feeding a `TextIteratorStreamer` with a
+timeout; the caller iterates text updates. Stop sets a per-request event checked by a stopping criterion, so
+the worker really halts. A worker exception is re-raised in the caller as a GenerationError (OutOfMemoryError
+after freeing memory); a stalled worker raises after `stream_timeout_s`. Nothing can wait forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import queue
 import threading
 import time
 import traceback
@@ -39,7 +41,7 @@ from .memory import (
 )
 from .metrics import PeakMemory, ReplyStats, TokenClock
 
-# How long the caller waits for the worker thread to wind down after a stop or an error.
+# How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
 
 
@@ -91,6 +93,59 @@ class _TimedStreamer(TextIteratorStreamer):
         super().put(value)
 
 
+class WorkerThreads:
+    """Long-lived daemon threads that run generation work, one reply each at a time. Threads are kept rather than
+    started per reply because CUDA libraries keep per-thread state (cuBLAS handles and workspaces, the current
+    device) that a fresh thread sets up again before its first token. Started on first use."""
+
+    def __init__(self, size: int, name: str = "generate") -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._size, self._name = size, name
+        self._threads: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def running(self) -> int:
+        """Jobs running now (idle threads don't count)."""
+        with self._start_lock:
+            return self._running
+
+    def grow(self, size: int) -> None:
+        with self._start_lock:
+            self._size = max(self._size, size)
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        """Run fn on a worker thread; the returned event is set when it has returned (or raised)."""
+        done = threading.Event()
+
+        def job() -> None:
+            with self._start_lock:
+                self._running += 1
+            try:
+                fn()
+            finally:
+                with self._start_lock:
+                    self._running -= 1
+                done.set()
+
+        with self._start_lock:
+            while len(self._threads) < self._size:
+                t = threading.Thread(target=self._loop, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        self._jobs.put(job)
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - jobs relay their own errors to the caller; the thread must live on
+                logging.getLogger(__name__).exception("generation worker job failed")
+
+
 @dataclass
 class DecodeBackend:
     """The loop that produces tokens: plain `model.generate`, or the fast static-cache path."""
@@ -108,8 +163,11 @@ class ChatEngine:
         self.loaded = loaded
         self.settings = settings
         self._lock = ReplySlots(1)  # replies in the engine at once: 1 (serial), or MAX_BATCH_SIZE when batching
+        self._workers = WorkerThreads(1)
         self._sessions = SessionSlots()  # one running reply per session (request_id)
         self._tokenizer_lock = threading.Lock()
+        self._fit_lock = threading.Lock()
+        self._fit_cache: dict[tuple[int, int, str, int | None], int] = {}
         self._stops: dict[str, threading.Event] = {}
         self._stops_lock = threading.Lock()
         self.backend = self._plain_backend("DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
@@ -158,7 +216,7 @@ class ChatEngine:
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                      stop_event: threading.Event, cache: Any) -> None:
             decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
-                             prepared.max_new_tokens)
+                             prepared.max_new_tokens, min_new_tokens=min(gen.min_new_tokens, prepared.max_new_tokens))
 
         self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None))
         self._fast_decoder = decoder
@@ -202,6 +260,12 @@ class ChatEngine:
         self.backend = DecodeBackend("batched", f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch",
                                      run, make_cache)
         self._lock = ReplySlots(size)
+        self._workers.grow(size)
+
+    @property
+    def generating(self) -> int:
+        """Replies whose generation work is still running on a worker thread."""
+        return self._workers.running
 
     @property
     def max_concurrent_replies(self) -> int:
@@ -242,7 +306,7 @@ class ChatEngine:
         if unknown:
             raise InputError(f"Unknown generation option(s): {', '.join(sorted(unknown))}.")
         clean = {k: v for k, v in options.items() if v is not None}
-        for key in ("max_new_tokens", "top_k", "seed"):
+        for key in ("max_new_tokens", "min_new_tokens", "top_k", "seed"):
             value = clean.get(key)
             if isinstance(value, float) and value.is_integer():
                 clean[key] = int(value)
@@ -291,11 +355,20 @@ class ChatEngine:
         encoded = self._encode(fitted.messages)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = max_context_tokens(self.memory_facts, self.memory_budget.budget_bytes, plan.allowed_new_tokens,
-                                        gen.kv_cache, prefill_chunk_tokens=chunk)
+        fit_tokens = self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
                               plan.allowed_new_tokens, notes, gen.kv_cache, plan.predicted,
                               min(fit_tokens, budget_tokens))
+
+    def _context_fit(self, max_new_tokens: int, kv_mode: str, chunk: int | None) -> int:
+        """The context meter's bound (a bisection over the predictor), memoized: it runs before every first token
+        and depends only on these and the engine's fixed budget."""
+        key = (self.memory_budget.budget_bytes, max_new_tokens, kv_mode, chunk)
+        with self._fit_lock:
+            if key not in self._fit_cache:
+                self._fit_cache[key] = max_context_tokens(self.memory_facts, key[0], max_new_tokens, kv_mode,
+                                                          prefill_chunk_tokens=chunk)
+            return self._fit_cache[key]
 
     def stop(self, request_id: str | None) -> bool:
         """Halt the reply running for `request_id` (e.g. a browser session). True if one was running."""
@@ -368,8 +441,7 @@ class ChatEngine:
                 streamer.end()
 
         peak.start()
-        worker = threading.Thread(target=work, name=f"generate-{request_id[:8]}", daemon=True)
-        worker.start()
+        worker_done = self._workers.submit(work)
         reply = ""
         try:
             try:
@@ -386,7 +458,7 @@ class ChatEngine:
                     f"No new token for {gen.stream_timeout_s:.0f} s; the reply was stopped. Try again, or "
                     "lower max new tokens."
                 ) from exc
-            worker.join(_JOIN_TIMEOUT_S)
+            worker_done.wait(_JOIN_TIMEOUT_S)
             if errors:
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
@@ -394,7 +466,7 @@ class ChatEngine:
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
-            worker.join(_JOIN_TIMEOUT_S)
+            worker_done.wait(_JOIN_TIMEOUT_S)
             with self._stops_lock:
                 if self._stops.get(request_id) is stop_event:
                     del self._stops[request_id]
@@ -448,6 +520,8 @@ class ChatEngine:
         )
         if cache is not None:
             kwargs[cache_kwarg(model)] = cache
+        if gen.min_new_tokens:
+            kwargs["min_new_tokens"] = min(gen.min_new_tokens, prepared.max_new_tokens)
         if gen.do_sample:
             kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
             if gen.seed is not None:

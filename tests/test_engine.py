@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,8 @@ def final(updates: Any) -> Any:
     return collections.deque(updates, maxlen=1)[0]
 
 
-def no_generate_threads() -> bool:
-    return not any(t.name.startswith("generate-") and t.is_alive() for t in threading.enumerate())
+def no_generation_running(engine: ChatEngine) -> bool:
+    return engine.generating == 0
 
 
 def test_nf4_load_yields_4bit_layers_and_a_report(nf4_engine: ChatEngine) -> None:
@@ -127,7 +128,7 @@ def test_stop_halts_the_worker_not_just_the_display(fp32_engine: ChatEngine) -> 
     update = updates[-1]
     assert update.done and update.stats.finish_reason == "stopped"
     assert update.stats.new_tokens < 20
-    assert no_generate_threads()
+    assert no_generation_running(fp32_engine)
     assert fp32_engine.stop("session-a") is False  # nothing running any more
 
 
@@ -136,7 +137,26 @@ def test_closing_the_stream_halts_the_worker(fp32_engine: ChatEngine) -> None:
     next(stream)
     t0 = time.perf_counter()
     stream.close()  # what Gradio does when a user presses Stop or leaves
-    assert time.perf_counter() - t0 < 10 and no_generate_threads()
+    assert time.perf_counter() - t0 < 10 and no_generation_running(fp32_engine)
+
+
+def test_replies_reuse_the_engines_worker_thread(fp32_engine: ChatEngine) -> None:
+    """Generation runs on a long-lived worker (CUDA libraries keep per-thread state), not a new thread a reply."""
+    names: list[str] = []
+    real = fp32_engine.backend.run
+
+    def spy(*args: Any) -> None:
+        names.append(threading.current_thread().name)
+        real(*args)
+
+    fp32_engine.backend.run = spy
+    try:
+        for _ in range(2):
+            final(fp32_engine.stream_chat("Hi", [], gen=replace(fp32_engine.settings.generation, max_new_tokens=2)))
+    finally:
+        fp32_engine.backend.run = real
+    assert len(names) == 2 and names[0] == names[1] and names[0] != threading.current_thread().name
+    assert fp32_engine.generating == 0
 
 
 def test_worker_exception_surfaces_and_the_next_reply_works(fp32_engine: ChatEngine,

@@ -1,0 +1,117 @@
+"""bench/compare_bench.py (issue 5) on CPU through its --cpu-smoke, and the engine option it relies on to make every
+reply exactly max_new_tokens long (GenerationSettings.min_new_tokens)."""
+
+from __future__ import annotations
+
+import collections
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.bench import make_random_checkpoint
+from llm_core.config import Settings
+from llm_core.errors import InputError
+from llm_core.generation import ChatEngine
+
+REPO = Path(__file__).resolve().parent.parent
+MODES = {"nf4": ("fast", "ours"), "none": ("fast", "ours"), "int8": ("plain", "seed")}  # smoke: path, bench recipe
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny") / "ckpt"
+    return make_random_checkpoint("tiny", folder, torch.device("cpu"), 128)
+
+
+def last(iterable: Any) -> Any:
+    return collections.deque(iterable, maxlen=1)[0]
+
+
+@pytest.mark.parametrize("decode_path", ["plain", "fast"])
+def test_min_new_tokens_holds_eos_back_on_the_plain_and_fast_paths(tiny_checkpoint: Path, decode_path: str) -> None:
+    settings = Settings.from_env(environ={"MODEL_ID": str(tiny_checkpoint), "QUANTIZATION": "none", "DEVICE": "cpu",
+                                          "DECODE_PATH": decode_path, "CACHE_DIR": str(tiny_checkpoint.parent)},
+                                 env_file=None)
+    engine = ChatEngine.load(settings)
+    assert engine.backend.name == decode_path
+    gen = replace(settings.generation, max_new_tokens=6, repetition_penalty=1.0)
+    message = "t5 t6 t7 t8 t9 t30 t31"
+    free = last(engine.stream_chat(message, [], gen=gen, history_turns=0, system_prompt=None))
+    assert free.stats.new_tokens == 6
+    # Make the model's first greedy token its EOS: without min_new_tokens the reply ends there.
+    engine.loaded.model.generation_config.eos_token_id = free.token_ids[0]
+    cut = last(engine.stream_chat(message, [], gen=gen, history_turns=0, system_prompt=None))
+    assert (cut.stats.new_tokens, cut.stats.finish_reason) == (1, "eos")
+    held = last(engine.stream_chat(message, [], gen=replace(gen, min_new_tokens=6), history_turns=0,
+                                   system_prompt=None))
+    assert (held.stats.new_tokens, held.stats.finish_reason) == (6, "length")
+    assert free.token_ids[0] not in held.token_ids
+    with pytest.raises(InputError, match="min_new_tokens"):
+        engine.request_options(min_new_tokens=-1)
+    assert engine.request_options(min_new_tokens=4.0).min_new_tokens == 4
+
+
+def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    proc = subprocess.run([sys.executable, "bench/compare_bench.py", "--cpu-smoke", "--work-dir", str(tmp_path / "w"),
+                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["title"] and doc["date"] and doc["device"]
+    meta = doc["meta"]
+    assert "--cpu-smoke" in meta["command"] and meta["argv"][1:] == ["--cpu-smoke", "--work-dir",
+                                                                     str(tmp_path / "w"), "--out", str(out)]
+    assert meta["versions"]["torch"] and meta["versions"]["transformers"]
+    plan = meta["plan"]
+    assert plan["modes"] == list(MODES) and (plan["prompt_tokens"], plan["new_tokens"], plan["repeats"]) == (32, 8, 2)
+    records = doc["records"]
+    kinds = [r["kind"] for r in records]
+    assert "error" not in kinds and "skipped" not in kinds and kinds[-1] == "done"
+    checks = {r["mode"]: r for r in records if r["kind"] == "check"}
+    assert list(checks) == list(MODES)
+    for mode, (path, bench_recipe) in MODES.items():
+        check = checks[mode]
+        assert (check["decode_path"], check["bench_recipe"]) == (path, bench_recipe)
+        runs = [r for r in records if r["kind"] == "run" and r["mode"] == mode]
+        compare = [r for r in runs if r["recipe"] == "compare"]
+        bench = [r for r in runs if r["recipe"] == "bench"]
+        assert len(compare) == len(bench) == check["repeats"] == 2
+        assert [r["repeat"] for r in runs] == [0, 0, 1, 1] and [r["recipe"] for r in runs] == [
+            "compare", "bench", "bench", "compare"]  # interleaved, order alternating
+        for r in runs:  # both sides decoded the same prompt on the same path, to full length
+            assert (r["decode_path"], r["prompt_tokens"], r["new_tokens"]) == (path, 32, 8)
+        assert all(r["finish_reason"] == "length" and r["stats"]["decode_path"] == path for r in compare)
+        assert all(r["bench_recipe"] == bench_recipe for r in bench)
+        assert check["prompt_ids_match"] and check["decode_path_match"] and check["full_length"]
+        assert check["same_tokens"]  # greedy, same weights, same path: the same 8 tokens on both sides
+        required = [name for name, m in check["metrics"].items() if m["required"]]
+        assert required == ["ttft_s", "decode_tokens_per_s", "peak_rss_bytes"]
+        for name, m in check["metrics"].items():
+            # the medians are those of the run records, the ratio and the 5% verdict follow from them
+            assert m["compare"] == statistics.median(r[m["compare_key"]] for r in compare)
+            assert m["bench"] == statistics.median(r[m["bench_key"]] for r in bench)
+            assert m["compare"] > 0 and m["bench"] > 0, (mode, name)
+            assert m["ratio"] == pytest.approx(m["compare"] / m["bench"], rel=1e-5)
+            assert m["within_5pct"] == (abs(m["compare"] / m["bench"] - 1) <= 0.05)
+        assert check["all_within_5pct"] == all(check["metrics"][n]["within_5pct"] for n in required)
+        assert check["weights_bytes"] > 0 and check["load_s"] > 0
+        for r in compare:  # the TTFT split adds up
+            assert r["prepare_s"] > 0 and r["handoff_s"] >= 0
+            assert r["ttft_from_decode_start_s"] == pytest.approx(r["ttft_s"] - r["prepare_s"] - r["handoff_s"],
+                                                                  abs=1e-9)
+        summary = doc["summary"][mode]
+        assert summary["decode_path"] == path and summary["all_within_5pct"] == check["all_within_5pct"]
+        assert summary["ttft_s_ratio"] == check["metrics"]["ttft_s"]["ratio"]
+        unload = next(r for r in records if r["kind"] == "unload" and r["mode"] == mode)
+        assert unload["resident_after"] == [] and unload["freed_bytes"] > 0
+    assert doc["summary"]["all_modes_within_5pct"] == all(c["all_within_5pct"] for c in checks.values())
+    assert doc["summary"]["modes_measured"] == list(MODES)
+    for mode in MODES:  # the table printed at the end names every mode
+        assert any(line.startswith(mode) for line in proc.stdout.splitlines())
