@@ -60,12 +60,8 @@ NF4_VARIANTS: dict[str, FastDecodeOptions] = {
     "bnb-fused-dq-requant": FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant"),
     "bnb-fused-dqoff": FastDecodeOptions(gemv="bnb", fuse=True, absmax="fp32"),
     "torch-fused-dq": FastDecodeOptions(gemv="torch", fuse=True, absmax="keep"),
-    "triton-fused-dq": FastDecodeOptions(gemv="triton", fuse=True, absmax="keep"),
     "torch-fused-dqoff": FastDecodeOptions(gemv="torch", fuse=True, absmax="fp32"),
-    "triton-fused-dqoff": FastDecodeOptions(gemv="triton", fuse=True, absmax="fp32"),
     "torch-unfused-dq": FastDecodeOptions(gemv="torch", fuse=False, absmax="keep"),
-    "triton2-fused-dq": FastDecodeOptions(gemv="triton2", fuse=True, absmax="keep"),
-    "triton2-fused-dqoff": FastDecodeOptions(gemv="triton2", fuse=True, absmax="fp32"),
     "bnb-fused-dq-requant-torchattn": FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant", attention="torch"),
 }
 DENSE_VARIANTS: dict[str, FastDecodeOptions] = {

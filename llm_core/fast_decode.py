@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time
-GEMV_KERNELS = ("bnb", "nf4", "torch", "triton", "triton2")
+GEMV_KERNELS = ("bnb", "nf4", "torch")
 ABSMAX_MODES = ("keep", "fp32", "requant")
 MIN_BUCKET_TOKENS = 256
 
@@ -172,8 +172,8 @@ class FastDecodeOptions:
 
     # 4-bit matrix-vector kernel: auto (time bnb and nf4 on the first layer at start-up inside a CUDA graph, keep
     # the faster) | nf4 (llm_core.nf4_gemv: Triton, NF4 table in registers; bf16 activations, CUDA only) | bnb
-    # (bitsandbytes' gemm_4bit) | torch (inductor-generated) | triton, triton2 (table read from L1: 3.7x slower
-    # than bnb; kept so bench/results/2026-11-30-h200-decode.json can be repeated)
+    # (bitsandbytes' gemm_4bit) | torch (inductor-generated). Two earlier Triton kernels that read the table from
+    # L1 (slower than bnb: bench/results/2026-11-30-h200-decode.json, runs 1-2) were removed once nf4 replaced them.
     gemv: str = "auto"
     fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
     absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
@@ -190,8 +190,6 @@ class FastDecodeOptions:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
         gemv = self.gemv
-        if gemv.startswith("triton") and not triton_ok:
-            gemv = "bnb"
         if gemv == "nf4" and not (_NF4_KERNEL_AVAILABLE and device.type == "cuda"):  # PTX inside: CUDA only
             gemv = "bnb"
         if gemv == "auto" and (device.type != "cuda" or not triton_ok):
@@ -416,124 +414,13 @@ def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor
     return y.to(x.dtype).view(1, n)
 
 
-try:  # the hand-written kernel needs Triton (shipped with CUDA builds of PyTorch); CPU-only installs skip it
+try:  # the decode attention kernel needs Triton (shipped with CUDA builds of PyTorch); CPU-only installs skip it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
-
-    def _triton_configs() -> list[Any]:
-        shapes = [(1, 16, 2), (2, 16, 4), (4, 8, 4), (4, 16, 4), (8, 8, 4), (8, 16, 8), (16, 4, 4), (16, 8, 8),
-                  (32, 4, 8)]
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in shapes]
-
-    @triton.jit
-    def _nf4_matvec_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code_ptr, code2_ptr,
-                           bias_ptr, y_ptr, N, K2: tl.constexpr, NBLK: tl.constexpr, PER: tl.constexpr,
-                           NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_B: tl.constexpr):
-        """y[n] = sum_k x[k] * code[q(n, k)] * absmax(n, k // blocksize): BLOCK_N rows per program, BLOCK_B quant
-        blocks (PER packed bytes each) per loop step; nested absmax decoded in the loop (code2[q8] * s2 + off)."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        lane = tl.arange(0, PER)
-        acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-        for b0 in range(0, NBLK, BLOCK_B):
-            blks = b0 + tl.arange(0, BLOCK_B)
-            bmask = blks < NBLK
-            m2 = rmask[:, None] & bmask[None, :]
-            offs = rows[:, None, None] * K2 + blks[None, :, None] * PER + lane[None, None, :]
-            w = tl.load(w_ptr + offs, mask=m2[:, :, None], other=0)
-            hi = tl.load(code_ptr + (w >> 4).to(tl.int32))
-            lo = tl.load(code_ptr + (w & 15).to(tl.int32))
-            xo = blks[:, None] * (2 * PER) + 2 * lane[None, :]
-            x0 = tl.load(x_ptr + xo, mask=bmask[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + xo + 1, mask=bmask[:, None], other=0.0).to(tl.float32)
-            part = tl.sum(hi * x0[None, :, :] + lo * x1[None, :, :], axis=2)
-            bidx = rows[:, None] * NBLK + blks[None, :]
-            if NESTED:
-                q = tl.load(q8_ptr + bidx, mask=m2, other=0).to(tl.int32)
-                scale = (tl.load(code2_ptr + q) * tl.load(absmax2_ptr + bidx // 256, mask=m2, other=0.0)
-                         + tl.load(offsets_ptr + bidx // 256, mask=m2, other=0.0))
-            else:
-                scale = tl.load(absmax_ptr + bidx, mask=m2, other=0.0)
-            acc += part * scale
-        y = tl.sum(acc, axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-    @triton.jit
-    def _nf4_matvec_kernel2(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code_ptr, code2_ptr,
-                            bias_ptr, y_ptr, N, K2: tl.constexpr, NBLK: tl.constexpr, PER: tl.constexpr,
-                            NESTED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_B: tl.constexpr):
-        """As _nf4_matvec_kernel, but products accumulate element-wise in registers; the cross-lane sum happens
-        once at the end instead of every loop step."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        lane = tl.arange(0, PER)
-        acc = tl.zeros((BLOCK_N, BLOCK_B, PER), dtype=tl.float32)
-        for b0 in range(0, NBLK, BLOCK_B):
-            blks = b0 + tl.arange(0, BLOCK_B)
-            bmask = blks < NBLK
-            m2 = rmask[:, None] & bmask[None, :]
-            offs = rows[:, None, None] * K2 + blks[None, :, None] * PER + lane[None, None, :]
-            w = tl.load(w_ptr + offs, mask=m2[:, :, None], other=0)
-            hi = tl.load(code_ptr + (w >> 4).to(tl.int32))
-            lo = tl.load(code_ptr + (w & 15).to(tl.int32))
-            xo = blks[:, None] * (2 * PER) + 2 * lane[None, :]
-            x0 = tl.load(x_ptr + xo, mask=bmask[:, None], other=0.0).to(tl.float32)
-            x1 = tl.load(x_ptr + xo + 1, mask=bmask[:, None], other=0.0).to(tl.float32)
-            bidx = rows[:, None] * NBLK + blks[None, :]
-            if NESTED:
-                q = tl.load(q8_ptr + bidx, mask=m2, other=0).to(tl.int32)
-                scale = (tl.load(code2_ptr + q) * tl.load(absmax2_ptr + bidx // 256, mask=m2, other=0.0)
-                         + tl.load(offsets_ptr + bidx // 256, mask=m2, other=0.0))
-            else:
-                scale = tl.load(absmax_ptr + bidx, mask=m2, other=0.0)
-            acc += (hi * x0[None, :, :] + lo * x1[None, :, :]) * scale[:, :, None]
-        y = tl.sum(tl.sum(acc, axis=2), axis=1)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
-
-    def _triton_configs2() -> list[Any]:
-        shapes = [(1, 8, 2), (2, 8, 4), (4, 4, 4), (4, 8, 4), (8, 4, 4), (8, 8, 8), (16, 2, 4), (16, 4, 8),
-                  (32, 2, 8), (2, 16, 4)]
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in shapes]
-
-    # Block shapes are tuned per weight shape on first use (warm-up); the interpreter (CPU tests) has no timer.
-    _nf4_matvec_tuned = triton.autotune(configs=_triton_configs(), key=["N", "K2"])(_nf4_matvec_kernel)
-    _nf4_matvec_tuned2 = triton.autotune(configs=_triton_configs2(), key=["N", "K2"])(_nf4_matvec_kernel2)
-
-    @torch.library.custom_op(
-        "llm_core::nf4_matvec", mutates_args=(),
-        schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code, "
-               "Tensor code2, Tensor? bias, bool nested, int version) -> Tensor")
-    def _nf4_matvec_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
-                       absmax2: torch.Tensor, offsets: torch.Tensor, code: torch.Tensor, code2: torch.Tensor,
-                       bias: torch.Tensor | None, nested: bool, version: int) -> torch.Tensor:
-        n, k2 = packed.shape
-        nblk = q8.numel() // n if nested else absmax.shape[1]
-        y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        args = (x.contiguous(), packed, absmax, q8, absmax2, offsets, code, code2, bias if bias is not None else code,
-                y, n, k2, nblk)
-        flags = {"PER": k2 // nblk, "NESTED": nested, "HAS_BIAS": bias is not None}
-        kernel = _nf4_matvec_kernel2 if version == 2 else _nf4_matvec_kernel
-        tuned = _nf4_matvec_tuned2 if version == 2 else _nf4_matvec_tuned
-        if _triton_interpreter():
-            kernel[grid](*args, **flags, BLOCK_N=4, BLOCK_B=4)
-        else:
-            tuned[grid](*args, **flags)
-        return y
-
-    @_nf4_matvec_op.register_fake
-    def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
-        return x.new_empty(1, packed.shape[0])
 
     @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_l, stride_h,
@@ -656,13 +543,6 @@ def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) 
                                                spec.blocksize, False, list(spec.levels))
         return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], _bias(spec, ts),
                                            spec.blocksize, True, list(spec.levels))
-    if spec.gemv in ("triton", "triton2"):
-        bias, version = _bias(spec, ts), 2 if spec.gemv == "triton2" else 1
-        if spec.absmax == "fp32":
-            return torch.ops.llm_core.nf4_matvec(x, ts[0], ts[1], ts[1], ts[1], ts[1], _code(spec, ts), ts[1],
-                                                 bias, False, version)
-        return torch.ops.llm_core.nf4_matvec(x, ts[0], ts[2], ts[1], ts[2], ts[3], _code(spec, ts), ts[4], bias, True,
-                                             version)
     return nf4_matvec_torch(x, ts[0], _absmax_2d(spec, ts), _code(spec, ts), _bias(spec, ts))
 
 

@@ -294,13 +294,15 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("absmax", ["keep", "fp32"])
-def test_triton_nf4_kernel_matches_the_reference_on_gpu(absmax: str) -> None:
+def test_fused_projection_on_the_nf4_kernel_matches_the_reference_on_gpu(absmax: str) -> None:
+    """q/k/v-style parts fused (nested absmax kept exactly per part, or dequantized to fp32) through
+    llm_core.nf4_gemv, against the torch formula on the same packing."""
     if fd.triton is None:
         pytest.skip("triton not installed")
     parts = [nf4_linear(n, 4096, seed=i).cuda() for i, n in enumerate((4096, 1024, 1024))]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
     ref = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
-    tri = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "triton")
+    tri = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "nf4")
     want = fd._linear_decode(ref.spec, x, ref.tensors).float()
     got = fd._linear_decode(tri.spec, x, tri.tensors).float()
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
