@@ -173,6 +173,30 @@ def test_compiled_step_traces_as_one_graph_and_keeps_the_tokens(fp32: LoadedMode
     assert fast(dec, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
 
 
+def test_a_reply_from_a_worker_under_inference_mode_compiles_nothing(fp32: LoadedModel) -> None:
+    """The engine generates on a worker thread under torch.inference_mode; tensors made there carry other dispatch
+    keys, and dynamo used to recompile the prefill, head and prologue inside the first reply. Compilation belongs
+    to warm-up: after it, such a reply must add no graph."""
+    from torch._dynamo.utils import counters
+
+    dec = FastDecoder(fp32, compile=True, max_cache_len=512, options=FastDecodeOptions(compile_backend="eager"))
+    dec.warmup()
+    ids, mask = encode(fp32, PROMPTS["capital"])
+    want = fast(dec, ids, mask, 4)  # the first reply of this prompt length, on the caller's thread
+    graphs = counters["stats"]["unique_graphs"]
+    got: list[list[int]] = []
+
+    def reply() -> None:
+        with torch.inference_mode():
+            got.append(fast(dec, ids, mask, 4))
+
+    worker = threading.Thread(target=reply)
+    worker.start()
+    worker.join(120)
+    assert got == [want]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # --- nf4 on CPU ----------------------------------------------------------------------------------------------
 
 
