@@ -211,6 +211,12 @@ class ChatEngine:
             return
         if not ok and mode == "fast" and self.loaded.device.type == "cuda":
             raise SettingsError(f"DECODE_PATH=fast cannot run here: {reason}. Use DECODE_PATH=auto.")
+        if not ok:  # DECODE_PATH=fast off CUDA: the same loop, eager (tests and debugging)
+            ok, why = fast_decode.fast_path_support(self.loaded, allow_cpu=True)
+            if not ok:
+                raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
+            reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
+                      "(no compile, no CUDA graphs)")
         decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens())
 
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
