@@ -124,6 +124,7 @@ class EnginePool:
         self.settings = settings
         self.primary_config = CompareConfig.of_settings(settings)
         self._engines: OrderedDict[CompareConfig, ChatEngine] = OrderedDict()
+        self._resident_bytes: dict[CompareConfig, int] = {}  # memory each engine holds (measured at its load)
         if primary is not None:
             self._engines[self.primary_config] = primary
         self._lock = threading.RLock()  # serialises loads and unloads (held for a whole load)
@@ -168,16 +169,26 @@ class EnginePool:
                 raise ModelLoadError(f"{config.label} needs about {format_bytes(need)} with its working room, but "
                                      f"only {format_bytes(memory_available(device))} is available.")
             self._progress(f"Loading {config.label}…")
+            before = memory_in_use(device)
             engine = ChatEngine.load(settings, progress=self._progress)
             with self._map_lock:
                 self._engines[config] = engine
+                self._resident_bytes[config] = max(0, memory_in_use(device) - before)
             return engine, notes
+
+    def others_resident_bytes(self, config: CompareConfig) -> int:
+        """Memory held by the loaded engines other than `config`'s: measured when the pool loaded them, the
+        weights' footprint for one it was given (the served engine)."""
+        with self._map_lock:
+            return sum(self._resident_bytes.get(c, e.loaded.report.weights_bytes or 0)
+                       for c, e in self._engines.items() if c != config)
 
     def unload(self, config: CompareConfig) -> int:
         """Drop an engine and release its memory; returns the bytes freed (measured, not estimated)."""
         with self._lock:
             with self._map_lock:
                 engine = self._engines.pop(config, None)
+                self._resident_bytes.pop(config, None)
             if engine is None:
                 return 0
             device = engine.loaded.device
@@ -197,6 +208,14 @@ class SideResult:
     stats: ReplyStats
     load_s: float | None  # None when the engine was already resident
     notes: tuple[str, ...] = ()
+    # Peak memory is the process's: the other configurations still loaded during this reply held this much of it.
+    others_resident_bytes: int = 0
+
+    @property
+    def own_peak_bytes(self) -> int | None:
+        """This configuration's peak: the process peak less what the other loaded configurations held."""
+        peak = self.stats.peak_memory_bytes
+        return None if peak is None else max(0, peak - self.others_resident_bytes)
 
     def summary_row(self) -> dict[str, Any]:
         s = self.stats
@@ -205,7 +224,7 @@ class SideResult:
             "ttft_ms": None if s.ttft_s is None else round(s.ttft_s * 1000, 1),
             "decode_tokens_per_s": None if s.decode_tokens_per_s is None else round(s.decode_tokens_per_s, 2),
             "new_tokens": s.new_tokens,
-            "peak_memory_mib": None if s.peak_memory_bytes is None else round(s.peak_memory_bytes / 2**20, 1),
+            "peak_memory_mib": None if self.own_peak_bytes is None else round(self.own_peak_bytes / 2**20, 1),
             "weights_mib": None if s.weights_bytes is None else round(s.weights_bytes / 2**20, 1),
             "load_s": None if self.load_s is None else round(self.load_s, 2),
         }
@@ -275,8 +294,14 @@ class Comparison:
                                                system_prompt=system_prompt, request_id=request_id):
                     yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
                 assert last is not None and last.done
-                stats = replace(last.stats, notes=[*last.stats.notes, *notes])
-                results.append(SideResult(config, last.text, stats, load_s, tuple(notes)))
+                others = self.pool.others_resident_bytes(config)
+                side_notes = list(notes)
+                if others and last.stats.peak_memory_bytes is not None:
+                    own = max(0, last.stats.peak_memory_bytes - others)
+                    side_notes.append(f"Peak memory is the process's: {format_bytes(others)} of it is held by the "
+                                      f"other loaded configurations; this one's own peak is {format_bytes(own)}.")
+                stats = replace(last.stats, notes=[*last.stats.notes, *side_notes])
+                results.append(SideResult(config, last.text, stats, load_s, tuple(notes), others))
         yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
                             difference=first_difference([r.text for r in results]))
 
