@@ -167,7 +167,7 @@ class ChatEngine:
         self._sessions = SessionSlots()  # one running reply per session (request_id)
         self._tokenizer_lock = threading.Lock()
         self._fit_lock = threading.Lock()
-        self._fit_cache: dict[tuple[int, int, str, int | None], int] = {}
+        self._fit_cache: dict[tuple[ModelMemoryFacts, int, int, str, int | None], int] = {}
         self._stops: dict[str, threading.Event] = {}
         self._stops_lock = threading.Lock()
         self.backend = self._plain_backend("DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
@@ -226,6 +226,8 @@ class ChatEngine:
 
         self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None))
         self._fast_decoder = decoder
+        # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one.
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len))
 
     def _fast_cache_tokens(self) -> int:
         """The fast path's static KV cache is allocated once at warm-up: size it to what the memory budget allows
@@ -369,10 +371,13 @@ class ChatEngine:
     def _context_fit(self, max_new_tokens: int, kv_mode: str, chunk: int | None) -> int:
         """The context meter's bound (a bisection over the predictor), memoized: it runs before every first token
         and depends only on these and the engine's fixed budget."""
-        key = (self.memory_budget.budget_bytes, max_new_tokens, kv_mode, chunk)
+        facts = self.memory_facts  # replaced (not mutated) when the reserve is refitted after an OOM
+        key = (facts, self.memory_budget.budget_bytes, max_new_tokens, kv_mode, chunk)
         with self._fit_lock:
             if key not in self._fit_cache:
-                self._fit_cache[key] = max_context_tokens(self.memory_facts, key[0], max_new_tokens, kv_mode,
+                if len(self._fit_cache) > 256:
+                    self._fit_cache.clear()
+                self._fit_cache[key] = max_context_tokens(facts, key[1], max_new_tokens, kv_mode,
                                                           prefill_chunk_tokens=chunk)
             return self._fit_cache[key]
 

@@ -123,6 +123,9 @@ class ModelMemoryFacts:
     reserve_fixed_bytes: int = DEFAULT_RESERVE_FIXED_BYTES
     logits_to_keep: bool = True  # the model computes prefill logits for the last position only
     context_length: int = 4096
+    # The fast decode path's KV cache: allocated once (at warm-up) for this many tokens, so a reply's cache is
+    # that whole block whatever its length. 0 = the cache grows with the reply (plain generate).
+    static_kv_tokens: int = 0
 
     # -- construction --
     @classmethod
@@ -502,6 +505,8 @@ def predict_peak_bytes(
     # The quantized cache is preallocated for the whole reply; the others grow to `p` during the prefill.
     kv_at_prefill = _kv_device_bytes(f, end if kv_mode == "quantized" else p, kv_mode, quant, chunk)
     kv_at_end = _kv_device_bytes(f, end, kv_mode, quant)
+    if kv_mode == "dynamic" and f.static_kv_tokens:  # the fast path: one preallocated block, held throughout
+        kv_at_prefill = kv_at_end = _kv_device_bytes(f, f.static_kv_tokens, kv_mode, quant)
     ws_prefill = kv_workspace_bytes(f, end if kv_mode == "quantized" else p, f.cache_dtype, kv_mode)
     ws_end = kv_workspace_bytes(f, end, f.cache_dtype, kv_mode)
     decode_t = decode_transient_bytes(f, end, kv_mode) if n else 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -516,3 +517,22 @@ def test_injector_scoped_arming_and_points() -> None:
         faults.check("prefill")  # fired twice: spent
         faults.check("decode")
     assert faults.armed == {} and faults.fired == ["prefill", "prefill"]
+
+
+def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_length() -> None:
+    """The fast path allocates its KV cache once for static_kv_tokens; a reply's predicted KV is that block (the
+    exact bytes FastDecoder allocates), not a cache growing to prompt + new tokens."""
+    from llm_core.fast_decode import kv_cache_exact_bytes
+
+    config = LlamaConfig(**LLAMA2_7B)
+    growing = ModelMemoryFacts.from_config(config, 4 * GiB, torch.bfloat16, weight_quantization="nf4")
+    static = replace(growing, static_kv_tokens=4096)
+    block = kv_cache_exact_bytes(config, 4096, torch.bfloat16)
+    for prompt in (16, 512, 3000):
+        fast, plain = predict_peak_bytes(static, prompt, 128), predict_peak_bytes(growing, prompt, 128)
+        assert fast.kv_bytes == block  # 2 GiB for Llama-2-7B at 4096 tokens, from the first token on
+        assert plain.kv_bytes == kv_bytes(growing, prompt + 128 if plain.phase == "decode" else prompt,
+                                          growing.cache_dtype)
+        assert fast.peak_allocated_bytes > plain.peak_allocated_bytes
+    # quantized and offloaded caches run on the plain path: the static block does not apply to them
+    assert predict_peak_bytes(static, 512, 128, "quantized") == predict_peak_bytes(growing, 512, 128, "quantized")
