@@ -17,7 +17,8 @@ Measured (bench/results/2026-11-30-h200-gemv.json, H200, Llama-2-7B shapes, weig
 layer against 102.7 for bitsandbytes' gemm_4bit with double quant (-2%), 89.6 with fp32 absmax (-13%); the
 fast path's `auto` times both at start-up and keeps the faster. The levels are applied as bf16, as
 bitsandbytes' kernel holds them; the relative error against x @ dequantize(W).T is 0.0035-0.004 for both.
-It is now bound by instruction issue (about 6 instructions per weight), not by memory.
+By our count (not yet confirmed with Nsight Compute) it is now bound by instruction issue, about 6
+instructions per weight, not by memory.
 """
 
 from __future__ import annotations
