@@ -67,7 +67,7 @@ def dot8_asm(code: list[float]) -> str:
     or a mask."""
     lo, hi = table_bytes(code)
     consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
-    half = """and.b32 s7, {s}, 0x7777;
+    lookup = """and.b32 s7, {s}, 0x7777;
 shl.b32 t, {s}, 4;
 prmt.b32 m, t, {s}, 0xD9C8;
 prmt.b32 la, L0, L1, s7;
@@ -76,25 +76,22 @@ prmt.b32 ha, H0, H1, s7;
 prmt.b32 hb, H2, H3, s7;
 lop3.b32 lo, la, lb, m, 0xD8;
 lop3.b32 hi, ha, hb, m, 0xD8;
-prmt.b32 r, lo, hi, 0x5140;
+"""  # 4 indices (the low 16 bits of {s}) -> their levels' low bytes in lo, high bytes in hi
+    pair = """prmt.b32 r, lo, hi, {sel};
 and.b32 fv, r, 0xFFFF0000;
-shl.b32 fx, {x0}, 16;
+shl.b32 fx, {x}, 16;
 fma.rn.f32 acc, fv, fx, acc;
 shl.b32 fv, r, 16;
-and.b32 fx, {x0}, 0xFFFF0000;
+and.b32 fx, {x}, 0xFFFF0000;
 fma.rn.f32 acc, fv, fx, acc;
-prmt.b32 r, lo, hi, 0x7362;
-and.b32 fv, r, 0xFFFF0000;
-shl.b32 fx, {x1}, 16;
-fma.rn.f32 acc, fv, fx, acc;
-shl.b32 fv, r, 16;
-and.b32 fx, {x1}, 0xFFFF0000;
-fma.rn.f32 acc, fv, fx, acc;
-"""
+"""  # one byte of the word (2 indices, high nibble first) times one bf16 pair (low half first)
+
+    def half(s: str, x0: str, x1: str) -> str:
+        return lookup.format(s=s) + pair.format(sel="0x5140", x=x0) + pair.format(sel="0x7362", x=x1)
+
     return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r, w2;\n"
             ".reg .f32 acc, fv, fx;\n" + consts + "mov.f32 acc, 0f00000000;\n"
-            + half.format(s="$1", x0="$2", x1="$3") + "shr.u32 w2, $1, 16;\n"
-            + half.format(s="w2", x0="$4", x1="$5") + "mov.b32 $0, acc;\n}")
+            + half("$1", "$2", "$3") + "shr.u32 w2, $1, 16;\n" + half("w2", "$4", "$5") + "mov.b32 $0, acc;\n}")
 
 
 if triton is not None:
