@@ -218,6 +218,9 @@ class ChatEngine:
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
         decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens())
+        if self.loaded.settings.quantization == "nf4":  # which 4-bit kernel runs, and the start-up timing behind it
+            timed = ", ".join(f"{k} {v:.0f} µs" for k, v in decoder.gemv_timings_us.items())
+            reason += f"; 4-bit kernel: {decoder.options.gemv}" + (f" (per layer: {timed})" if timed else "")
 
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                      stop_event: threading.Event, cache: Any) -> None:

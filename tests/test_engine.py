@@ -248,3 +248,11 @@ def test_stats_export_as_json(fp32_engine: ChatEngine, tmp_path: Path) -> None:
     done = final(fp32_engine.stream_chat("Hi", [], gen=fp32_engine.request_options(max_new_tokens=3)))
     data = json.loads(export_json([done.stats], tmp_path / "stats.json").read_text())
     assert data[0]["new_tokens"] == done.stats.new_tokens and data[0]["ttft_s"] == done.stats.ttft_s
+
+
+def test_the_model_panel_names_the_4bit_kernel_of_the_fast_path() -> None:
+    """NF4 on the fast path: the decode-path reason says which 4-bit kernel runs (on CPU: bitsandbytes', the only
+    one; on CUDA the start-up timing of each candidate is shown too)."""
+    engine = ChatEngine.load(make_settings(DECODE_PATH="fast"))
+    assert engine.backend.name == "fast"
+    assert "4-bit kernel: bnb" in engine.report.decode_path_reason  # what the Model panel prints
