@@ -80,8 +80,11 @@ from llm_core.compare import (  # noqa: E402
 from llm_core.config import Settings  # noqa: E402
 from llm_core.generation import ChatEngine, PreparedPrompt  # noqa: E402
 from llm_core.loading import configure_cuda_allocator, library_versions  # noqa: E402
-from llm_core.memory import free_memory  # noqa: E402
-from llm_core.metrics import PeakMemory, ReplyStats  # noqa: E402
+from llm_core.memory import (
+    PeakMeter,  # noqa: E402
+    free_memory,  # noqa: E402
+)
+from llm_core.metrics import ReplyStats  # noqa: E402
 
 TITLE = "Compare view vs the benchmark, same configuration (batch 1, random-weight Llama shape)"
 TOLERANCE = 0.05
@@ -413,11 +416,9 @@ class CompareBench:
                 call = ours_call(decoder, prompt, tokens)  # llm_core.bench's "ours", on the engine's own decoder
             else:
                 call = seed_call(engine.loaded, prompt, tokens)  # llm_core.bench's seed recipe: plain generate
-            meter = PeakMemory(device) if device.type != "cuda" else None  # CUDA: timed_run's own peak
-            if meter is not None:
-                meter.start()
+            meter = PeakMeter(device).start() if device.type != "cuda" else None  # CUDA: timed_run's own peak
             run = timed_run(device, call)
-            return run, meter.read().get("peak_rss_bytes") if meter is not None else None
+            return run, meter.stop().peak_allocated_bytes if meter is not None else None
 
         bench_once(intended, FIRST_CALL_TOKENS)
         compare_rows: list[dict[str, Any]] = []

@@ -32,6 +32,7 @@ from .memory import (
     MemoryBudget,
     ModelMemoryFacts,
     OOMInjector,
+    PeakMeter,
     free_memory,
     is_oom_error,
     max_context_tokens,
@@ -39,7 +40,7 @@ from .memory import (
     refit_reserve,
     require_fit,
 )
-from .metrics import PeakMemory, ReplyStats, TokenClock
+from .metrics import ReplyStats, TokenClock
 
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
@@ -426,7 +427,7 @@ class ChatEngine:
             self._stops[request_id] = stop_event
         clock = TokenClock(start_s)
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
-        peak = PeakMemory(loaded.device)
+        peak = PeakMeter(loaded.device)
         report = loaded.report
         backend = self.backend if prepared.kv_cache == "dynamic" else self._plain
         stats = ReplyStats(
@@ -461,7 +462,6 @@ class ChatEngine:
             try:
                 for chunk in streamer:
                     reply += chunk
-                    peak.sample()
                     yield ReplyUpdate(reply, self._live_stats(stats, clock))
             except Exception as exc:  # queue.Empty: no token within stream_timeout_s
                 if errors:
@@ -488,7 +488,7 @@ class ChatEngine:
     def _live_stats(self, stats: ReplyStats, clock: TokenClock) -> ReplyStats:
         return replace(stats, **clock.snapshot())
 
-    def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMemory, cache: Any,
+    def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMeter, cache: Any,
                      stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel,
                      backend: DecodeBackend) -> ReplyStats:
         timing = clock.snapshot()
@@ -507,7 +507,7 @@ class ChatEngine:
             kv = cache.nbytes
         else:
             kv = cache_bytes(cache if cache is not None else backend.make_cache()) or None
-        measured = peak.read()
+        measured = peak.stop().reply_fields()
         reserved = measured.get("peak_vram_reserved_bytes")
         if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
             self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved)

@@ -723,7 +723,8 @@ def _gib(n: int) -> str:
 
 @dataclass(frozen=True)
 class MeasuredPeak:
-    """One measured peak. CUDA: allocator statistics. CPU: resident set size sampled every few milliseconds."""
+    """One measured peak. CUDA: allocator statistics. CPU: the process's resident set (exact high-water mark
+    where Linux lets us reset it, else sampled every few milliseconds)."""
 
     device_type: str
     peak_allocated_bytes: int  # CUDA max_memory_allocated; CPU peak RSS
@@ -735,12 +736,22 @@ class MeasuredPeak:
     def delta_bytes(self) -> int:
         return self.peak_allocated_bytes - self.start_bytes
 
+    def reply_fields(self) -> dict[str, Any]:
+        """The ReplyStats fields this measurement fills."""
+        if self.device_type == "cuda":
+            return {"peak_vram_allocated_bytes": self.peak_allocated_bytes,
+                    "peak_vram_reserved_bytes": self.peak_reserved_bytes}
+        return {"peak_rss_bytes": self.peak_allocated_bytes}
+
 
 class PeakMeter:
-    """`with PeakMeter(device) as meter: ...` then `meter.result`: the peak inside the block.
+    """The one peak-memory measurement of the project (replies, benchmarks, tests).
 
-    CUDA: resets the allocator's peak statistics on entry (the peak is over the block only) and reads
-    max_memory_allocated/reserved on exit, after a synchronize. CPU: a thread samples RSS every `interval_s`.
+    `meter.start()` ... `meter.stop()` -> MeasuredPeak, or `with PeakMeter(device) as meter: ...` then
+    `meter.result`. CUDA: resets the allocator's peak statistics at start (the peak is over the block only) and
+    reads max_memory_allocated/reserved at stop, after a synchronize. CPU: resets the kernel's RSS high-water mark
+    (VmHWM, via /proc/self/clear_refs) and reads it back, which is exact; where that is not allowed, a thread
+    samples RSS every `interval_s`. The CPU high-water mark is per process: overlapping meters share it.
     """
 
     def __init__(self, device: torch.device | str, interval_s: float = 0.002) -> None:
@@ -749,32 +760,31 @@ class PeakMeter:
         self.result: MeasuredPeak | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._hwm_reset = False
         self._peak_rss = 0
         self._start = 0
         self._t0 = 0.0
 
-    def __enter__(self) -> PeakMeter:
+    def start(self) -> PeakMeter:
         self._t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
-        else:
-            import psutil
-
-            proc = psutil.Process()
-            self._start = self._peak_rss = proc.memory_info().rss
-
+            return self
+        self._start = self._peak_rss = _rss_bytes()
+        self._hwm_reset = _reset_rss_high_water_mark()
+        if not self._hwm_reset:
             def sample() -> None:
                 while not self._stop.is_set():
-                    self._peak_rss = max(self._peak_rss, proc.memory_info().rss)
+                    self._peak_rss = max(self._peak_rss, _rss_bytes())
                     self._stop.wait(self.interval_s)
 
             self._thread = threading.Thread(target=sample, name="peak-rss", daemon=True)
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> MeasuredPeak:
         seconds = time.perf_counter() - self._t0
         if self.device.type == "cuda":
             with contextlib.suppress(RuntimeError):  # after a CUDA OOM the sync may fail: keep the stats
@@ -782,14 +792,51 @@ class PeakMeter:
             alloc = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
             self.result = MeasuredPeak("cuda", alloc, reserved, self._start, seconds)
-        else:
-            self._stop.set()
-            if self._thread is not None:
-                self._thread.join()
-            import psutil
+            return self.result
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        peak = max(self._peak_rss, _rss_bytes())
+        if self._hwm_reset:
+            peak = max(peak, _read_status_bytes("VmHWM") or 0)
+        self.result = MeasuredPeak("cpu", peak, peak, self._start, seconds)
+        return self.result
 
-            self._peak_rss = max(self._peak_rss, psutil.Process().memory_info().rss)
-            self.result = MeasuredPeak("cpu", self._peak_rss, self._peak_rss, self._start, seconds)
+    def __enter__(self) -> PeakMeter:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _rss_bytes() -> int:
+    rss = _read_status_bytes("VmRSS")
+    if rss is not None:
+        return rss
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _reset_rss_high_water_mark() -> bool:
+    """Linux: writing 5 to /proc/self/clear_refs resets VmHWM (peak RSS) to the current RSS."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return _read_status_bytes("VmHWM") is not None
+    except OSError:
+        return False
+
+
+def _read_status_bytes(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 # --- out of memory ---------------------------------------------------------------------------------------------

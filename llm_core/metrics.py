@@ -17,8 +17,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import torch
-
 
 @dataclass
 class ReplyStats:
@@ -96,60 +94,6 @@ class TokenClock:
         decode_s = None if first is None or last is None else last - first
         rate = (count - 1) / decode_s if decode_s and count > 1 else None
         return {"new_tokens": count, "ttft_s": ttft, "decode_s": decode_s, "decode_tokens_per_s": rate}
-
-
-class PeakMemory:
-    """Peak device memory for one reply: resets CUDA peak stats (or the process's RSS high-water mark) on start."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._rss_reset = False
-        self._rss_samples: list[int] = []
-
-    def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._rss_reset = _reset_rss_high_water_mark()
-            self.sample()
-
-    def sample(self) -> None:
-        """CPU fallback where the high-water mark cannot be reset: sample the current RSS."""
-        if self.device.type != "cuda" and not self._rss_reset:
-            rss = _read_status_bytes("VmRSS")
-            if rss is not None:
-                self._rss_samples.append(rss)
-
-    def read(self) -> dict[str, Any]:
-        if self.device.type == "cuda":
-            return {
-                "peak_vram_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),
-                "peak_vram_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
-            }
-        if self._rss_reset:
-            return {"peak_rss_bytes": _read_status_bytes("VmHWM")}
-        self.sample()
-        return {"peak_rss_bytes": max(self._rss_samples) if self._rss_samples else None}
-
-
-def _reset_rss_high_water_mark() -> bool:
-    # Linux: writing 5 to /proc/self/clear_refs resets VmHWM (peak RSS) to the current RSS.
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def _read_status_bytes(key: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def format_bytes(n: int | float | None) -> str:

@@ -449,10 +449,18 @@ def test_budget_from_the_cpu_is_positive_and_validated() -> None:
         MemoryBudget(0)
 
 
-def test_peak_meter_on_cpu_sees_a_temporary_allocation() -> None:
+@pytest.mark.parametrize("high_water_mark", [True, False])
+def test_peak_meter_on_cpu_sees_a_temporary_allocation(high_water_mark: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact (the kernel's RSS high-water mark, reset at start) and, where that reset is refused, sampled."""
     import mmap
     import time
 
+    from llm_core import memory
+
+    if not high_water_mark:
+        monkeypatch.setattr(memory, "_reset_rss_high_water_mark", lambda: False)
+    elif not memory._reset_rss_high_water_mark():
+        pytest.skip("this kernel does not let a process reset its RSS high-water mark")
     with PeakMeter("cpu", interval_s=0.001) as meter:
         # Fresh anonymous pages, all touched: a tensor could reuse heap pages that are already resident.
         block = mmap.mmap(-1, 64 * MiB)
@@ -461,6 +469,7 @@ def test_peak_meter_on_cpu_sees_a_temporary_allocation() -> None:
         block.close()
     assert meter.result is not None
     assert meter.result.delta_bytes >= 48 * MiB
+    assert meter.result.reply_fields() == {"peak_rss_bytes": meter.result.peak_allocated_bytes}
 
 
 # --- OOM -------------------------------------------------------------------------------------------------------
