@@ -150,9 +150,14 @@ class EnginePool:
 
     def get(self, config: CompareConfig) -> tuple[ChatEngine, list[str]]:
         """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
-        happened, for the user."""
+        happened, for the user. A resident engine is returned at once, even while another configuration loads
+        (a chat message does not wait for a comparison's model load)."""
+        with self._map_lock:
+            if config in self._engines:
+                self._engines.move_to_end(config)
+                return self._engines[config], []
         with self._lock:
-            with self._map_lock:
+            with self._map_lock:  # loaded by another caller while this one waited
                 if config in self._engines:
                     self._engines.move_to_end(config)
                     return self._engines[config], []

@@ -140,7 +140,7 @@ def test_command_line_twin_writes_the_same_json(tmp_path: Path, monkeypatch: pyt
     assert data["command"].startswith("python -m llm_core.compare --config nf4")
 
 
-def test_listing_engines_for_stop_never_waits_for_a_load_in_progress(pool: EnginePool) -> None:
+def test_stop_and_chat_never_wait_for_a_load_in_progress(pool: EnginePool) -> None:
     import threading
     import time
 
@@ -159,6 +159,9 @@ def test_listing_engines_for_stop_never_waits_for_a_load_in_progress(pool: Engin
         t0 = time.perf_counter()
         engines = pool.engines()
         assert time.perf_counter() - t0 < 0.5 and engines  # the chat engine, listed without waiting
+        t0 = time.perf_counter()
+        primary = pool.primary()  # a chat message during a comparison's load: its engine is resident
+        assert time.perf_counter() - t0 < 0.5 and primary in engines
     finally:
         release.set()
         loader.join()
