@@ -330,3 +330,28 @@ def test_fused_projection_on_the_nf4_kernel_matches_the_reference_on_gpu(absmax:
     want = fd._linear_decode(ref.spec, x, ref.tensors).float()
     got = fd._linear_decode(tri.spec, x, tri.tensors).float()
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
+
+
+def test_fp32_reference_restores_the_model_and_calibrates_agreement(tmp_path: Any) -> None:
+    """The bench's calibrated logit check: the same NF4 weights computing in fp32 are the reference; the model is
+    put back exactly afterwards (same tensors, so storage shared with the fast path stays shared)."""
+    from llm_core.bench import agreement, fp32_compute, load, make_random_checkpoint
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cpu"), 256)
+    loaded = load(str(folder), "nf4", "cpu", tmp_path / "cache", "bfloat16")
+    model = loaded.model
+    before = {name: p.data.data_ptr() for name, p in model.named_parameters()}
+    ids = torch.randint(3, 500, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        bf16 = model(input_ids=ids).logits
+        with fp32_compute(model):
+            fp32 = model(input_ids=ids).logits
+    assert bf16.dtype == torch.bfloat16 and fp32.dtype == torch.float32
+    assert 0 < ((bf16.float() - fp32).norm() / fp32.norm()).item() < 0.05
+    assert {name: p.data.data_ptr() for name, p in model.named_parameters()} == before
+    assert all(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point())
+    decoder = FastDecoder(loaded, compile=False, max_cache_len=128, options=FastDecodeOptions(gemv="bnb"))
+    decoder.warmup()
+    result = agreement(decoder, loaded, ids, [5, 6, 7, 8])
+    assert result["seed_vs_fp32_max_rel_l2"] > 0 and result["ours_vs_fp32_max_rel_l2"] > 0
+    assert result["within_calibrated_bound"]  # on CPU our bf16 path is as close to fp32 as the seed's
