@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from llm_core import nf4_gemv
+from llm_core.bench import measure_copy_bandwidth
+from llm_core.fast_decode import time_in_cuda_graph
 from llm_core.loading import library_versions
 
 SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
@@ -32,29 +34,12 @@ LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
 
 def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
     """Microseconds per call: all calls captured in one CUDA graph, replayed `replays` times."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def all_calls() -> None:
         for c in calls:
             c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) * 1e3 / (replays * len(calls))
 
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = time_calls([lambda: b.copy_(a)], replays=10)
-    return 2 * a.numel() / (us * 1e-6)
+    return time_in_cuda_graph(all_calls, replays=replays) / len(calls)
 
 
 class Weights:
@@ -124,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"title": "One-token NF4 kernels per weight shape", "command": " ".join(sys.argv),
                               "device": torch.cuda.get_device_name(), "versions": library_versions(),
                               "triton": getattr(nf4_gemv.triton, "__version__", None),
-                              "copy_bandwidth_bytes_per_s": copy_bandwidth(), "records": [], "layers": {}}
-    x = torch.randn(1, 1, dtype=torch.bfloat16, device="cuda")
+                              "copy_bandwidth_bytes_per_s": measure_copy_bandwidth(torch.device("cuda")),
+                              "records": [], "layers": {}}
     for arch in args.arch:
         per_layer: dict[str, float] = {}
         for name, n, k in SHAPES[arch]:

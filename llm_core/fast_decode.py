@@ -511,6 +511,29 @@ if triton is not None:
 ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
 
 
+def time_in_cuda_graph(fn: Callable[[], Any], device: torch.device | None = None, *, reps: int = 1,
+                       replays: int = 20, warmups: int = 1) -> float:
+    """Microseconds per call of `fn` as a decode step runs it: called `warmups` times eagerly (compile, autotune),
+    then `reps` times captured in one CUDA graph, replayed once, then timed over `replays` replays. Python launch
+    costs don't count. Used by the 4-bit kernel pick and the kernel benchmark."""
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize(device)
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) * 1e3 / (replays * reps)
+
+
 def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
     """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -864,7 +887,6 @@ class FastDecoder:
             return "bnb"
         groups = self._layer_groups(self._arch.layers[0])
         candidates = ["bnb"] + (["nf4"] if _NF4_KERNEL_AVAILABLE and self.dtype == torch.bfloat16 else [])
-        reps = 10
         for cand in candidates:
             try:
                 packed = [_pack_linears(g, replace(self.options, gemv=cand), cand) for g in groups]
@@ -874,22 +896,9 @@ class FastDecoder:
                     for p, x in zip(packed, xs, strict=True):
                         _linear_decode(p.spec, x, p.tensors)
 
-                for _ in range(3):  # first calls: Triton compile and autotune, outside the capture
-                    layer()
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for _ in range(reps):
-                        layer()
-                graph.replay()
-                start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(5):
-                    graph.replay()
-                stop.record()
-                stop.synchronize()
-                self.gemv_timings_us[cand] = round(start.elapsed_time(stop) * 1e3 / (5 * reps), 2)
-                del graph
+                # warm-up calls compile and autotune the Triton kernel outside the capture
+                us = time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3)
+                self.gemv_timings_us[cand] = round(us, 2)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
                 log.warning("4-bit kernel %s unavailable: %s", cand, exc)
         if not self.gemv_timings_us:
@@ -1390,4 +1399,4 @@ def kv_cache_exact_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
 
 
 __all__ = ["FastDecodeOptions", "FastDecoder", "KVCacheView", "bucket_list", "fast_path_support",
-           "kv_cache_exact_bytes", "nf4_matvec_torch", "sample_from_scores"]
+           "kv_cache_exact_bytes", "nf4_matvec_torch", "sample_from_scores", "time_in_cuda_graph"]
