@@ -152,15 +152,13 @@ class EnginePool:
         """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
         happened, for the user. A resident engine is returned at once, even while another configuration loads
         (a chat message does not wait for a comparison's model load)."""
-        with self._map_lock:
-            if config in self._engines:
-                self._engines.move_to_end(config)
-                return self._engines[config], []
+        resident = self._touch(config)
+        if resident is not None:
+            return resident, []
         with self._lock:
-            with self._map_lock:  # loaded by another caller while this one waited
-                if config in self._engines:
-                    self._engines.move_to_end(config)
-                    return self._engines[config], []
+            resident = self._touch(config)  # loaded by another caller while this one waited
+            if resident is not None:
+                return resident, []
             settings = config.apply(self.settings)
             device = resolve_device(settings.model)
             need = estimate_weights_bytes(settings.model) + self.reserve_bytes
@@ -180,6 +178,14 @@ class EnginePool:
                 self._engines[config] = engine
                 self._resident_bytes[config] = max(0, memory_in_use(device) - before)
             return engine, notes
+
+    def _touch(self, config: CompareConfig) -> ChatEngine | None:
+        """The resident engine for `config`, marked most recently used; None if it is not loaded."""
+        with self._map_lock:
+            engine = self._engines.get(config)
+            if engine is not None:
+                self._engines.move_to_end(config)
+            return engine
 
     def others_resident_bytes(self, config: CompareConfig) -> int:
         """Memory held by the loaded engines other than `config`'s: measured when the pool loaded them, the
@@ -276,9 +282,10 @@ class Comparison:
 
     def run(self, configs: Sequence[CompareConfig], message: str, gen: GenerationSettings,
             system_prompt: str | None = "", request_id: str | None = None) -> Iterator[CompareUpdate]:
-        if len(configs) < max(1, self.min_sides):
-            raise InputError("Choose at least two configurations to compare." if self.min_sides == 2 else
-                             f"Choose at least {max(1, self.min_sides)} configuration(s).")
+        need = max(1, self.min_sides)
+        if len(configs) < need:
+            raise InputError("Choose at least two configurations to compare." if need == 2 else
+                             f"Choose at least {need} configuration(s).")
         if len(set(configs)) != len(configs):
             raise InputError("Two sides have the same configuration; change one of them.")
         for config in configs:
@@ -299,14 +306,14 @@ class Comparison:
                                                system_prompt=system_prompt, request_id=request_id):
                     yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
                 assert last is not None and last.done
-                others = self.pool.others_resident_bytes(config)
+                result = SideResult(config, last.text, last.stats, load_s, tuple(notes),
+                                    self.pool.others_resident_bytes(config))
                 side_notes = list(notes)
-                if others and last.stats.peak_memory_bytes is not None:
-                    own = max(0, last.stats.peak_memory_bytes - others)
-                    side_notes.append(f"Peak memory is the process's: {format_bytes(others)} of it is held by the "
-                                      f"other loaded configurations; this one's own peak is {format_bytes(own)}.")
-                stats = replace(last.stats, notes=[*last.stats.notes, *side_notes])
-                results.append(SideResult(config, last.text, stats, load_s, tuple(notes), others))
+                if result.others_resident_bytes and result.own_peak_bytes is not None:
+                    side_notes.append(f"Peak memory is the process's: {format_bytes(result.others_resident_bytes)} "
+                                      "of it is held by the other loaded configurations; this one's own peak is "
+                                      f"{format_bytes(result.own_peak_bytes)}.")
+                results.append(replace(result, stats=replace(last.stats, notes=[*last.stats.notes, *side_notes])))
         yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
                             difference=first_difference([r.text for r in results]))
 
