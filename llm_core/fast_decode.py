@@ -223,7 +223,7 @@ class _LinSpec:
     blocksize: int
     splits: tuple[int, ...]
     bias: bool
-    gemv: str  # dense | bnb | torch | triton
+    gemv: str  # dense | dense-reduce | bnb | nf4 | torch
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
     levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
 

@@ -154,9 +154,8 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
-    absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would
-    sync, and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps)
-    skips autotuning."""
+    absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
