@@ -1,8 +1,9 @@
 """One-token NF4 kernels on the GPU, per weight shape: bitsandbytes' kernels against llm_core.nf4_gemv.
 
-Every kernel runs on the same bitsandbytes-quantized weights (double quant on, blocksize 64), over enough
-distinct copies that the weights come from HBM, not L2 (60 MB on an H200), inside one CUDA graph; the time is
-per call. Error is against x @ dequantize_4bit(W).T in fp32.
+`ours_*` use the default bf16x2 multiply-adds of llm_core.nf4_gemv.dot8_asm; `ours_nested_fp32math` the fp32
+variant (exact products). Every kernel runs on the same bitsandbytes-quantized weights (double quant on,
+blocksize 64), over enough distinct copies that the weights come from HBM, not L2 (60 MB on an H200), inside
+one CUDA graph; the time is per call. Error is against x @ dequantize_4bit(W).T in fp32.
 
     python bench/gemv_bench.py --out gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
 """
@@ -90,11 +91,46 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[int, int, int]] | 
             return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, nested=state, **kw)
         return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, absmax=c["absmax_fp32"], **kw)
 
-    out["ours_nested"] = [ours(c, True) for c in wt.copies]
+    out["ours_nested"] = [ours(c, True) for c in wt.copies]  # the default: bf16x2 multiply-adds, 16-byte x loads
     out["ours_fp32"] = [ours(c, False) for c in wt.copies]
+    out["ours_nested_x4loads"] = [ours(c, True, xvec=False) for c in wt.copies]  # activation pairs one by one
+    out["ours_nested_fp32math"] = [ours(c, True, math="fp32") for c in wt.copies]  # exact products, ~1.7x instr
     for cfg in configs or []:
         out[f"ours_nested_cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = [ours(c, True, config=cfg) for c in wt.copies]
     return out
+
+
+def dump_asm(call: Callable[[], Any], stem: Path) -> dict[str, int] | str:
+    """PTX and SASS of the kernel `call` launches (its tuned config), and SASS opcode counts (whole kernel)."""
+    import collections
+    import re
+
+    from llm_core import nf4_gemv as k
+
+    kernels: list[Any] = []
+    original = k.nf4_gemv
+
+    def capture(*a: Any, **kw: Any) -> Any:
+        return original(*a, **kw, compiled=kernels)
+
+    k.nf4_gemv = capture  # the call's closure looks the function up on the module
+    try:
+        call()
+    finally:
+        k.nf4_gemv = original
+    if not kernels or kernels[0] is None:
+        return "no compiled kernel returned"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    asm = kernels[0].asm
+    stem.with_suffix(".ptx").write_text(asm["ptx"])
+    try:
+        sass = asm["sass"]
+    except Exception as exc:  # noqa: BLE001 - needs cuobjdump/nvdisasm on the machine
+        return f"no SASS: {type(exc).__name__}: {exc}"[:300]
+    stem.with_suffix(".sass").write_text(sass)
+    line = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", re.M)
+    ops = collections.Counter(m.group(1).split(".")[0] for m in line.finditer(sass))
+    return dict(ops.most_common(40))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also time every block shape of ours, untuned")
     ap.add_argument("--min-bytes", type=float, default=1.0e9, help="weights per timed graph (>> L2)")
     ap.add_argument("--budget-s", type=float, default=420.0)
+    ap.add_argument("--asm-dir", type=Path, help="write PTX and SASS of the tuned kernels here, with opcode counts")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
@@ -129,11 +166,14 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     y = calls[0]().float()
                     rec["max_abs_err_rel"] = float((y - ref).abs().max() / ref.abs().max())
+                    rec["rel_l2_err"] = float((y.view(-1) - ref.view(-1)).norm() / ref.norm())
                     us = time_calls(calls)
                     rec["us_per_call"] = us
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
                         rec["tuned_config"] = nf4_gemv.best_config(n, k // 8)
+                        if args.asm_dir is not None and arch == args.arch[0]:
+                            rec["sass_opcodes"] = dump_asm(calls[0], args.asm_dir / f"{kname}-{name}")
                     per_layer[kname] = per_layer.get(kname, 0.0) + us
                 except Exception as exc:  # noqa: BLE001 - record and go on with the other kernels
                     rec["error"] = f"{type(exc).__name__}: {exc}"[:500]

@@ -25,6 +25,7 @@ On CPU the same code runs eagerly (no compile, no graphs): that is what the toke
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import logging
@@ -182,10 +183,16 @@ class FastDecodeOptions:
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
+    # Prompt attention (SDPA) backends on CUDA: "flash" = flash / memory-efficient / math, never cuDNN, whose
+    # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, builds one
+    # inside the reply) | "auto" = PyTorch's own choice.
+    prefill_attention: str = "flash"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
             raise GenerationError(f"Unknown gemv kernel {self.gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
+        if self.prefill_attention not in ("flash", "auto"):
+            raise GenerationError(f"Unknown prefill attention {self.prefill_attention!r}; choose flash or auto.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
@@ -1178,6 +1185,12 @@ class FastDecoder:
         total = ids.numel()
         self._seen.index_fill_(0, ids, True)
         chunk = self.options.prefill_chunk_tokens or total
+        with _prefill_attention_scope(self.options.prefill_attention, self.device):
+            hn_last = self._prefill_layers(ids, total, chunk)
+        return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+
+    def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
+        assert self._k is not None and self._v is not None
         hn_last = None
         for start in range(0, total, chunk):
             part = ids[start:start + chunk]
@@ -1195,7 +1208,7 @@ class FastDecoder:
                 h, hn = fn(h, hn, cos, sin, start, self._k[i], self._v[i], w)
             hn_last = hn[:, -1].clone()  # (1, H) contiguous: the same input layout as the decode step
         assert hn_last is not None
-        return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        return hn_last
 
     # --- generate --------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
@@ -1340,6 +1353,16 @@ class FastDecoder:
                 self._run_step(self._bucket_for(context_tokens + i + 1))
             self._sync()
             return (time.perf_counter() - t0) / steps
+
+
+def _prefill_attention_scope(choice: str, device: torch.device) -> Any:
+    """The SDPA backends the prefill may use (FastDecodeOptions.prefill_attention). Set around tracing and every
+    call alike: a compiled prefill keeps the backend chosen when it was traced."""
+    if choice == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def _bind_prefill(spec: _LayerSpec) -> Callable[..., Any]:

@@ -59,24 +59,49 @@ def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
     return words(lo), words(hi)
 
 
-def dot8_asm(code: list[float]) -> str:
+MATH = ("bf16x2", "fp32")  # how dot8_asm multiplies and adds (see there); bf16x2 is the default
+
+
+def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
     """PTX: one int32 word of 8 NF4 indices ($1) dotted with the 8 matching bf16 activations (4 bf16 pairs,
     $2..$5) into one fp32 ($0). The table lives in registers: `prmt` picks bytes of the level table by the low
     3 bits of 4 indices at once, twice (levels 0-7 and 8-15), and `lop3` keeps the right one per index by its
-    bit 3 (a byte mask built by `prmt`'s sign-replicate mode). bf16 -> fp32 (levels and activations) is a shift
-    or a mask."""
+    bit 3 (a byte mask built by `prmt`'s sign-replicate mode).
+
+    math="bf16x2" (default): a byte permute turns the looked-up bytes into two bf16 levels lined up with an
+    activation pair, and `fma.rn.bf16x2` multiplies and adds both halves at once; each half sums the word's 4
+    products in bf16 (one rounding per product-and-add; bitsandbytes' kernel also rounds every product to bf16),
+    and the two halves are added in fp32. About 3.5 instructions per weight.
+    math="fp32": every level and activation widened to fp32 (a shift or a mask) and one fp32 `fma` per weight:
+    exact products, about 6 instructions per weight."""
+    if math not in MATH:
+        raise ValueError(f"math must be one of {MATH}, got {math!r}")
     lo, hi = table_bytes(code)
     consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
-    lookup = """and.b32 s7, {s}, 0x7777;
-shl.b32 t, {s}, 4;
-prmt.b32 m, t, {s}, 0xD9C8;
-prmt.b32 la, L0, L1, s7;
-prmt.b32 lb, L2, L3, s7;
-prmt.b32 ha, H0, H1, s7;
-prmt.b32 hb, H2, H3, s7;
-lop3.b32 lo, la, lb, m, 0xD8;
-lop3.b32 hi, ha, hb, m, 0xD8;
-"""  # 4 indices (the low 16 bits of {s}) -> their levels' low bytes in lo, high bytes in hi
+    regs = ".reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r"
+    select = """prmt.b32 la, L0, L1, {s};
+prmt.b32 lb, L2, L3, {s};
+prmt.b32 ha, H0, H1, {s};
+prmt.b32 hb, H2, H3, {s};
+lop3.b32 lo, la, lb, {m}, 0xD8;
+lop3.b32 hi, ha, hb, {m}, 0xD8;
+"""  # 4 indices (selector nibbles {s}, bit-3 byte mask {m}) -> their levels' low bytes in lo, high bytes in hi
+    if math == "bf16x2":
+        # All 8 indices: s7 = low 3 bits of each (low half: indices 0-3, s7h: 4-7); masks m / mh replicate bit 3
+        # of each index (the sign of byte i of w << 4 or of w) into a byte. Word byte p = (high nibble: weight
+        # 2p, low nibble: weight 2p + 1), so lo/hi byte 2p + 1 is weight 2p's level: 0x4051 / 0x6273 put weight
+        # 2p's level in the low half, as the activation pair holds weight 2p.
+        pair = "prmt.b32 r, lo, hi, {sel};\nfma.rn.bf16x2 acc2, r, {x}, acc2;\n"
+        body = ("and.b32 s7, $1, 0x77777777;\nshr.u32 s7h, s7, 16;\nshl.b32 t, $1, 4;\n"
+                "prmt.b32 m, t, $1, 0xD9C8;\nprmt.b32 mh, t, $1, 0xFBEA;\n"
+                + select.format(s="s7", m="m") + pair.format(sel="0x4051", x="$2") + pair.format(sel="0x6273", x="$3")
+                + select.format(s="s7h", m="mh") + pair.format(sel="0x4051", x="$4")
+                + pair.format(sel="0x6273", x="$5")
+                + "shl.b32 f0, acc2, 16;\nand.b32 f1, acc2, 0xFFFF0000;\nadd.f32 acc, f0, f1;\n")
+        return ("{\n" + regs + ", s7h, mh, acc2;\n.reg .f32 acc, f0, f1;\n" + consts
+                + "mov.b32 acc2, 0;\n" + body + "mov.b32 $0, acc;\n}")
+    lookup = "and.b32 s7, {s}, 0x7777;\nshl.b32 t, {s}, 4;\nprmt.b32 m, t, {s}, 0xD9C8;\n" + select.format(
+        s="s7", m="m")
     pair = """prmt.b32 r, lo, hi, {sel};
 and.b32 fv, r, 0xFFFF0000;
 shl.b32 fx, {x}, 16;
@@ -89,8 +114,7 @@ fma.rn.f32 acc, fv, fx, acc;
     def half(s: str, x0: str, x1: str) -> str:
         return lookup.format(s=s) + pair.format(sel="0x5140", x=x0) + pair.format(sel="0x7362", x=x1)
 
-    return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r, w2;\n"
-            ".reg .f32 acc, fv, fx;\n" + consts + "mov.f32 acc, 0f00000000;\n"
+    return ("{\n" + regs + ", w2;\n.reg .f32 acc, fv, fx;\n" + consts + "mov.f32 acc, 0f00000000;\n"
             + half("$1", "$2", "$3") + "shr.u32 w2, $1, 16;\n" + half("w2", "$4", "$5") + "mov.b32 $0, acc;\n}")
 
 
@@ -99,10 +123,12 @@ if triton is not None:
     @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_B: tl.constexpr):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
-        8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble)."""
+        8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
+        XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         bi = tl.arange(0, BLOCK_B)
@@ -116,18 +142,25 @@ if triton is not None:
             w = tl.load(w_ptr + rows[:, None, None] * KW + words[None, :, :], mask=m3, other=0)
             xo = words * 4
             xm = bmask[:, None]
-            x0 = tl.load(x_ptr + xo, mask=xm, other=0)[None, :, :]
-            x1 = tl.load(x_ptr + xo + 1, mask=xm, other=0)[None, :, :]
-            x2 = tl.load(x_ptr + xo + 2, mask=xm, other=0)[None, :, :]
-            x3 = tl.load(x_ptr + xo + 3, mask=xm, other=0)[None, :, :]
+            if XVEC:
+                xq = tl.load(x_ptr + xo[:, :, None] + tl.arange(0, 4)[None, None, :], mask=xm[:, :, None], other=0)
+                xa, xb = tl.split(tl.reshape(xq, (BLOCK_B, WPB, 2, 2)))  # last index 2a + b: xa = b 0, xb = b 1
+                x0, x2 = tl.split(xa)
+                x1, x3 = tl.split(xb)
+                x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
+            else:
+                x0 = tl.load(x_ptr + xo, mask=xm, other=0)[None, :, :]
+                x1 = tl.load(x_ptr + xo + 1, mask=xm, other=0)[None, :, :]
+                x2 = tl.load(x_ptr + xo + 2, mask=xm, other=0)[None, :, :]
+                x3 = tl.load(x_ptr + xo + 3, mask=xm, other=0)[None, :, :]
             part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
                                              is_pure=True, pack=1)
             dot = tl.sum(part, axis=2)
             blk = rows[:, None] * NBLK + blks[None, :]
             m2 = rmask[:, None] & bmask[None, :]
             if NESTED:
-                qa = tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32)
-                scale = (tl.load(code2_ptr + qa) * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0)
+                code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32))
+                scale = (code * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0)
                          + tl.load(offsets_ptr + blk // 256, mask=m2, other=0.0))
             else:
                 scale = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
@@ -138,24 +171,27 @@ if triton is not None:
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     CONFIGS = [(4, 4, 4), (4, 8, 4), (8, 4, 4), (8, 8, 8), (8, 4, 8), (16, 4, 8), (4, 16, 8), (2, 8, 4),
-               (16, 2, 4), (8, 2, 4)]
+               (16, 2, 4), (8, 2, 4),  # (BLOCK_N, BLOCK_B, warps); below: 4-8 words per thread per step
+               (8, 8, 4), (4, 16, 4), (16, 4, 4), (16, 8, 4), (8, 16, 4), (16, 8, 8)]
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in CONFIGS],
-        key=["N", "KW", "WPB", "NESTED"])(_nf4_gemv_kernel)
+        key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC"])(_nf4_gemv_kernel)
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...]) -> str:
-    return dot8_asm(list(code))
+def _asm_for(code: tuple[float, ...], math: str) -> str:
+    return dot8_asm(list(code), math)
 
 
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+             math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
-    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning."""
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning; `math` see dot8_asm;
+    `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
@@ -172,12 +208,15 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     args: tuple[Any, ...] = (x.contiguous().view(torch.int32), words, absmax if absmax is not None else dummy, q8,
                              absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
-             "ASM": _asm_for(tuple(float(v) for v in code))}
+             "ASM": _asm_for(tuple(float(v) for v in code), math),
+             "XVEC": bool(xvec)}
     if config is not None:
         bn, bb, warps = config
-        _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)
+        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)
     else:
-        _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    if compiled is not None:
+        compiled.append(kernel)
     return y
 
 

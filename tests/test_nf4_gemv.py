@@ -1,12 +1,14 @@
 """llm_core.nf4_gemv: the register-table NF4 kernel.
 
 On CPU there is no Triton and no PTX, so the kernel's core, the PTX of `dot8_asm`, runs here under a small
-emulator of the five instructions it uses (prmt, lop3, shl/shr/and, fma): every word of 8 indices must dot with 8
-activations exactly as the bf16-rounded NF4 levels do. The kernel itself runs in the GPU tests (marked `gpu`).
+emulator of the instructions it uses (prmt, lop3, shl/shr/and, fma in fp32 or bf16x2, add): every word of 8
+indices must dot with 8 activations exactly as the bf16-rounded NF4 levels do, with the roundings each variant
+states. The kernel itself runs in the GPU tests (marked `gpu`).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any
 
@@ -51,6 +53,26 @@ def _lop3(a: int, b: int, c: int, lut: int) -> int:
     return out
 
 
+def _round_bf16(v: float) -> float:
+    """Round to the nearest bf16, ties to even, in one step (normal range)."""
+    if v == 0.0:
+        return 0.0
+    m, e = math.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1; bf16 keeps 8 significant bits
+    return round(m * 256) * 2.0 ** (e - 8)  # m * 256 is exact; round() ties to even
+
+
+def _bf16_bits(v: float) -> int:
+    return _f2b(v) >> 16  # v is already a bf16 value: its fp32 pattern has 16 zero low bits
+
+
+def _fma_bf16x2(a: int, b: int, c: int) -> int:
+    out = 0
+    for lane in (0, 16):
+        fa, fb, fc = (_b2f(((r >> lane) & 0xFFFF) << 16) for r in (a, b, c))
+        out |= _bf16_bits(_round_bf16(fa * fb + fc)) << lane  # exact in float64, then one rounding
+    return out
+
+
 def run_ptx(asm: str, regs: dict[str, int]) -> float:
     """Execute the straight-line PTX of dot8_asm; regs holds $1.. as 32-bit patterns; returns $0 as fp32."""
 
@@ -84,6 +106,10 @@ def run_ptx(asm: str, regs: dict[str, int]) -> float:
                 r = _lop3(*a)
             elif op == "fma.rn.f32":
                 r = _f2b(_b2f(a[0]) * _b2f(a[1]) + _b2f(a[2]))
+            elif op == "fma.rn.bf16x2":
+                r = _fma_bf16x2(*a)
+            elif op == "add.f32":
+                r = _f2b(_b2f(a[0]) + _b2f(a[1]))
             else:
                 raise AssertionError(f"unexpected instruction {op}")
             regs[dst] = r & MASK
@@ -99,20 +125,55 @@ def test_level_table_bytes_are_the_bf16_levels() -> None:
         assert byte_lo | byte_hi << 8 == int(want[q])
 
 
-def test_dot8_ptx_dots_every_nibble_with_its_activation() -> None:
-    asm = nf4_gemv.dot8_asm(NF4)
-    levels = torch.tensor(NF4).to(torch.bfloat16).float().tolist()
+def _word_cases() -> list[tuple[list[int], torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     words = [[q] * 8 for q in range(16)] + [torch.randint(0, 16, (8,), generator=g).tolist() for _ in range(150)]
-    for nib in words:
-        x = torch.randn(8, generator=g).to(torch.bfloat16)
-        # bitsandbytes' layout: byte p holds weight 2p in its high nibble and weight 2p + 1 in its low nibble
-        word = sum(((nib[2 * p] << 4) | nib[2 * p + 1]) << (8 * p) for p in range(4))
-        xb = (x.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
-        pairs = [xb[2 * p] | xb[2 * p + 1] << 16 for p in range(4)]
-        got = run_ptx(asm, {"$1": word, "$2": pairs[0], "$3": pairs[1], "$4": pairs[2], "$5": pairs[3]})
+    return [(nib, torch.randn(8, generator=g).to(torch.bfloat16)) for nib in words]
+
+
+def _run_word(asm: str, nib: list[int], x: torch.Tensor) -> float:
+    # bitsandbytes' layout: byte p holds weight 2p in its high nibble and weight 2p + 1 in its low nibble
+    word = sum(((nib[2 * p] << 4) | nib[2 * p + 1]) << (8 * p) for p in range(4))
+    xb = (x.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
+    pairs = [xb[2 * p] | xb[2 * p + 1] << 16 for p in range(4)]
+    return run_ptx(asm, {"$1": word, "$2": pairs[0], "$3": pairs[1], "$4": pairs[2], "$5": pairs[3]})
+
+
+def test_dot8_ptx_dots_every_nibble_with_its_activation() -> None:
+    """fp32 math: exact products, fp32 sum."""
+    asm = nf4_gemv.dot8_asm(NF4, "fp32")
+    levels = torch.tensor(NF4).to(torch.bfloat16).float().tolist()
+    for nib, x in _word_cases():
+        got = _run_word(asm, nib, x)
         want = sum(levels[nib[e]] * float(x[e]) for e in range(8))
         assert abs(got - want) <= 1e-5 * (1 + abs(want)), (nib, got, want)
+
+
+def test_dot8_bf16x2_ptx_pairs_each_level_with_its_activation_and_rounds_as_stated() -> None:
+    """bf16x2 math (the default): even weights accumulate in the low half, odd weights in the high half, each a
+    chain of 4 fused multiply-adds rounded to bf16, the halves added in fp32. The expected value is computed
+    independently here; a level paired with the wrong activation, or a wrong rounding, changes it."""
+    asm = nf4_gemv.dot8_asm(NF4)
+    levels = torch.tensor(NF4).to(torch.bfloat16).float().tolist()
+    worst = 0.0
+    for nib, x in _word_cases():
+        got = _run_word(asm, nib, x)
+        halves = []
+        for first in (0, 1):
+            acc = 0.0
+            for e in range(first, 8, 2):
+                acc = _round_bf16(levels[nib[e]] * float(x[e]) + acc)
+            halves.append(acc)
+        want = float(torch.tensor(halves[0], dtype=torch.float32) + torch.tensor(halves[1], dtype=torch.float32))
+        assert got == want, (nib, got, want)
+        exact = sum(levels[nib[e]] * float(x[e]) for e in range(8))
+        worst = max(worst, abs(got - exact) / (sum(abs(levels[nib[e]] * float(x[e])) for e in range(8)) + 1e-30))
+    assert worst <= 2 ** -8, worst  # the roundings stay within bf16 precision of the products' magnitude
+
+
+def test_dot8_refuses_an_unknown_math() -> None:
+    with pytest.raises(ValueError, match="math"):
+        nf4_gemv.dot8_asm(NF4, "fp16")
 
 
 def test_words_view_shares_the_bytes_and_refuses_odd_layouts() -> None:
@@ -145,9 +206,11 @@ def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
 @needs_kernel
 @pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 11008), (12288, 512)])
-def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int]) -> None:
+@pytest.mark.parametrize("variant", [{}, {"xvec": False}, {"math": "fp32"}, {"config": (16, 8, 4)}],
+                         ids=["default", "x4loads", "fp32", "16x8w4"])
+def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int], variant: dict[str, Any]) -> None:
     """As close to x @ dequantize_4bit(W).T (fp32) as bitsandbytes' own kernel is, over shapes whose rows and
-    blocks are not multiples of the block shapes (masking)."""
+    blocks are not multiples of the block shapes (masking), for each variant of the kernel."""
     import bitsandbytes.functional as bf
 
     n, k = shape
@@ -162,9 +225,9 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
         nb2 = qs.state2.absmax.numel()
         state = (qs.absmax.view(-1), qs.state2.absmax.float(), qs.offset.float().reshape(()).repeat(nb2),
                  qs.state2.code.float())
-        got = nf4_gemv.nf4_gemv(x, words, 64, code, nested=state, bias=bias)
+        got = nf4_gemv.nf4_gemv(x, words, 64, code, nested=state, bias=bias, **variant)
     else:
-        got = nf4_gemv.nf4_gemv(x, words, 64, code, absmax=qs.absmax.float().view(-1), bias=bias)
+        got = nf4_gemv.nf4_gemv(x, words, 64, code, absmax=qs.absmax.float().view(-1), bias=bias, **variant)
     theirs = bf.gemv_4bit(x, packed.t(), state=qs) + bias
     err = ((got.float() - want).norm() / want.norm()).item()
     their_err = ((theirs.float() - want).norm() / want.norm()).item()
