@@ -44,6 +44,7 @@ from .metrics import ReplyStats, TokenClock
 
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
+_ENCODINGS_KEPT = 16  # message lists whose encoding ChatEngine._encode keeps
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ class ChatEngine:
         self._workers = WorkerThreads(1)
         self._sessions = SessionSlots()  # one running reply per session (request_id)
         self._tokenizer_lock = threading.Lock()
+        self._encodings: dict[tuple[tuple[str, str], ...], Any] = {}  # _encode's memo (insertion order = age)
         self._fit_lock = threading.Lock()
         self._fit_cache: dict[tuple[ModelMemoryFacts, int, int, str, int | None], int] = {}
         self._stops: dict[str, threading.Event] = {}
@@ -338,10 +340,19 @@ class ChatEngine:
         return int(self._encode(messages)["input_ids"].shape[-1])
 
     def _encode(self, messages: list[dict[str, str]]) -> Any:
+        """The chat template applied and tokenized, memoized for the last few message lists: fitting the history
+        counts the same lists that the prompt is then encoded from (one tokenization each, not two)."""
+        key = tuple((m["role"], m["content"]) for m in messages)
         with self._tokenizer_lock:  # concurrent requests (batching) share one tokenizer
-            return self.loaded.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-            )
+            encoded = self._encodings.get(key)
+            if encoded is None:
+                encoded = self.loaded.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+                )
+                if len(self._encodings) >= _ENCODINGS_KEPT:
+                    self._encodings.pop(next(iter(self._encodings)))  # the oldest
+                self._encodings[key] = encoded
+            return encoded
 
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:

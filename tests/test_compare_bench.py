@@ -96,14 +96,20 @@ def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_pat
         assert check["prompt_ids_match"] and check["decode_path_match"] and check["full_length"]
         assert check["same_tokens"]  # greedy, same weights, same path: the same 8 tokens on both sides
         required = [name for name, m in check["metrics"].items() if m["required"]]
-        assert required == ["ttft_s", "decode_tokens_per_s", "peak_rss_bytes"]
+        assert required == ["ttft_from_decode_start_s", "decode_tokens_per_s", "peak_rss_bytes"]
+        by_repeat = {side: sorted(rows, key=lambda r: r["repeat"]) for side, rows in (("c", compare), ("b", bench))}
         for name, m in check["metrics"].items():
-            # the medians are those of the run records, the ratio and the 5% verdict follow from them
+            # the medians are those of the run records; the paired ratios are those of each repeat's two runs, and
+            # the 5% verdict follows from their median
             assert m["compare"] == statistics.median(r[m["compare_key"]] for r in compare)
             assert m["bench"] == statistics.median(r[m["bench_key"]] for r in bench)
             assert m["compare"] > 0 and m["bench"] > 0, (mode, name)
             assert m["ratio"] == pytest.approx(m["compare"] / m["bench"], rel=1e-5)
-            assert m["within_5pct"] == (abs(m["compare"] / m["bench"] - 1) <= 0.05)
+            paired = [c[m["compare_key"]] / b[m["bench_key"]] for c, b in zip(by_repeat["c"], by_repeat["b"],
+                                                                              strict=True)]
+            assert m["paired_ratios"] == pytest.approx(paired, rel=1e-3)
+            assert m["paired_ratio"] == pytest.approx(statistics.median(paired), rel=1e-5)
+            assert m["within_5pct"] == (abs(statistics.median(paired) - 1) <= 0.05)
         assert check["all_within_5pct"] == all(check["metrics"][n]["within_5pct"] for n in required)
         assert check["weights_bytes"] > 0 and check["load_s"] > 0
         for r in compare:  # the TTFT split adds up
@@ -113,9 +119,23 @@ def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_pat
         summary = doc["summary"][mode]
         assert summary["decode_path"] == path and summary["all_within_5pct"] == check["all_within_5pct"]
         assert summary["ttft_s_ratio"] == check["metrics"]["ttft_s"]["ratio"]
+        assert summary["ttft_from_decode_start_s_paired_ratio"] == check["metrics"]["ttft_from_decode_start_s"][
+            "paired_ratio"]
         unload = next(r for r in records if r["kind"] == "unload" and r["mode"] == mode)
         assert unload["resident_after"] == [] and unload["freed_bytes"] > 0
     assert doc["summary"]["all_modes_within_5pct"] == all(c["all_within_5pct"] for c in checks.values())
     assert doc["summary"]["modes_measured"] == list(MODES)
     for mode in MODES:  # the table printed at the end names every mode
         assert any(line.startswith(mode) for line in proc.stdout.splitlines())
+    # --reanalyze recomputes every check from the run records alone: the same verdicts as the run's own
+    again = tmp_path / "again.json"
+    proc = subprocess.run([sys.executable, "bench/compare_bench.py", "--reanalyze", str(out), "--out", str(again)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    redone = json.loads(again.read_text())
+    for mode in MODES:
+        first = checks[mode]
+        second = next(r for r in redone["records"] if r["kind"] == "check" and r["mode"] == mode)
+        assert second["metrics"] == first["metrics"] and second["all_within_5pct"] == first["all_within_5pct"]
+    assert redone["summary"]["all_modes_within_5pct"] == doc["summary"]["all_modes_within_5pct"]
+    assert redone["meta"]["reanalyzed"]["from"] == str(out)

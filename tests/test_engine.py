@@ -256,3 +256,27 @@ def test_the_model_panel_names_the_4bit_kernel_of_the_fast_path() -> None:
     engine = ChatEngine.load(make_settings(DECODE_PATH="fast"))
     assert engine.backend.name == "fast"
     assert "4-bit kernel: bnb" in engine.report.decode_path_reason  # what the Model panel prints
+
+
+def test_prepare_tokenizes_each_message_list_once(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fitting the history counts tokens of the same message lists the prompt is then encoded from: each distinct
+    list goes through the tokenizer once per request, and the prompt equals a fresh encoding."""
+    tokenizer = fp32_engine.loaded.tokenizer
+    original = tokenizer.apply_chat_template
+    seen: list[tuple[tuple[str, str], ...]] = []
+
+    def counting(messages: list[dict[str, str]], **kw: Any) -> Any:
+        seen.append(tuple((m["role"], m["content"]) for m in messages))
+        return original(messages, **kw)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counting)
+    gen = fp32_engine.settings.generation
+    history = [Turn(f"question {i} " * 5, f"answer {i} " * 5) for i in range(5)]
+    for turns in ([], history):
+        seen.clear()
+        message = f"a message never sent before {len(turns)}"
+        prepared = fp32_engine.prepare(message, turns, gen=gen, history_turns=10, system_prompt="Be brief.")
+        assert seen and len(seen) == len(set(seen)), seen  # no list tokenized twice
+        fresh = original(build_messages("Be brief.", turns, message), add_generation_prompt=True,
+                         return_dict=True, return_tensors="pt")
+        assert torch.equal(prepared.input_ids.cpu(), fresh["input_ids"])
