@@ -146,6 +146,8 @@ class WorkerThreads:
                 job()
             except Exception:  # noqa: BLE001 - jobs relay their own errors to the caller; the thread must live on
                 logging.getLogger(__name__).exception("generation worker job failed")
+            finally:  # a finished job's closure holds its reply's engine, model, KV cache and prompt: while this
+                del job  # thread waits for the next one, that must not keep an unloaded model's memory alive
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +68,22 @@ def test_models_outside_the_configured_list_are_refused(pool: EnginePool) -> Non
 
 
 def test_unload_really_frees_memory() -> None:
+    """After replies (the worker threads that ran them wait for the next job) the unloaded engine is gone and its
+    memory released."""
     settings = make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32")
     own_pool = EnginePool(settings)
     engine, _ = own_pool.get(NONE)
+    last(engine.stream_chat("Hello", [], gen=engine.request_options(max_new_tokens=3)))
     weights = engine.report.weights_bytes
     device = engine.loaded.device
+    alive = weakref.ref(engine)
     del engine
     before = memory_in_use(device)
     freed = own_pool.unload(NONE)
     after = memory_in_use(device)
     assert own_pool.resident() == []
     assert freed >= 0.8 * weights and before - after >= 0.8 * weights  # RSS really dropped (malloc_trim)
+    assert alive() is None
 
 
 def test_a_config_that_does_not_fit_beside_the_others_unloads_them_first(monkeypatch: pytest.MonkeyPatch) -> None:
