@@ -184,8 +184,9 @@ class FastDecodeOptions:
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
     # Prompt attention (SDPA) backends on CUDA: "flash" = flash / memory-efficient / math, never cuDNN, whose
-    # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, builds one
-    # inside the reply) | "auto" = PyTorch's own choice.
+    # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, would build
+    # one inside the reply) | "auto" = PyTorch's own choice. PyTorch 2.11 already picks flash attention here
+    # (bench/results/2026-11-30-h200-ttft-probe.json); "flash" keeps it so whatever a later version prefers.
     prefill_attention: str = "flash"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:

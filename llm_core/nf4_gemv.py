@@ -10,15 +10,14 @@ Why a kernel of our own: bitsandbytes' one-token kernel is 83% of a decode step 
 on an H200 (a quarter of its copy bandwidth). Nsight Compute shows why, for it and for a first Triton design
 that gathered the 16 NF4 levels from L1 (bench/gemv_ablation.py): the L1 pipe is ~85-90% busy with table
 lookups while DRAM is 11-23% busy. Here the table lives in registers (see `dot8_asm`: byte permutes, no memory
-traffic), each program owns BLOCK_N rows and streams BLOCK_B quant blocks per row per step, the block scale is
-applied once per block, and each row's sum is taken once at the end.
+traffic), two levels at a time are multiplied and added with one bf16x2 instruction, each program owns BLOCK_N
+rows and streams BLOCK_B quant blocks per row per step, the block scale is applied once per block, and each
+row's sum is taken once at the end.
 
-Measured (bench/results/2026-11-30-h200-gemv.json, H200, Llama-2-7B shapes, weights from HBM): 100.2 us per
-layer against 102.7 for bitsandbytes' gemm_4bit with double quant (-2%), 89.6 with fp32 absmax (-13%); the
-fast path's `auto` times both at start-up and keeps the faster. The levels are applied as bf16, as
-bitsandbytes' kernel holds them; the relative error against x @ dequantize(W).T is 0.0035-0.004 for both.
-By our count (not yet confirmed with Nsight Compute) it is now bound by instruction issue, about 6
-instructions per weight, not by memory.
+Measured (bench/results/2026-11-30-h200-gemv.json, runs E-G, H200, Llama-2-7B shapes, weights from HBM): 75.4 us
+per layer against 102.3 for bitsandbytes' gemm_4bit with double quant; the fp32-math variant (math="fp32") 99.4.
+Relative L2 error against x @ dequantize(W).T: 0.0037 (bitsandbytes 0.0036). The fast path's `auto` times both
+kernels at start-up and keeps the faster.
 """
 
 from __future__ import annotations
