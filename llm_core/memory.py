@@ -126,6 +126,9 @@ class ModelMemoryFacts:
     # The fast decode path's KV cache: allocated once (at warm-up) for this many tokens, so a reply's cache is
     # that whole block whatever its length. 0 = the cache grows with the reply (plain generate).
     static_kv_tokens: int = 0
+    # Measured after the decode path's warm-up: device memory it holds beyond the weights and that KV block (the
+    # fast path's buffers and its CUDA graphs' memory pool). Held through every reply, so part of every peak.
+    resident_extra_bytes: int = 0
 
     # -- construction --
     @classmethod
@@ -447,7 +450,8 @@ def logits_bytes(facts: ModelMemoryFacts, positions: int = 1) -> int:
 
 @dataclass(frozen=True)
 class PeakPrediction:
-    """Predicted device peak of one reply. total_bytes = weights + workspace + kv + activation + logits + reserve;
+    """Predicted device peak of one reply. total_bytes = weights + resident extra + workspace + kv + activation +
+    logits + reserve;
     `peak_allocated_bytes` leaves the allocator reserve out (compare it with torch.cuda.max_memory_allocated)."""
 
     weights_bytes: int
@@ -457,6 +461,7 @@ class PeakPrediction:
     reserve_bytes: int
     total_bytes: int
     workspace_bytes: int = 0  # cuBLAS workspace + KV dequantization scratch / offload staging at the peak
+    resident_extra_bytes: int = 0  # ModelMemoryFacts.resident_extra_bytes (the fast path's buffers, graph pool)
     activation_bytes: int = 0  # temporaries at the peak moment (prefill activations or the decode transient)
     decode_transient_bytes: int = 0
     kv_end_bytes: int = 0  # the whole cache after the reply (host memory for offload)
@@ -474,6 +479,14 @@ class PeakPrediction:
         from dataclasses import asdict
 
         return asdict(self) | {"peak_allocated_bytes": self.peak_allocated_bytes}
+
+
+def resident_extra_bytes(facts: ModelMemoryFacts, allocated_before: int, allocated_after: int) -> int:
+    """What a decode path's set-up left allocated beyond the static KV block the facts already count: the device
+    bytes allocated after its warm-up less those before it was built (the weights, and any other engine's memory,
+    are in both), less that block. Never negative."""
+    static_kv = _kv_device_bytes(facts, facts.static_kv_tokens, "dynamic", None) if facts.static_kv_tokens else 0
+    return max(0, int(allocated_after) - int(allocated_before) - static_kv)
 
 
 def predict_peak_bytes(
@@ -519,9 +532,10 @@ def predict_peak_bytes(
     logits = logits_bytes(f, 1 if f.logits_to_keep else max(chunk, 1))
     reserve = int(f.reserve_fraction * (kv_peak + ws_peak + act_peak)) + f.reserve_fixed_bytes
     workspace = f.workspace_bytes + ws_peak
-    total = f.weights_bytes + workspace + kv_peak + act_peak + logits + reserve
+    total = f.weights_bytes + f.resident_extra_bytes + workspace + kv_peak + act_peak + logits + reserve
     return PeakPrediction(
         weights_bytes=f.weights_bytes,
+        resident_extra_bytes=f.resident_extra_bytes,
         kv_bytes=kv_peak,
         prefill_activation_bytes=prefill_act,
         logits_bytes=logits,

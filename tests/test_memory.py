@@ -41,6 +41,7 @@ from llm_core.memory import (
     predict_peak_bytes,
     refit_reserve,
     require_fit,
+    resident_extra_bytes,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -545,3 +546,23 @@ def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_l
         assert fast.peak_allocated_bytes > plain.peak_allocated_bytes
     # quantized and offloaded caches run on the plain path: the static block does not apply to them
     assert predict_peak_bytes(static, 512, 128, "quantized") == predict_peak_bytes(growing, 512, 128, "quantized")
+
+
+def test_what_the_fast_path_holds_beyond_weights_and_cache_is_measured_once_and_counted_in_every_peak() -> None:
+    """H200, Llama-2-7B NF4, 704-token static cache (bench/results/2026-11-30-h200-compare.json, run 3): weights
+    3,762,823,680 B, allocated after the engine's warm-up 4,442,634,240 B; a reply's measured peak was 4,662,581,248
+    B against the engine's prediction of 4,401,393,536 B without this term (with it: 4,712,105,344). The term is
+    the warm-up's allocation less the KV block the facts already count, whatever else (another engine) was
+    allocated before."""
+    config = LlamaConfig(**LLAMA2_7B)
+    facts = replace(ModelMemoryFacts.from_config(config, 3_762_823_680, torch.bfloat16, weight_quantization="nf4"),
+                    static_kv_tokens=704)
+    block = 704 * 32 * 2 * 4096 * 2  # 369,098,752 B
+    other_engine = 5 * GiB
+    extra = resident_extra_bytes(facts, other_engine + 3_762_823_680, other_engine + 4_442_634_240)
+    assert extra == 4_442_634_240 - 3_762_823_680 - block  # 310,711,808 B
+    assert resident_extra_bytes(facts, 10 * GiB, 10 * GiB) == 0  # nothing allocated: never negative
+    with_extra = replace(facts, resident_extra_bytes=extra)
+    before, after = predict_peak_bytes(facts, 512, 128), predict_peak_bytes(with_extra, 512, 128)
+    assert after.total_bytes - before.total_bytes == extra and after.resident_extra_bytes == extra
+    assert after.peak_allocated_bytes - before.peak_allocated_bytes == extra
