@@ -95,7 +95,7 @@ from llm_core.metrics import ReplyStats  # noqa: E402
 TITLE = "Compare view vs the benchmark, same configuration (batch 1, random-weight Llama shape)"
 TOLERANCE = 0.05
 FIRST_CALL_TOKENS = 8  # bench.ours_first / the seed's first call: first-call costs at this prompt length
-GPU = {"prompt_tokens": 512, "new_tokens": 128, "repeats": 3, "budget_s": 400.0}
+GPU = {"prompt_tokens": 512, "new_tokens": 128, "repeats": 7, "budget_s": 400.0}  # 7 pairs: paired ratios need them
 SMOKE = {"arch": "tiny", "prompt_tokens": 32, "new_tokens": 8, "repeats": 2, "budget_s": 600.0}
 MODE_START_S = {"cuda": 60.0, "cpu": 5.0}  # left in the budget to start a mode (load, warm-up, first reply)
 UNLOAD_RESERVE_S = {"cuda": 15.0, "cpu": 2.0}
