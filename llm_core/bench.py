@@ -42,6 +42,7 @@ import torch
 from .config import GenerationSettings, Settings
 from .fast_decode import FastDecodeOptions, FastDecoder, kv_cache_exact_bytes
 from .loading import LoadedModel, library_versions, load_model
+from .memory import device_allocated_bytes
 
 RANDOM_ARCHS: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -75,8 +76,8 @@ AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}
 # Calibrated bound, stated before its first GPU run (session 2): the same weights computing in fp32 are the
 # reference; ours may be at most this many times as far from it as the seed recipe itself is (relative L2).
 CALIBRATED_FACTOR = 1.25
-BEST_TIE = 0.01  # pick_best: the default variant counts as the best within this fraction of the fastest
 CALIBRATED_FLOOR = 1e-5  # fp32 rounding: where the seed already is the fp32 model, both distances are ~0
+BEST_TIE = 0.01  # pick_best: the default variant counts as the best within this fraction of the fastest
 
 
 # --- output --------------------------------------------------------------------------------------------------
@@ -158,7 +159,7 @@ def _sync(device: torch.device) -> None:
 def timed_run(device: torch.device, call: Callable[[TimingStreamer], Any]) -> RunResult:
     streamer = TimingStreamer(device)
     _sync(device)
-    before = _allocated(device)
+    before = device_allocated_bytes(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -498,7 +499,7 @@ def run_case(plan: Plan, rec: Recorder, model_name: str, quant: str, best_nf4: l
     loaded = load(str(folder) if made else model_name, quant, device.type, plan.work_dir / "cache", compute)
     rec.add("load", model=label, quantization=quant, seconds=round(time.perf_counter() - t0, 1),
             weights_bytes=loaded.report.weights_bytes, double_quant=loaded.report.double_quant,
-            compute_dtype=loaded.report.compute_dtype, weights_allocated_bytes=_allocated(device))
+            compute_dtype=loaded.report.compute_dtype, weights_allocated_bytes=device_allocated_bytes(device))
     base = {"model": label, "quantization": quant, "double_quant": loaded.report.double_quant,
             "compute_dtype": loaded.report.compute_dtype, "device": _device_name(device)}
     vocab = int(loaded.model.config.vocab_size)
@@ -588,10 +589,6 @@ def run_case(plan: Plan, rec: Recorder, model_name: str, quant: str, best_nf4: l
     finally:
         del decoder
         _reset_compiler(device)
-
-
-def _allocated(device: torch.device) -> int | None:
-    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else None
 
 
 def pick_best(tokens_per_s: dict[str, float], default: str = "auto", tie: float = BEST_TIE) -> str:

@@ -33,6 +33,7 @@ from .memory import (
     ModelMemoryFacts,
     OOMInjector,
     PeakMeter,
+    device_allocated_bytes,
     free_memory,
     is_oom_error,
     max_context_tokens,
@@ -184,7 +185,7 @@ class ChatEngine:
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
         self.scheduler: BatchScheduler | None = None
-        self._allocated_before_decode = _allocated(loaded.device)  # resident_extra_bytes is measured from here
+        self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
 
     # --- construction --------------------------------------------------------------------------
@@ -298,7 +299,7 @@ class ChatEngine:
         decoder = getattr(self, "_fast_decoder", None)
         if decoder is not None:
             decoder.warmup()
-            after = _allocated(self.loaded.device)
+            after = device_allocated_bytes(self.loaded.device)
             if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
                 self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
                     self.memory_facts, self._allocated_before_decode, after))
@@ -574,13 +575,6 @@ class ChatEngine:
                 "lower max new tokens or the history length and try again."
             )
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
-
-
-def _allocated(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return int(torch.cuda.memory_allocated(device))
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -872,6 +872,14 @@ def is_oom_error(exc: BaseException | None) -> bool:
     return False
 
 
+def device_allocated_bytes(device: torch.device) -> int | None:
+    """Bytes the CUDA caching allocator has handed out on `device` once queued work is done; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
 def free_memory(device: torch.device | str) -> None:
     """Give back what a failed or finished reply (or an unloaded model) left: collect garbage (drops the cache and
     activations once the caller let go of them), then empty the CUDA caching allocator and reset its peak
