@@ -47,16 +47,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import memory_bench  # noqa: E402
 from llm_core.config import Settings  # noqa: E402
 from llm_core.generation import ChatEngine, ReplyUpdate  # noqa: E402
 from llm_core.memory import GiB, default_budget_bytes, free_memory  # noqa: E402
 
-LLAMA2_7B: dict[str, Any] = dict(
-    hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
-TINY: dict[str, Any] = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, vocab_size=1024, max_position_embeddings=4096, rms_norm_eps=1e-5)
+# memory_bench's model shapes, with this benchmark's context length
+LLAMA2_7B: dict[str, Any] = dict(memory_bench.LLAMA2_7B, max_position_embeddings=4096)
+TINY: dict[str, Any] = dict(memory_bench.TINY, max_position_embeddings=4096)
 SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
