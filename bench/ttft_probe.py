@@ -158,8 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         "engine_load_s": round(time.perf_counter() - t0, 2), "decode_path": engine.backend.name,
         "decode_path_reason": engine.backend.reason, "prompt_tokens": args.prompt_tokens, "choices": {}}
     vocab = int(RANDOM_ARCHS[args.random]["vocab_size"])
-    text = prompt_text(prompt_ids(vocab, args.prompt_tokens))
-    ids = torch.tensor(prompt_ids(vocab, args.prompt_tokens), device=device)
+    words = prompt_ids(vocab, args.prompt_tokens)
+    text = prompt_text(words)
+    ids = torch.tensor(words, device=device)
     gen = replace(settings.generation, max_new_tokens=32, min_new_tokens=32).validate()
     engine_decoder = engine._fast_decoder
     for choice in ("flash", "auto"):
