@@ -22,7 +22,9 @@ with fp16 compute), in that order; each model is loaded once and unloaded before
            (bench.timed_run): through the engine's own FastDecoder with bench.ours_call when the comparison decoded on
            the fast path, through model.generate with bench.seed_call when it decoded on the plain path. One 8-token
            call first (first-call costs, as bench does), then the repeats, interleaved with the compare runs
-           (compare first in even repeats, bench first in odd ones).
+           (each side leads in turn). On the plain path, a third, informative side: the same call on a long-lived
+           worker thread (bench_worker), as the engine runs replies, to tell a thread effect from overhead.
+           Every run also records the process CPU seconds it took and the GPU's SM clock just before it.
   check    per metric: medians over the repeats of each side and ratio = compare / bench (of the medians); the
            paired ratios (compare / bench within each repeat, the two runs next to each other in time) and their
            median, paired_ratio; within_5pct = |paired_ratio - 1| <= 0.05. Required: ttft_from_decode_start_s (vs
@@ -51,6 +53,7 @@ import platform
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,7 +87,7 @@ from llm_core.compare import (  # noqa: E402
     SideResult,
 )
 from llm_core.config import Settings  # noqa: E402
-from llm_core.generation import ChatEngine, PreparedPrompt  # noqa: E402
+from llm_core.generation import ChatEngine, PreparedPrompt, WorkerThreads  # noqa: E402
 from llm_core.loading import configure_cuda_allocator, library_versions  # noqa: E402
 from llm_core.memory import (
     PeakMeter,  # noqa: E402
@@ -222,6 +225,24 @@ def bench_row(run: RunResult, peak_rss: int | None, decode_path: str, prompt_tok
         "new_tokens": run.new_tokens, "prompt_tokens": prompt_tokens, "peak_vram_bytes": run.peak_vram_bytes,
         "peak_rss_bytes": peak_rss, "decode_path": decode_path, "allocated_before_bytes": run.allocated_before_bytes,
     }
+
+
+def gpu_clock_mhz(device: torch.device) -> int | None:
+    """The GPU's SM clock now (MHz), read before a run and outside its timing: a prefill is compute-bound, so its
+    time follows the clock, which the GPU lowers while idle. pynvml when importable, else nvidia-smi."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # noqa: BLE001 - no pynvml: ask nvidia-smi
+        pass
+    try:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i",
+                              str(index)], capture_output=True, text=True, timeout=5, check=True).stdout
+        return int(out.strip().splitlines()[0])
+    except Exception:  # noqa: BLE001 - informative only
+        return None
 
 
 def side_summary(rows: list[dict[str, Any]], keys: list[str]) -> dict[str, Any]:
@@ -467,16 +488,32 @@ class CompareBench:
         probe = Probe(engine)
         intended = torch.tensor([ids], dtype=torch.long, device=engine.loaded.device)
 
-        def bench_once(prompt: torch.Tensor, tokens: int) -> tuple[RunResult, int | None]:
+        def bench_once(prompt: torch.Tensor, tokens: int, thread: WorkerThreads | None = None
+                       ) -> tuple[RunResult, int | None]:
+            """llm_core.bench's timed call, on this (main) thread as llm_core.bench runs it, or on `thread`."""
             if decoder is not None:
                 call = ours_call(decoder, prompt, tokens)  # llm_core.bench's "ours", on the engine's own decoder
             else:
                 call = seed_call(engine.loaded, prompt, tokens)  # llm_core.bench's seed recipe: plain generate
             meter = PeakMeter(device).start() if device.type != "cuda" else None  # CUDA: timed_run's own peak
-            run = timed_run(device, call)
+            if thread is None:
+                run = timed_run(device, call)
+            else:
+                box: list[RunResult] = []
+                thread.submit(lambda: box.append(timed_run(device, call))).wait()
+                if not box:
+                    raise RuntimeError("the bench call failed on its worker thread (see the log)")
+                run = box[0]
             return run, meter.stop().peak_allocated_bytes if meter is not None else None
 
         bench_once(intended, FIRST_CALL_TOKENS)
+        # Plain path (CPU-bound: host syncs every layer): the bench's call again on a long-lived worker thread, as the
+        # engine runs replies; informative, to tell a thread effect from overhead of the comparison.
+        worker = WorkerThreads(1, name="bench") if path == "plain" else None
+        if worker is not None:
+            bench_once(intended, FIRST_CALL_TOKENS, worker)
+        sides = ["compare", "bench"] + (["bench_worker"] if worker is not None else [])
+        worker_rows: list[dict[str, Any]] = []
         compare_rows: list[dict[str, Any]] = []
         bench_rows: list[dict[str, Any]] = []
         bench_runs: list[RunResult] = []
@@ -488,24 +525,31 @@ class CompareBench:
                              left_s=round(self.left_s(), 1), needed_s=round(pair_s, 1))
                 break
             t_pair = time.perf_counter()
-            for recipe in ("compare", "bench") if r % 2 == 0 else ("bench", "compare"):
+            order = sides[r % len(sides):] + sides[:r % len(sides)]  # each side leads in turn
+            for recipe in order:
+                clock = gpu_clock_mhz(device)
+                cpu0 = time.process_time()
                 if recipe == "compare":
                     probe.clear()
                     side, token_ids = compare_once()
                     row = compare_row(side.stats, probe.row(side.stats.ttft_s))
                     compare_rows.append(row)
                     token_lists.append(token_ids)
-                    self.rec.add("run", recipe="compare", repeat=r, **base, **row)
                 else:
                     prompt = probe.prepared.input_ids if probe.prepared is not None else intended
-                    run, rss = bench_once(prompt, new)
-                    bench_runs.append(run)
+                    run, rss = bench_once(prompt, new, worker if recipe == "bench_worker" else None)
                     token_lists.append(tuple(run.tokens))
                     row = bench_row(run, rss, path, int(prompt.shape[-1]))
-                    bench_rows.append(row)
-                    self.rec.add("run", recipe="bench", bench_recipe="ours" if decoder is not None else "seed",
-                                 variant="engine-fast-decoder" if decoder is not None else "plain-generate",
-                                 repeat=r, **base, **row)
+                    row.update(bench_recipe="ours" if decoder is not None else "seed",
+                               variant="engine-fast-decoder" if decoder is not None else "plain-generate",
+                               thread="worker" if recipe == "bench_worker" else "main")
+                    if recipe == "bench":
+                        bench_runs.append(run)
+                        bench_rows.append(row)
+                    else:
+                        worker_rows.append(row)
+                row.update(process_cpu_s=round(time.process_time() - cpu0, 4), sm_clock_mhz_before=clock)
+                self.rec.add("run", recipe=recipe, repeat=r, **base, **row)
             pair_s = time.perf_counter() - t_pair
 
         # 3. the check
@@ -523,6 +567,10 @@ class CompareBench:
             compare=side_summary(compare_rows, [m.compare_key for m in self.metrics] + ["prepare_s", "handoff_s"]),
             bench={**side_summary(bench_rows, sorted({m.bench_key for m in self.metrics})),
                    "llm_core_bench": summarize(bench_runs)},
+            bench_worker=({**side_summary(worker_rows, sorted({m.bench_key for m in self.metrics})),
+                           "vs_compare": check_metrics(self.metrics, compare_rows, worker_rows),
+                           "note": "informative: the bench's call on a long-lived worker thread"}
+                          if worker_rows else None),
             prompt_ids_match=captured == ids,
             decode_path_match=all(row["decode_path"] == path for row in compare_rows),
             full_length=all(row["new_tokens"] == new for row in compare_rows + bench_rows),
