@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import GenerationSettings
+from .dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
 from .errors import GenerationError, OutOfMemoryError
 from .loading import LoadedModel
 from .nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time
 GEMV_KERNELS = ("bnb", "nf4", "torch")
+DENSE_GEMV_KERNELS = ("cublas", "triton", "reduce")
 ABSMAX_MODES = ("keep", "fp32", "requant")
 MIN_BUCKET_TOKENS = 256
 
@@ -179,7 +181,13 @@ class FastDecodeOptions:
     fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
     absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
     attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
-    dense_gemv: str = "cublas"  # unquantized weights at one token: cublas (F.linear) | reduce (inductor reduction)
+    # Unquantized weights at one token: auto (time cublas and triton on the first layer at start-up inside a CUDA
+    # graph, keep the faster) | cublas (F.linear) | triton (llm_core.dense_gemv: no split-K; CPU runs its torch
+    # reference) | reduce (an inductor-generated reduction; slower, kept for the record)
+    dense_gemv: str = "auto"
+    # With triton dense weights and fused projections: each layer's two RMSNorms, the SiLU-and-multiply and both
+    # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels
+    gemv_prologues: bool = True
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
@@ -192,6 +200,9 @@ class FastDecodeOptions:
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
             raise GenerationError(f"Unknown gemv kernel {self.gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
+        if self.dense_gemv not in ("auto", *DENSE_GEMV_KERNELS):
+            raise GenerationError(f"Unknown dense gemv {self.dense_gemv!r}; choose one of "
+                                  f"{', '.join(DENSE_GEMV_KERNELS)}.")
         if self.prefill_attention not in ("flash", "auto"):
             raise GenerationError(f"Unknown prefill attention {self.prefill_attention!r}; choose flash or auto.")
         if self.absmax not in ABSMAX_MODES:
@@ -202,13 +213,16 @@ class FastDecodeOptions:
             gemv = "bnb"
         if gemv == "auto" and (device.type != "cuda" or not triton_ok):
             gemv = "bnb"  # on CPU: the same kernel as the plain path
+        dense = self.dense_gemv
+        if dense == "auto" and not (device.type == "cuda" and _DENSE_KERNEL_AVAILABLE):
+            dense = "cublas"  # CPU: F.linear
         attention = self.attention
         pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
         if attention == "auto":
             attention = "triton" if triton_ok and pow2 else "torch"
         if attention == "triton" and not (triton_ok and pow2):
             attention = "torch"
-        return replace(self, gemv=gemv, attention=attention)
+        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense)
 
 
 def _triton_interpreter() -> bool:
@@ -231,7 +245,7 @@ class _LinSpec:
     blocksize: int
     splits: tuple[int, ...]
     bias: bool
-    gemv: str  # dense | dense-reduce | bnb | nf4 | torch
+    gemv: str  # dense | dense-reduce | dense-triton | bnb | nf4 | torch
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
     levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
 
@@ -312,7 +326,7 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
         if has_bias:
             tensors.append(torch.cat([b.detach() if b is not None else torch.zeros(s, dtype=w.dtype, device=w.device)
                                       for b, s in zip(bias, splits, strict=True)]))
-        kernel = "dense-reduce" if opts.dense_gemv == "reduce" else "dense"
+        kernel = {"reduce": "dense-reduce", "triton": "dense-triton"}.get(opts.dense_gemv, "dense")
         spec = _LinSpec("dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias, kernel, False)
         return _Packed(spec, tensors)
     if not all(_is_bnb4(m) for m in modules):
@@ -557,6 +571,8 @@ def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) 
             bias = _bias(spec, ts)
             y = (ts[0].float() * x.float()).sum(-1)
             return (y if bias is None else y + bias.float()).to(x.dtype).view(1, -1)
+        if spec.gemv == "dense-triton":
+            return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), None, None, 0.0, False)
         return F.linear(x, ts[0], _bias(spec, ts))
     if spec.gemv == "bnb":
         packed = ts[0].view(-1, 1)
@@ -587,6 +603,12 @@ def _linear_prefill(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor])
     return F.linear(x, w, _bias(spec, ts))
 
 
+def _dense_gemv(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], *, residual: torch.Tensor | None = None,
+                norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
+    """llm_core.dense_gemv with its prologue (norm or glu) and residual epilogue; x (1, K) -> (1, N)."""
+    return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), residual, norm, eps, glu)
+
+
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in the input dtype)."""
     xf = x.to(torch.float32)
@@ -609,11 +631,15 @@ class _LayerSpec:
     head_dim: int
     scale: float
     eps_post: float
-    eps_next: float
+    eps_next: float  # of the norm in rest[1]: the next layer's input norm, or this layer's own (norm_in_gemv)
     qk_norm_eps: float | None
     linears: tuple[_LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
     fused: bool
     attention: str  # triton (custom kernel) | reduce (torch, written for inductor) | matmul (torch, eager)
+    # Dense triton weights, fused projections: the layer takes and returns the residual stream un-normed; its input
+    # norm (rest[1]) and post-attention norm run inside the qkv and gate/up kernels, SiLU-and-multiply inside the
+    # down kernel, the residual adds in the o and down kernels' epilogues (llm_core.dense_gemv)
+    norm_in_gemv: bool = False
 
 
 def _split_linears(spec: _LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -688,8 +714,13 @@ def _layer_decode(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torc
     pos (1,) int64 position of the token; k/v_cache (L, Hkv, D) prefix of this layer's cache (written at pos).
     Returns (h, next layer's normed input) so the next input norm fuses with this layer's last residual add."""
     lins = _split_linears(spec, w)
-    rest = lins[-1]  # [post_attention_layernorm.weight, next norm weight, (q_norm, k_norm)]
-    q, k, v, used = _project_qkv(spec, hn, lins, _linear_decode)
+    rest = lins[-1]  # [post_attention_layernorm.weight, next (or, norm_in_gemv, own input) norm weight, (q/k_norm)]
+    if spec.norm_in_gemv:  # h arrives un-normed: the input norm is the qkv kernel's prologue (hn is not used)
+        qkv = _dense_gemv(spec.linears[0], h, lins[0], norm=rest[1], eps=spec.eps_next)
+        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
+        used = 1
+    else:
+        q, k, v, used = _project_qkv(spec, hn, lins, _linear_decode)
     q = q.view(spec.n_heads, spec.head_dim)
     k = k.view(spec.n_kv_heads, spec.head_dim)
     v = v.view(spec.n_kv_heads, spec.head_dim)
@@ -700,6 +731,11 @@ def _layer_decode(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torc
     k_cache.index_copy_(0, pos, k[None])
     v_cache.index_copy_(0, pos, v[None])
     attn = _decode_attention(spec, q, k_cache, v_cache, pos)
+    if spec.norm_in_gemv:
+        h = _dense_gemv(spec.linears[1], attn, lins[1], residual=h)
+        gate_up = _dense_gemv(spec.linears[2], h, lins[2], norm=rest[0], eps=spec.eps_post)
+        h = _dense_gemv(spec.linears[3], gate_up, lins[3], residual=h, glu=True)
+        return h, h
     h = h + _linear_decode(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, _rms(h, rest[0], spec.eps_post), lins, used + 1, _linear_decode)
     return h, _rms(h, rest[1], spec.eps_next)
@@ -713,6 +749,8 @@ def _layer_prefill(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: tor
     lins = _split_linears(spec, w)
     rest = lins[-1]
     seq = h.shape[1]
+    if spec.norm_in_gemv:  # the layer's own input norm (rest[1]); it returns h un-normed, as its decode form does
+        hn = _rms(h, rest[1], spec.eps_next)
     q, k, v, used = _project_qkv(spec, hn, lins, _linear_prefill)
     q = q.view(1, seq, spec.n_heads, spec.head_dim)
     k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
@@ -744,13 +782,15 @@ def _layer_prefill(spec: _LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: tor
     attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
     h = h + _linear_prefill(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, _rms(h, rest[0], spec.eps_post), lins, used + 1, _linear_prefill)
-    return h, _rms(h, rest[1], spec.eps_next)
+    return h, (h if spec.norm_in_gemv else _rms(h, rest[1], spec.eps_next))
 
 
 @dataclass(frozen=True)
 class _HeadSpec:
     lm: _LinSpec
     eps0: float
+    norm: bool = False  # layers hand over the residual un-normed (norm_in_gemv): the head applies the final norm,
+    eps_final: float = 0.0  # whose weight is the last of its tensors (inside the lm_head kernel when dense triton)
 
 
 def _prologue(spec: _HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
@@ -765,7 +805,14 @@ def _head(spec: _HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen: t
           eos_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-normed hidden (1, H) -> scores (1, V) fp32 after repetition penalty and min-new-tokens EOS ban (as
     transformers' processors compute them), and the greedy token (1,)."""
-    logits = _linear_decode(spec.lm, hn, lm).float()
+    if spec.norm:
+        lm, final = lm[:-1], lm[-1]
+        if spec.lm.gemv == "dense-triton":
+            logits = _dense_gemv(spec.lm, hn, lm, norm=final, eps=spec.eps_final).float()
+        else:
+            logits = _linear_decode(spec.lm, _rms(hn, final, spec.eps_final), lm).float()
+    else:
+        logits = _linear_decode(spec.lm, hn, lm).float()
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     scores = torch.where(seen, penalized, logits) + eos_bias
     return scores, scores.argmax(-1)
@@ -853,6 +900,8 @@ class FastDecoder:
         with torch.no_grad():
             if self.options.gemv == "auto":
                 self.options = replace(self.options, gemv=self._pick_gemv())
+            if self.options.dense_gemv == "auto":
+                self.options = replace(self.options, dense_gemv=self._pick_dense_gemv())
             self._build_plan()
         vocab = self._arch.vocab
         dev = self.device
@@ -913,6 +962,29 @@ class FastDecoder:
             return "bnb"
         return min(self.gemv_timings_us, key=lambda k: self.gemv_timings_us[k])
 
+    def _pick_dense_gemv(self) -> str:
+        """cuBLAS or llm_core.dense_gemv for unquantized weights: each times the first layer's dense (fused)
+        linears, or the lm_head where the layers are 4-bit, inside a CUDA graph; the faster is kept (cuBLAS if the
+        Triton kernel fails). Only reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
+        groups = [g for g in self._layer_groups(self._arch.layers[0]) if not any(_is_bnb4(m) for m in g)]
+        groups = groups or [[self._arch.lm_head]]
+        timings: dict[str, float] = {}
+        for cand in DENSE_GEMV_KERNELS[:2]:  # cublas, triton
+            try:
+                opts = replace(self.options, dense_gemv=cand)
+                packed = [_pack_linears(g, opts, opts.gemv) for g in groups]
+                xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
+
+                def layer(packed: list[_Packed] = packed, xs: list[torch.Tensor] = xs) -> None:
+                    for p, x in zip(packed, xs, strict=True):
+                        _linear_decode(p.spec, x, p.tensors)
+
+                timings[cand] = round(time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3), 2)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
+                log.warning("dense kernel %s unavailable: %s", cand, exc)
+        self.gemv_timings_us.update({f"dense-{k}": v for k, v in timings.items()})
+        return min(timings, key=lambda k: timings[k]) if timings else "cublas"
+
     def _build_plan(self) -> None:
         a, opts = self._arch, self.options
         gemv = opts.gemv
@@ -921,11 +993,15 @@ class FastDecoder:
         self._layer_specs: list[_LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
         notes: set[str] = set()
+        dense = all(not _is_bnb4(m) for layer in a.layers for g in self._layer_groups(layer) for m in g)
+        norm_in = opts.gemv_prologues and opts.fuse and dense and opts.dense_gemv == "triton"
         for i, layer in enumerate(a.layers):
             attn = layer.self_attn
             packed = [_pack_linears(g, opts, gemv) for g in self._layer_groups(layer)]
             notes.update(p.note for p in packed if p.note)
             next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
+            if norm_in:  # each layer applies its own input norm; the head the final one
+                next_norm = layer.input_layernorm
             rest = [layer.post_attention_layernorm.weight, next_norm.weight]
             qk_eps = None
             if a.qk_norm:
@@ -933,12 +1009,12 @@ class FastDecoder:
                 qk_eps = float(_eps(attn.q_norm))
             spec = _LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention)
+                              tuple(p.spec for p in packed), opts.fuse, attention, norm_in)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = _pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
-        self._head_spec = _HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)))
-        self._lm_tensors = lm.tensors
+        self._head_spec = _HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)), norm_in, float(_eps(a.norm)))
+        self._lm_tensors = lm.tensors + ([a.norm.weight.detach()] if norm_in else [])
         self._embed = a.embed.weight.detach()
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
         self.notes = sorted(notes)
@@ -1022,6 +1098,7 @@ class FastDecoder:
             "compile_s": self.compile_s, "capture_s": self.capture_s,
             "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
             "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
+            "norm_in_gemv": spec.norm_in_gemv,
         }
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------

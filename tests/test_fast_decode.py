@@ -12,6 +12,7 @@ import torch
 
 from llm_core import fast_decode as fd
 from llm_core.config import GenerationSettings
+from llm_core.errors import GenerationError
 from llm_core.fast_decode import FastDecodeOptions, FastDecoder, bucket_list, fast_path_support
 from llm_core.loading import LoadedModel, load_model
 from tests.conftest import make_settings
@@ -155,7 +156,6 @@ def test_sampling_with_a_seed_is_reproducible(fp32: LoadedModel, decoder: FastDe
 
 
 def test_request_longer_than_the_cache_is_a_clear_error(fp32: LoadedModel) -> None:
-    from llm_core.errors import GenerationError
 
     dec = FastDecoder(fp32, compile=False, max_cache_len=64)
     ids, mask = encode(fp32, PROMPTS["haiku"])
@@ -171,6 +171,36 @@ def test_compiled_step_traces_as_one_graph_and_keeps_the_tokens(fp32: LoadedMode
     dec.warmup()
     ids, mask = encode(fp32, PROMPTS["capital"])
     assert fast(dec, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
+
+
+@pytest.mark.parametrize("prologues", [True, False])
+def test_triton_dense_layer_form_keeps_generate_tokens(fp32: LoadedModel, prologues: bool) -> None:
+    """dense_gemv="triton" runs llm_core.dense_gemv (its torch reference on CPU) through the decode layer. With
+    prologues the layer hands the residual on un-normed: its input and post-attention norms, SiLU-and-multiply and
+    both residual adds happen inside the op, and the head applies the final norm. Greedy tokens equal generate's,
+    also traced by dynamo (fullgraph, backend eager)."""
+    opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=prologues)
+    dec = FastDecoder(fp32, compile=False, max_cache_len=512, options=opts)
+    dec.warmup()
+    described = dec.describe()
+    assert described["norm_in_gemv"] is prologues
+    assert all(f == "dense/none/dense-triton" for f in described["linear_formats"])
+    for prompt in ("capital", "primes"):
+        ids, mask = encode(fp32, PROMPTS[prompt])
+        want = reference(fp32, ids, mask, NEW_TOKENS, repetition_penalty=1.05)
+        assert fast(dec, ids, mask, NEW_TOKENS, GenerationSettings(repetition_penalty=1.05)) == want
+    if prologues:
+        traced = FastDecoder(fp32, compile=True, max_cache_len=512,
+                             options=FastDecodeOptions(dense_gemv="triton", compile_backend="eager"))
+        traced.warmup()
+        ids, mask = encode(fp32, PROMPTS["capital"])
+        assert fast(traced, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
+
+
+def test_dense_gemv_auto_is_cublas_on_cpu_and_unknown_names_are_refused(fp32: LoadedModel) -> None:
+    assert FastDecodeOptions().resolved(torch.device("cpu"), 64).dense_gemv == "cublas"
+    with pytest.raises(GenerationError, match="dense gemv"):
+        FastDecodeOptions(dense_gemv="cutlass").resolved(torch.device("cpu"), 64)
 
 
 def test_a_reply_from_a_worker_under_inference_mode_compiles_nothing(fp32: LoadedModel) -> None:
@@ -293,25 +323,31 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("quantization", ["none", "nf4"])
+@pytest.mark.parametrize("quantization", ["none", "nf4", "none-triton", "bf16-triton"])
 def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str) -> None:
     """Compiled step in CUDA graphs vs the same step eager, teacher-forced on the same tokens (a random tiny llama,
-    so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16."""
+    so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16 and in
+    bf16 (the *-triton cases force llm_core.dense_gemv with its prologues in the graphs; eager runs cuBLAS)."""
     from llm_core.bench import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
-    dtype = "float32" if quantization == "none" else "bfloat16"
+    forced_opts = FastDecodeOptions(dense_gemv="triton") if quantization.endswith("triton") else None
+    dtype = "float32" if quantization in ("none", "none-triton") else "bfloat16"
+    quantization = "nf4" if quantization == "nf4" else "none"
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", dtype)
     ids = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
     forced = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    eager = FastDecoder(loaded, compile=False, max_cache_len=512, options=FastDecodeOptions(gemv="torch"))
+    eager = FastDecoder(loaded, compile=False, max_cache_len=512,
+                        options=FastDecodeOptions(gemv="torch", dense_gemv="cublas"))
     eager.warmup()
     want = eager.forced_scores(ids, forced)
     del eager
-    graphs = FastDecoder(loaded, max_cache_len=512)
+    graphs = FastDecoder(loaded, max_cache_len=512, options=forced_opts)
     graphs.warmup()
+    if forced_opts is not None:
+        assert graphs.describe()["norm_in_gemv"] is True
     got = graphs.forced_scores(ids, forced)
-    bound = 1e-4 if quantization == "none" else 2e-2
+    bound = 1e-4 if dtype == "float32" else 2e-2
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= bound
 
 
