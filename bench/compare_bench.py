@@ -22,9 +22,10 @@ with fp16 compute), in that order; each model is loaded once and unloaded before
            (bench.timed_run): through the engine's own FastDecoder with bench.ours_call when the comparison decoded on
            the fast path, through model.generate with bench.seed_call when it decoded on the plain path. One 8-token
            call first (first-call costs, as bench does), then the repeats, interleaved with the compare runs
-           (each side leads in turn). On the plain path, a third, informative side: the same call on a long-lived
-           worker thread (bench_worker), as the engine runs replies, to tell a thread effect from overhead.
-           Every run also records the process CPU seconds it took and the GPU's SM clock just before it.
+           (each side leads in turn). A third, informative side: the same call on a long-lived worker thread
+           (bench_worker), as the engine runs replies, to tell a thread effect from overhead. Every run also records
+           the process CPU seconds it took and the GPU's SM clock just before it; on the fast path, where its first
+           token's time went (FastDecoder.prefill_timing: host launch vs CUDA-event device time of the prefill).
   check    per metric: medians over the repeats of each side and ratio = compare / bench (of the medians); the
            paired ratios (compare / bench within each repeat, the two runs next to each other in time) and their
            median, paired_ratio; within_5pct = |paired_ratio - 1| <= 0.05. Required: ttft_from_decode_start_s (vs
@@ -102,6 +103,7 @@ GPU = {"prompt_tokens": 512, "new_tokens": 128, "repeats": 7, "budget_s": 400.0}
 SMOKE = {"arch": "tiny", "prompt_tokens": 32, "new_tokens": 8, "repeats": 2, "budget_s": 600.0}
 MODE_START_S = {"cuda": 60.0, "cpu": 5.0}  # left in the budget to start a mode (load, warm-up, first reply)
 UNLOAD_RESERVE_S = {"cuda": 15.0, "cpu": 2.0}
+PREFILL_KEYS = ("entry_to_prefill_s", "prefill_launch_s", "prefill_gpu_s", "first_token_s")  # prefill_timing
 MIN_CUT_TOKENS = 16  # fewest new tokens a mode is measured with when the budget forces a cut
 
 
@@ -507,12 +509,11 @@ class CompareBench:
             return run, meter.stop().peak_allocated_bytes if meter is not None else None
 
         bench_once(intended, FIRST_CALL_TOKENS)
-        # Plain path (CPU-bound: host syncs every layer): the bench's call again on a long-lived worker thread, as the
-        # engine runs replies; informative, to tell a thread effect from overhead of the comparison.
-        worker = WorkerThreads(1, name="bench") if path == "plain" else None
-        if worker is not None:
-            bench_once(intended, FIRST_CALL_TOKENS, worker)
-        sides = ["compare", "bench"] + (["bench_worker"] if worker is not None else [])
+        # The bench's call again on a long-lived worker thread, as the engine runs replies (informative): tells a
+        # thread effect from overhead of the comparison. Its first call pays that thread's first-call costs.
+        worker = WorkerThreads(1, name="bench")
+        bench_once(intended, FIRST_CALL_TOKENS, worker)
+        sides = ["compare", "bench", "bench_worker"]
         worker_rows: list[dict[str, Any]] = []
         compare_rows: list[dict[str, Any]] = []
         bench_rows: list[dict[str, Any]] = []
@@ -549,6 +550,8 @@ class CompareBench:
                     else:
                         worker_rows.append(row)
                 row.update(process_cpu_s=round(time.process_time() - cpu0, 4), sm_clock_mhz_before=clock)
+                if decoder is not None:  # the same FastDecoder served this run: where its first token came from
+                    row.update(decoder.prefill_timing())
                 self.rec.add("run", recipe=recipe, repeat=r, **base, **row)
             pair_s = time.perf_counter() - t_pair
 
@@ -571,6 +574,9 @@ class CompareBench:
                            "vs_compare": check_metrics(self.metrics, compare_rows, worker_rows),
                            "note": "informative: the bench's call on a long-lived worker thread"}
                           if worker_rows else None),
+            prefill_timing=({side: side_summary(rows, list(PREFILL_KEYS)) for side, rows in
+                             (("compare", compare_rows), ("bench", bench_rows), ("bench_worker", worker_rows))}
+                            if decoder is not None else None),
             prompt_ids_match=captured == ids,
             decode_path_match=all(row["decode_path"] == path for row in compare_rows),
             full_length=all(row["new_tokens"] == new for row in compare_rows + bench_rows),

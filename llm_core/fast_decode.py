@@ -926,6 +926,9 @@ class FastDecoder:
         self.compile_s: float | None = None
         self.capture_s: float | None = None
         self.prefill_warm_s: float | None = None
+        # The last reply's prefill, for diagnostics (prefill_timing): host clock reads, and CUDA events around it
+        self._clock: dict[str, float] = {}
+        self._prefill_events: tuple[Any, Any] | None = None
 
     # --- weights ---------------------------------------------------------------------------------------------
     def _layer_groups(self, layer: Any) -> list[list[Any]]:
@@ -1335,6 +1338,8 @@ class FastDecoder:
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                   streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int
                   ) -> list[int]:
+        clock = {"entry": time.perf_counter()}
+        self._clock = clock
         ids = self._prompt_ids(input_ids, attention_mask)
         prompt_len, limit = ids.numel(), int(max_new_tokens)
         if limit < 1:
@@ -1361,7 +1366,16 @@ class FastDecoder:
                 generator.manual_seed(int(gen.seed))
             else:
                 generator.seed()
+        events = self._prefill_events
+        if events is None and self.device.type == "cuda":
+            events = self._prefill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        clock["prefill_start"] = time.perf_counter()
+        if events is not None:
+            events[0].record()
         scores, nxt = self._prefill(ids)
+        if events is not None:
+            events[1].record()
+        clock["prefill_launched"] = time.perf_counter()
         if gen.do_sample:
             nxt = sample_from_scores(scores, gen, generator)
         self._tok.copy_(nxt)
@@ -1379,6 +1393,8 @@ class FastDecoder:
                 self._publish(i)
             token = self._collect(i - 1)
             out.append(token)
+            if i == 1:
+                clock["first_token"] = time.perf_counter()
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
             if token in eos or not launched or stop_event.is_set():
@@ -1400,6 +1416,23 @@ class FastDecoder:
         return self._cpu_tokens.pop(index)
 
     # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
+    def prefill_timing(self) -> dict[str, float | None]:
+        """Where the last reply's first token came from, in seconds (after it: the events have completed by then).
+        entry_to_prefill_s: generate() entered -> prefill launch begins (prompt checks, streamer, buffers);
+        prefill_launch_s: host time launching the prefill and head (waits inside count, e.g. a synchronizing op);
+        prefill_gpu_s: device time from the prefill's first kernel to the head's last (CUDA events; None on CPU);
+        first_token_s: generate() entered -> token 0 read back on the host."""
+        c = self._clock
+        if "prefill_launched" not in c:
+            return {}
+        gpu = None
+        if self._prefill_events is not None:
+            self._prefill_events[1].synchronize()
+            gpu = self._prefill_events[0].elapsed_time(self._prefill_events[1]) / 1e3
+        return {"entry_to_prefill_s": c["prefill_start"] - c["entry"],
+                "prefill_launch_s": c["prefill_launched"] - c["prefill_start"], "prefill_gpu_s": gpu,
+                "first_token_s": c["first_token"] - c["entry"] if "first_token" in c else None}
+
     def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
         """Teacher forcing: scores (1 + len(forced), V) fp32 for the last prompt position and after feeding each
         forced token through the decode step (graphs on CUDA). Repetition penalty off; for logit agreement."""

@@ -87,18 +87,20 @@ def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_pat
         compare = [r for r in runs if r["recipe"] == "compare"]
         bench = [r for r in runs if r["recipe"] == "bench"]
         assert len(compare) == len(bench) == check["repeats"] == 2
-        # interleaved, each side leading in turn; the plain path adds the bench's call on a worker thread
-        if path == "plain":
-            assert [(r["repeat"], r["recipe"]) for r in runs] == [
-                (0, "compare"), (0, "bench"), (0, "bench_worker"), (1, "bench"), (1, "bench_worker"), (1, "compare")]
-            worker = check["bench_worker"]
-            assert worker["runs"] == 2 and worker["vs_compare"]["decode_tokens_per_s"]["paired_ratio"] > 0
-            assert all(r["thread"] == "worker" for r in runs if r["recipe"] == "bench_worker")
-        else:
-            assert [(r["repeat"], r["recipe"]) for r in runs] == [(0, "compare"), (0, "bench"), (1, "bench"),
-                                                                   (1, "compare")]
-            assert check["bench_worker"] is None
+        # interleaved, each side leading in turn, the third the bench's call on a long-lived worker thread
+        assert [(r["repeat"], r["recipe"]) for r in runs] == [
+            (0, "compare"), (0, "bench"), (0, "bench_worker"), (1, "bench"), (1, "bench_worker"), (1, "compare")]
+        worker = check["bench_worker"]
+        assert worker["runs"] == 2 and worker["vs_compare"]["decode_tokens_per_s"]["paired_ratio"] > 0
+        assert all(r["thread"] == "worker" for r in runs if r["recipe"] == "bench_worker")
         assert all(r["process_cpu_s"] > 0 for r in runs)
+        if path == "fast":  # each run says where its first token's time went (no CUDA events on CPU)
+            for r in runs:
+                assert r["prefill_gpu_s"] is None
+                assert 0 < r["prefill_launch_s"] < r["first_token_s"] and r["entry_to_prefill_s"] > 0
+            assert check["prefill_timing"]["bench_worker"]["prefill_launch_s"] > 0
+        else:
+            assert check["prefill_timing"] is None and "prefill_launch_s" not in runs[0]
         for r in runs:  # both sides decoded the same prompt on the same path, to full length
             assert (r["decode_path"], r["prompt_tokens"], r["new_tokens"]) == (path, 32, 8)
         assert all(r["finish_reason"] == "length" and r["stats"]["decode_path"] == path for r in compare)
