@@ -68,8 +68,8 @@ NF4_VARIANTS: dict[str, FastDecodeOptions] = {
 }
 DENSE_VARIANTS: dict[str, FastDecodeOptions] = {
     "auto": FastDecodeOptions(),  # what the demo runs: cuBLAS or llm_core.dense_gemv timed at start-up, fused
-    "dense-fused-triton": FastDecodeOptions(fuse=True, dense_gemv="triton"),  # norms/SiLU/residuals in the kernel
-    "dense-fused-triton-noprologue": FastDecodeOptions(fuse=True, dense_gemv="triton", gemv_prologues=False),
+    "dense-fused-triton": FastDecodeOptions(fuse=True, dense_gemv="triton", gemv_prologues=True),  # norms, SiLU,
+    "dense-fused-triton-noprologue": FastDecodeOptions(fuse=True, dense_gemv="triton"),  # residuals in the kernel
     "dense-fused-cublas": FastDecodeOptions(fuse=True, dense_gemv="cublas"),
     "dense-fused-cublas-torchattn": FastDecodeOptions(fuse=True, dense_gemv="cublas", attention="torch"),
     "dense-fused-reduce": FastDecodeOptions(fuse=True, dense_gemv="reduce"),

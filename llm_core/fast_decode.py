@@ -186,8 +186,10 @@ class FastDecodeOptions:
     # reference) | reduce (an inductor-generated reduction; slower, kept for the record)
     dense_gemv: str = "auto"
     # With triton dense weights and fused projections: each layer's two RMSNorms, the SiLU-and-multiply and both
-    # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels
-    gemv_prologues: bool = True
+    # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels.
+    # Off by default: measured slower on an H200 (Llama-2-7B bf16: 248.3 vs 256.6 tok/s; each program redoes the
+    # prologue over all of K, which costs more than the ~100 kernels per step it removes; 2026-11-30-h200-decode)
+    gemv_prologues: bool = False
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails

@@ -191,7 +191,8 @@ def test_triton_dense_layer_form_keeps_generate_tokens(fp32: LoadedModel, prolog
         assert fast(dec, ids, mask, NEW_TOKENS, GenerationSettings(repetition_penalty=1.05)) == want
     if prologues:
         traced = FastDecoder(fp32, compile=True, max_cache_len=512,
-                             options=FastDecodeOptions(dense_gemv="triton", compile_backend="eager"))
+                             options=FastDecodeOptions(dense_gemv="triton", gemv_prologues=True,
+                                                       compile_backend="eager"))
         traced.warmup()
         ids, mask = encode(fp32, PROMPTS["capital"])
         assert fast(traced, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
@@ -331,7 +332,8 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     from llm_core.bench import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
-    forced_opts = FastDecodeOptions(dense_gemv="triton") if quantization.endswith("triton") else None
+    forced_opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=True) if quantization.endswith(
+        "triton") else None
     dtype = "float32" if quantization in ("none", "none-triton") else "bfloat16"
     quantization = "nf4" if quantization == "nf4" else "none"
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", dtype)
