@@ -49,6 +49,7 @@ class ModelSettings:
     max_memory: str | None = None  # e.g. "0=6GiB,cpu=24GiB": enables CPU offload (slow, last resort)
     trust_remote_code: bool = False
     decode_path: str = "auto"  # auto: the fast static-cache path where it can run, else plain generate
+    prefill_graph_tokens: int = 0  # fast path: prompts up to this many tokens prefilled from CUDA graphs; 0 = off
     cache_dir: str | None = None  # where the embedded model is converted to; default ~/.cache/llm_core
     hf_token: str | None = field(default=None, repr=False)  # never printed, logged or shown
 
@@ -203,6 +204,8 @@ class Settings:
             parse_auth(self.server.auth)
         for mode in self.compare.modes:
             _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
+        if self.model.prefill_graph_tokens < 0:
+            raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
         if self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
 
@@ -396,6 +399,8 @@ SPECS: tuple[SettingSpec, ...] = (
                 "run Python code shipped with the model repo (off unless you trust it)"),
     SettingSpec("DECODE_PATH", "model", "decode_path", _parse_choice(DECODE_PATHS),
                 "auto = fast static-cache path where it can run, else plain generate"),
+    SettingSpec("PREFILL_GRAPH_TOKENS", "model", "prefill_graph_tokens", _parse_int,
+                "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s); 0 = off"),
     SettingSpec("CACHE_DIR", "model", "cache_dir", _parse_opt_str,
                 "where converted models live; empty = ~/.cache/llm_core"),
     SettingSpec("HF_TOKEN", "model", "hf_token", _parse_opt_str,

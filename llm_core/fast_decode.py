@@ -54,6 +54,7 @@ GEMV_KERNELS = ("bnb", "nf4", "torch")
 DENSE_GEMV_KERNELS = ("cublas", "triton", "reduce")
 ABSMAX_MODES = ("keep", "fp32", "requant")
 MIN_BUCKET_TOKENS = 256
+PREFILL_BUCKET_TOKENS = 64  # padded prefill lengths: multiples of this (FastDecodeOptions.prefill_graph_tokens)
 
 
 # --- support -------------------------------------------------------------------------------------------------
@@ -193,6 +194,14 @@ class FastDecodeOptions:
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
+    # Prompts up to this many tokens are prefilled right-padded to a multiple of PREFILL_BUCKET_TOKENS, from one
+    # CUDA graph per bucket captured at warm-up (0 = off; CPU runs the padded form eagerly). Why: the compiled
+    # prefill is host-launch-bound (H200, Llama-2-7B, 512 tokens: 11.1 ms bf16 / 19.0 ms NF4 of kernels back to
+    # back, 17-28 / 21-43 ms to launch them; bench/results/2026-11-30-h200-prefill-probe.json), so TTFT is the
+    # host's launch time and inherits its jitter. Causal attention keeps the real tokens blind to the padding, whose
+    # K/V rows beyond the prompt are overwritten by the decode before any step reads them. Off by default until
+    # measured on a GPU (the graphs' memory pool holds the largest bucket's activations for good).
+    prefill_graph_tokens: int = 0
     # Prompt attention (SDPA) backends on CUDA: "flash" = flash / memory-efficient / math, never cuDNN, whose
     # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, would build
     # one inside the reply) | "auto" = PyTorch's own choice. PyTorch 2.11 already picks flash attention here
@@ -928,6 +937,13 @@ class FastDecoder:
         self.compile_s: float | None = None
         self.capture_s: float | None = None
         self.prefill_warm_s: float | None = None
+        self._pf_graphs: dict[int, Any] = {}  # padded prefill: one CUDA graph per bucket length
+        self._pf_pool: Any = None
+        self._pf_ids: torch.Tensor | None = None  # static inputs / outputs of the padded prefill
+        self._pf_pos: torch.Tensor | None = None
+        self._pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pf_scores = torch.zeros(1, self._arch.vocab, dtype=torch.float32, device=self.device)
+        self._pf_tok = torch.zeros(1, dtype=torch.long, device=self.device)
         # The last reply's prefill, for diagnostics (prefill_timing): host clock reads, and CUDA events around it
         self._clock: dict[str, float] = {}
         self._prefill_events: tuple[Any, Any] | None = None
@@ -1103,7 +1119,7 @@ class FastDecoder:
             "compile_s": self.compile_s, "capture_s": self.capture_s,
             "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
             "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
-            "norm_in_gemv": spec.norm_in_gemv,
+            "norm_in_gemv": spec.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
         }
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
@@ -1129,9 +1145,22 @@ class FastDecoder:
         if self.device.type == "cuda":
             self._host_tokens = torch.zeros(tokens + 1, dtype=torch.long, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(3)]
+        self._pf_graphs.clear()
+        if self.options.prefill_graph_tokens:
+            top = _round_up(self.options.prefill_graph_tokens, PREFILL_BUCKET_TOKENS)
+            self._pf_ids = torch.zeros(top, dtype=torch.long, device=self.device)
+            self._pf_pos = torch.arange(top, device=self.device)
         if self.use_graphs:
             t0 = time.perf_counter()
             self._capture_all()
+            try:
+                self._capture_prefill()
+            except Exception as exc:  # noqa: BLE001 - e.g. the compiled prefill failing: it has an eager fallback
+                log.warning("Prefill graphs not captured: %s: %s", type(exc).__name__, exc)
+                self.notes.append(f"prefill graphs off ({type(exc).__name__})")
+                self._pf_graphs.clear()
+                self._pf_ids = None
+                self._sync()
             self.capture_s = round(time.perf_counter() - t0, 3)
 
     def warmup(self, cache_tokens: int | None = None) -> float:
@@ -1251,6 +1280,40 @@ class FastDecoder:
             self._graphs[bucket] = graph
         self._sync()
 
+    def _prefill_buckets(self) -> list[int]:
+        """Padded prefill lengths that fit the cache (multiples of PREFILL_BUCKET_TOKENS, up to the option)."""
+        top = min(self.options.prefill_graph_tokens, self._cache_len)
+        return list(range(PREFILL_BUCKET_TOKENS, top + 1, PREFILL_BUCKET_TOKENS))
+
+    def _capture_prefill(self) -> None:
+        """One graph per padded prefill length, warmed twice first (outside capture) like the decode buckets. A
+        length whose capture fails is left to the compiled prefill (and said in the notes)."""
+        buckets = self._prefill_buckets()
+        if not buckets:
+            return
+        self._pf_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), _prefill_attention_scope(self.options.prefill_attention, self.device):
+            for bucket in buckets:
+                self._pf_last.fill_(bucket - 1)
+                self._padded_prefill(bucket)
+                self._padded_prefill(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        for bucket in buckets:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with _prefill_attention_scope(self.options.prefill_attention, self.device), \
+                        torch.cuda.graph(graph, pool=self._pf_pool):
+                    self._padded_prefill(bucket)
+            except Exception as exc:  # noqa: BLE001 - the compiled prefill still serves this length
+                log.warning("Prefill graph for %d tokens not captured: %s: %s", bucket, type(exc).__name__, exc)
+                self.notes.append(f"prefill graphs off from {bucket} tokens ({type(exc).__name__})")
+                break
+            self._pf_graphs[bucket] = graph
+        self._sync()
+
     def _run_step(self, bucket: int) -> None:
         graph = self._graphs.get(bucket)
         if graph is not None:
@@ -1268,9 +1331,43 @@ class FastDecoder:
         total = ids.numel()
         self._seen.index_fill_(0, ids, True)
         chunk = self.options.prefill_chunk_tokens or total
+        bucket = _round_up(total, PREFILL_BUCKET_TOKENS)
+        if self._pf_ids is not None and chunk >= total and bucket in self._prefill_buckets():
+            # right-padded to the bucket: static ids, the last real row picked on the device
+            self._pf_ids[:total].copy_(ids)
+            self._pf_ids[total:bucket].fill_(0)  # any id: causal attention keeps real rows blind to it
+            self._pf_last.fill_(total - 1)
+            graph = self._pf_graphs.get(bucket)
+            if graph is not None:
+                graph.replay()
+            else:
+                with _prefill_attention_scope(self.options.prefill_attention, self.device):
+                    self._padded_prefill(bucket)
+            return self._pf_scores, self._pf_tok
         with _prefill_attention_scope(self.options.prefill_attention, self.device):
             hn_last = self._prefill_layers(ids, total, chunk)
         return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+
+    def _padded_prefill(self, bucket: int) -> None:
+        """The prefill over _pf_ids[:bucket] on static buffers (capturable): cache rows 0..bucket-1, then the head on
+        row _pf_last, into _pf_scores / _pf_tok."""
+        assert self._k is not None and self._v is not None and self._pf_ids is not None and self._pf_pos is not None
+        ids, pos = self._pf_ids[:bucket], self._pf_pos[:bucket]
+        h = F.embedding(ids, self._embed)[None]
+        cos, sin = self._arch.rotary(h, pos[None])
+        hn = _rms(h, self._norm0, self._head_spec.eps0)
+        fns = self._prefill_fns if self._prefill_compiled_ok else self._prefill_eager_fns
+        for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
+            if fns is self._prefill_fns:
+                for t in (h, hn, cos, sin):
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+                for t in (self._k[i], self._v[i]):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            h, hn = fn(h, hn, cos, sin, 0, self._k[i], self._v[i], w)
+        last = hn[0].index_select(0, self._pf_last)  # (1, H): the last real token's row
+        scores, nxt = self._head_fn(last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        self._pf_scores.copy_(scores)
+        self._pf_tok.copy_(nxt)
 
     def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
         assert self._k is not None and self._v is not None

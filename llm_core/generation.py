@@ -225,7 +225,8 @@ class ChatEngine:
                 raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
-        decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens())
+        options = fast_decode.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
         timings = decoder.gemv_timings_us
         if self.loaded.settings.quantization == "nf4":  # which 4-bit kernel runs, and the start-up timing behind it
             timed = ", ".join(f"{k} {v:.0f} µs" for k, v in timings.items() if not k.startswith("dense-"))

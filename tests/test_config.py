@@ -50,6 +50,7 @@ def test_unknown_env_file_key_fails_and_names_it(tmp_path: Path) -> None:
         ({"DO_SAMPLE": "true", "TEMPERATURE": "0"}, "TEMPERATURE"),
         ({"PORT": "70000"}, "PORT"),
         ({"AUTH": "alice"}, "AUTH"),
+        ({"PREFILL_GRAPH_TOKENS": "-64"}, "PREFILL_GRAPH_TOKENS"),
     ],
 )
 def test_bad_or_contradictory_values_fail_naming_the_setting(values: dict[str, str], named: str) -> None:

@@ -253,9 +253,13 @@ def test_stats_export_as_json(fp32_engine: ChatEngine, tmp_path: Path) -> None:
 def test_the_model_panel_names_the_4bit_kernel_of_the_fast_path() -> None:
     """NF4 on the fast path: the decode-path reason says which 4-bit kernel runs (on CPU: bitsandbytes', the only
     one; on CUDA the start-up timing of each candidate is shown too)."""
-    engine = ChatEngine.load(make_settings(DECODE_PATH="fast"))
+    engine = ChatEngine.load(make_settings(DECODE_PATH="fast", PREFILL_GRAPH_TOKENS="128"))
     assert engine.backend.name == "fast"
     assert "4-bit kernel: bnb" in engine.report.decode_path_reason  # what the Model panel prints
+    # PREFILL_GRAPH_TOKENS reaches the decoder: its padded prefill buffer covers the setting (graphs on CUDA only)
+    decoder = engine._fast_decoder
+    assert decoder.options.prefill_graph_tokens == 128 and decoder._pf_ids is not None
+    assert decoder._pf_ids.numel() == 128 and decoder.describe()["prefill_graphs"] == []
 
 
 def test_prepare_tokenizes_each_message_list_once(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:

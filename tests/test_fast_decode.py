@@ -198,6 +198,35 @@ def test_triton_dense_layer_form_keeps_generate_tokens(fp32: LoadedModel, prolog
         assert fast(traced, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
 
 
+def test_padded_prefill_keeps_the_scores_and_the_tokens(fp32: LoadedModel) -> None:
+    """prefill_graph_tokens: prompts are prefilled right-padded to a multiple of 64 (on CUDA from captured graphs;
+    on CPU the same padded form eagerly). The real rows see no padding (causal), so the scores after the prompt and
+    after each teacher-forced token equal the unpadded prefill's, for lengths below, at and past a bucket edge;
+    the padding's K/V rows are written (the padded form ran) and later overwritten by the decode."""
+    plain = FastDecoder(fp32, compile=False, max_cache_len=512)
+    plain.warmup()
+    padded = FastDecoder(fp32, compile=False, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=128))
+    padded.warmup()
+    forced = [42, 7, 1000, 3]
+    for length in (30, 64, 65):
+        ids = torch.randint(3, 5000, (1, length), generator=torch.Generator().manual_seed(length))
+        want = plain.forced_scores(ids, forced)
+        padded._k.zero_()
+        got = padded.forced_scores(ids, forced)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        bucket = -(-length // 64) * 64
+        if bucket > length + len(forced):  # padding rows past what the decode overwrote: the padded form ran
+            assert padded._k[0, length + len(forced):bucket].abs().sum() > 0
+    long_ids = torch.randint(3, 5000, (1, 200), generator=torch.Generator().manual_seed(1))  # past the option: plain
+    padded._k.zero_()
+    torch.testing.assert_close(padded.forced_scores(long_ids, forced[:1]), plain.forced_scores(long_ids, forced[:1]),
+                               rtol=1e-4, atol=1e-4)
+    assert padded._k[0, 201:256].abs().sum() == 0
+    ids, mask = encode(fp32, PROMPTS["primes"])
+    want_tokens = reference(fp32, ids, mask, NEW_TOKENS, repetition_penalty=1.05)
+    assert fast(padded, ids, mask, NEW_TOKENS, GenerationSettings(repetition_penalty=1.05)) == want_tokens
+
+
 def test_dense_gemv_auto_is_cublas_on_cpu_and_unknown_names_are_refused(fp32: LoadedModel) -> None:
     assert FastDecodeOptions().resolved(torch.device("cpu"), 64).dense_gemv == "cublas"
     with pytest.raises(GenerationError, match="dense gemv"):
@@ -351,6 +380,29 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     got = graphs.forced_scores(ids, forced)
     bound = 1e-4 if dtype == "float32" else 2e-2
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= bound
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("quantization", ["none", "nf4"])
+def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: str) -> None:
+    """Padded prefill replayed from CUDA graphs vs the compiled prefill without graphs, teacher-forced on the same
+    tokens, for prompt lengths below, at and past a 64-token bucket edge and past the option (plain path)."""
+    from llm_core.bench import load, make_random_checkpoint
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
+    loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", "bfloat16")
+    forced = torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(1)).tolist()
+    plain = FastDecoder(loaded, max_cache_len=512)
+    plain.warmup()
+    graphs = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=256))
+    graphs.warmup()
+    assert graphs.describe()["prefill_graphs"] == [64, 128, 192, 256]
+    for length in (30, 64, 65, 300):
+        ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
+        want = plain.forced_scores(ids, forced)
+        got = graphs.forced_scores(ids, forced)
+        assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 2e-2, length
 
 
 @pytest.mark.gpu
