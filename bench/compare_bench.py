@@ -382,6 +382,7 @@ class CompareBench:
             "DEVICE": self.device.type, "CACHE_DIR": str(self.work / "cache"), "DECODE_PATH": self.decode_path(mode),
             "MAX_BATCH_SIZE": "1", "MAX_NEW_TOKENS": str(self.args.new_tokens), "DO_SAMPLE": "false",
             "REPETITION_PENALTY": "1.0", "HISTORY_TURNS": "0", "STREAM_TIMEOUT_S": "300",
+            "PREFILL_GRAPH_TOKENS": str(self.args.prefill_graph_tokens),
         }
         return Settings.from_env(environ=environ, env_file=None)
 
@@ -632,6 +633,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"timed runs per side after one uncounted first run; default {GPU['repeats']}")
     ap.add_argument("--decode-path", default="auto", choices=["auto", "fast", "plain"],
                     help="DECODE_PATH of the engines (auto: what the demo runs)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=0,
+                    help="PREFILL_GRAPH_TOKENS of the engines (padded prefill from CUDA graphs; 0 = off, the default)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"start no new mode or repeat past this many seconds; default {GPU['budget_s']:.0f}")
     ap.add_argument("--no-expandable-segments", action="store_true",

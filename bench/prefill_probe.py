@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--sleep-ms", type=float, default=60.0)
+    ap.add_argument("--prefill-graph-tokens", type=int, default=0, help="PREFILL_GRAPH_TOKENS (0 = compiled prefill)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tiny model, eager)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--out", type=Path, required=True)
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     arch = args.random if device.type == "cuda" else "tiny"
     prompt = args.prompt_tokens if device.type == "cuda" else 32
     t0 = time.perf_counter()
-    engine, _ = load_engine(arch, args.quantization, prompt + 192, device, args.work_dir)
+    engine, _ = load_engine(arch, args.quantization, prompt + 192, device, args.work_dir, args.prefill_graph_tokens)
     decoder = getattr(engine, "_fast_decoder", None)
     if decoder is None:
         raise SystemExit(f"no fast path: {engine.backend.reason}")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "versions": library_versions(), "quantization": args.quantization, "prompt_tokens": prompt,
         "decode_path_reason": engine.backend.reason, "load_s": round(time.perf_counter() - t0, 1),
-        "sleep_ms": args.sleep_ms, "spin_cycles": cycles,
+        "sleep_ms": args.sleep_ms, "spin_cycles": cycles, "prefill_graphs": decoder.describe()["prefill_graphs"],
         "summary": {mode: {key: med(rs, key) for key in ("host_launch_s", "device_s", "until_done_s")}
                     for mode, rs in rows.items()},
         "runs": rows,

@@ -56,6 +56,7 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
 NF4_VARIANTS: dict[str, FastDecodeOptions] = {
     "auto": FastDecodeOptions(),  # what the demo runs: kernel timed at start-up, fused, double quant kept
     "auto-eagerprefill": FastDecodeOptions(compile_prefill=False),
+    "auto-prefillgraphs": FastDecodeOptions(prefill_graph_tokens=1024),  # padded prefill from CUDA graphs (TTFT)
     "nf4-fused-dq": FastDecodeOptions(gemv="nf4", fuse=True, absmax="keep"),
     "nf4-fused-dqoff": FastDecodeOptions(gemv="nf4", fuse=True, absmax="fp32"),
     "bnb-unfused-dq": FastDecodeOptions(gemv="bnb", fuse=False, absmax="keep"),
@@ -70,6 +71,7 @@ DENSE_VARIANTS: dict[str, FastDecodeOptions] = {
     "auto": FastDecodeOptions(),  # what the demo runs: cuBLAS or llm_core.dense_gemv timed at start-up, fused
     "dense-fused-triton": FastDecodeOptions(fuse=True, dense_gemv="triton", gemv_prologues=True),  # norms, SiLU,
     "dense-fused-triton-noprologue": FastDecodeOptions(fuse=True, dense_gemv="triton"),  # residuals in the kernel
+    "auto-prefillgraphs": FastDecodeOptions(prefill_graph_tokens=1024),
     "dense-fused-cublas": FastDecodeOptions(fuse=True, dense_gemv="cublas"),
     "dense-fused-cublas-torchattn": FastDecodeOptions(fuse=True, dense_gemv="cublas", attention="torch"),
     "dense-fused-reduce": FastDecodeOptions(fuse=True, dense_gemv="reduce"),
