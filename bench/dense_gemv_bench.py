@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.gemv_bench import finish, time_calls  # noqa: E402
 from llm_core import dense_gemv as dg  # noqa: E402
 from llm_core.bench import measure_copy_bandwidth  # noqa: E402
 from llm_core.loading import library_versions  # noqa: E402
@@ -37,16 +38,6 @@ SHAPES = {  # (name, N, K, the prologue/epilogue it gets in the fused layer)
                    ("lm_head", 128256, 4096, "norm")],
 }
 LAYERS = 32
-
-
-def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
-    from llm_core.fast_decode import time_in_cuda_graph
-
-    def all_calls() -> None:
-        for c in calls:
-            c()
-
-    return time_in_cuda_graph(all_calls, replays=replays) / len(calls)
 
 
 def kwargs_for(fusion: str, k: int, n: int) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -121,12 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         result["layers"][arch] = {kname: {"us_per_layer": us, "ms_per_step": us * LAYERS / 1e3}
                                   for kname, us in per_layer.items()}
         args.out.write_text(json.dumps(result, indent=1))
-    result["wall_s"] = time.perf_counter() - t0
-    args.out.write_text(json.dumps(result, indent=1))
-    for arch, table in result["layers"].items():
-        print(arch)
-        for kname, v in sorted(table.items(), key=lambda kv: kv[1]["us_per_layer"]):
-            print(f"  {kname:24s} {v['us_per_layer']:8.1f} us/layer  {v['ms_per_step']:6.2f} ms/step")
+    finish(result, args.out, t0, "ms_per_step")
     return 0
 
 

@@ -1351,44 +1351,39 @@ class FastDecoder:
     def _padded_prefill(self, bucket: int) -> None:
         """The prefill over _pf_ids[:bucket] on static buffers (capturable): cache rows 0..bucket-1, then the head on
         row _pf_last, into _pf_scores / _pf_tok."""
-        assert self._k is not None and self._v is not None and self._pf_ids is not None and self._pf_pos is not None
-        ids, pos = self._pf_ids[:bucket], self._pf_pos[:bucket]
-        h = F.embedding(ids, self._embed)[None]
-        cos, sin = self._arch.rotary(h, pos[None])
-        hn = _rms(h, self._norm0, self._head_spec.eps0)
-        fns = self._prefill_fns if self._prefill_compiled_ok else self._prefill_eager_fns
-        for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
-            if fns is self._prefill_fns:
-                for t in (h, hn, cos, sin):
-                    torch._dynamo.maybe_mark_dynamic(t, 1)
-                for t in (self._k[i], self._v[i]):
-                    torch._dynamo.maybe_mark_dynamic(t, 0)
-            h, hn = fn(h, hn, cos, sin, 0, self._k[i], self._v[i], w)
+        assert self._pf_ids is not None and self._pf_pos is not None
+        hn = self._prefill_pass(self._pf_ids[:bucket], self._pf_pos[:bucket], 0)
         last = hn[0].index_select(0, self._pf_last)  # (1, H): the last real token's row
         scores, nxt = self._head_fn(last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
         self._pf_scores.copy_(scores)
         self._pf_tok.copy_(nxt)
 
     def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
-        assert self._k is not None and self._v is not None
         hn_last = None
         for start in range(0, total, chunk):
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel(), device=self.device)
-            h = F.embedding(part, self._embed)[None]
-            cos, sin = self._arch.rotary(h, pos[None])
-            hn = _rms(h, self._norm0, self._head_spec.eps0)
-            fns = self._prefill_fns if self._prefill_compiled_ok and part.numel() > 1 else self._prefill_eager_fns
-            for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
-                if fns is self._prefill_fns:
-                    for t in (h, hn, cos, sin):
-                        torch._dynamo.maybe_mark_dynamic(t, 1)
-                    for t in (self._k[i], self._v[i]):
-                        torch._dynamo.maybe_mark_dynamic(t, 0)
-                h, hn = fn(h, hn, cos, sin, start, self._k[i], self._v[i], w)
+            hn = self._prefill_pass(part, pos, start)
             hn_last = hn[:, -1].clone()  # (1, H) contiguous: the same input layout as the decode step
         assert hn_last is not None
         return hn_last
+
+    def _prefill_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
+        """Every layer over ids (S,) at positions pos (S,) = start..start+S-1: cache rows written; returns the
+        last layer's hn (1, S, H) (un-normed h where the layers fuse their norms)."""
+        assert self._k is not None and self._v is not None
+        h = F.embedding(ids, self._embed)[None]
+        cos, sin = self._arch.rotary(h, pos[None])
+        hn = _rms(h, self._norm0, self._head_spec.eps0)
+        fns = self._prefill_fns if self._prefill_compiled_ok and ids.numel() > 1 else self._prefill_eager_fns
+        for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
+            if fns is self._prefill_fns:
+                for t in (h, hn, cos, sin):
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+                for t in (self._k[i], self._v[i]):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            h, hn = fn(h, hn, cos, sin, start, self._k[i], self._v[i], w)
+        return hn
 
     # --- generate --------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
