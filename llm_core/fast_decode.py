@@ -1134,6 +1134,8 @@ class FastDecoder:
     def _allocate(self, tokens: int) -> None:
         a = self._arch
         self._graphs.clear()
+        self._pf_graphs.clear()  # their pool goes with them: freed before the new cache is allocated
+        self._pf_pool = None
         self._k = self._v = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -1145,7 +1147,6 @@ class FastDecoder:
         if self.device.type == "cuda":
             self._host_tokens = torch.zeros(tokens + 1, dtype=torch.long, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(3)]
-        self._pf_graphs.clear()
         if self.options.prefill_graph_tokens:
             top = _round_up(self.options.prefill_graph_tokens, PREFILL_BUCKET_TOKENS)
             self._pf_ids = torch.zeros(top, dtype=torch.long, device=self.device)
