@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         rec["decode_tokens_per_s_from_steps"] = 1.0 / statistics.median(steps)
         rec["gemv"] = decoder.options.gemv
         rec["gemv_timings_us"] = getattr(decoder, "gemv_timings_us", None)
+        rec["dense_gemv_timings_us"] = getattr(decoder, "dense_gemv_timings_us", None)
         result["choices"][choice] = rec
         args.out.write_text(json.dumps(result, indent=1, default=str))
         print(choice, json.dumps({k: v for k, v in rec.items()

@@ -905,7 +905,8 @@ class FastDecoder:
         self.reason = reason
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
-        self.gemv_timings_us: dict[str, float] = {}
+        self.gemv_timings_us: dict[str, float] = {}  # start-up timing of each 4-bit kernel (auto)
+        self.dense_gemv_timings_us: dict[str, float] = {}  # and of cuBLAS / llm_core.dense_gemv (dense_gemv=auto)
         if self.options.gemv == "nf4" and self.dtype != torch.bfloat16:  # the kernel reads bf16 activations
             self.options = replace(self.options, gemv="bnb")
         with torch.no_grad():
@@ -958,42 +959,38 @@ class FastDecoder:
                 [mlp.down_proj]]
 
     def _pick_gemv(self) -> str:
-        """Time each 4-bit kernel on the first layer's real (fused) weights, as the decode step runs them (inside a
-        CUDA graph, so Python launch costs don't count); keep the fastest. Dense weights and CPU never get here.
-        Falls back to bitsandbytes' kernel if a candidate fails."""
+        """The 4-bit kernel: each candidate timed on the first layer's real (fused) weights; the fastest is kept,
+        bitsandbytes' if none runs. Dense weights and CPU never get here."""
         if self.loaded.settings.quantization != "nf4":
             return "bnb"
         groups = self._layer_groups(self._arch.layers[0])
         candidates = ["bnb"] + (["nf4"] if _NF4_KERNEL_AVAILABLE and self.dtype == torch.bfloat16 else [])
-        for cand in candidates:
-            try:
-                packed = [_pack_linears(g, replace(self.options, gemv=cand), cand) for g in groups]
-                xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
-
-                def layer(packed: list[_Packed] = packed, xs: list[torch.Tensor] = xs) -> None:
-                    for p, x in zip(packed, xs, strict=True):
-                        _linear_decode(p.spec, x, p.tensors)
-
-                # warm-up calls compile and autotune the Triton kernel outside the capture
-                us = time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3)
-                self.gemv_timings_us[cand] = round(us, 2)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
-                log.warning("4-bit kernel %s unavailable: %s", cand, exc)
-        if not self.gemv_timings_us:
-            return "bnb"
-        return min(self.gemv_timings_us, key=lambda k: self.gemv_timings_us[k])
+        self.gemv_timings_us = self._time_linears(
+            groups, {cand: (replace(self.options, gemv=cand), cand) for cand in candidates})
+        timings = self.gemv_timings_us
+        return min(timings, key=lambda k: timings[k]) if timings else "bnb"
 
     def _pick_dense_gemv(self) -> str:
-        """cuBLAS or llm_core.dense_gemv for unquantized weights: each times the first layer's dense (fused)
-        linears, or the lm_head where the layers are 4-bit, inside a CUDA graph; the faster is kept (cuBLAS if the
-        Triton kernel fails). Only reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
+        """cuBLAS or llm_core.dense_gemv for unquantized weights, timed on the first layer's dense (fused) linears,
+        or on the lm_head where the layers are 4-bit; the faster is kept (cuBLAS if the Triton kernel fails). Only
+        reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
         groups = [g for g in self._layer_groups(self._arch.layers[0]) if not any(_is_bnb4(m) for m in g)]
         groups = groups or [[self._arch.lm_head]]
+        self.dense_gemv_timings_us = self._time_linears(
+            groups, {cand: (replace(self.options, dense_gemv=cand), self.options.gemv)
+                     for cand in DENSE_GEMV_KERNELS[:2]})  # cublas, triton
+        timings = self.dense_gemv_timings_us
+        return min(timings, key=lambda k: timings[k]) if timings else "cublas"
+
+    def _time_linears(self, groups: list[list[Any]], candidates: dict[str, tuple[FastDecodeOptions, str]]
+                      ) -> dict[str, float]:
+        """Microseconds per call of `groups` packed as each candidate's (options, 4-bit kernel), as the decode step
+        runs them: inside a CUDA graph (no Python launch costs), after warm-up calls that compile and autotune
+        Triton kernels outside the capture. A candidate that fails is logged and left out."""
         timings: dict[str, float] = {}
-        for cand in DENSE_GEMV_KERNELS[:2]:  # cublas, triton
+        for cand, (opts, gemv) in candidates.items():
             try:
-                opts = replace(self.options, dense_gemv=cand)
-                packed = [_pack_linears(g, opts, opts.gemv) for g in groups]
+                packed = [_pack_linears(g, opts, gemv) for g in groups]
                 xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
 
                 def layer(packed: list[_Packed] = packed, xs: list[torch.Tensor] = xs) -> None:
@@ -1002,9 +999,8 @@ class FastDecoder:
 
                 timings[cand] = round(time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3), 2)
             except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
-                log.warning("dense kernel %s unavailable: %s", cand, exc)
-        self.gemv_timings_us.update({f"dense-{k}": v for k, v in timings.items()})
-        return min(timings, key=lambda k: timings[k]) if timings else "cublas"
+                log.warning("kernel %s unavailable: %s", cand, exc)
+        return timings
 
     def _build_plan(self) -> None:
         a, opts = self._arch, self.options
@@ -1094,6 +1090,11 @@ class FastDecoder:
                     total += t.numel() * t.element_size()
         return total + self._arch.hidden * self._embed.element_size()
 
+    @property
+    def norm_in_gemv(self) -> bool:
+        """Whether the layers run their norms, SiLU and residual adds inside llm_core.dense_gemv."""
+        return self._layer_specs[0].norm_in_gemv
+
     def kv_bytes_per_token(self) -> int:
         a = self._arch
         return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
@@ -1118,8 +1119,9 @@ class FastDecoder:
             "kv_bytes_per_token": self.kv_bytes_per_token(), "warmup_s": self.warmup_s,
             "compile_s": self.compile_s, "capture_s": self.capture_s,
             "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
+            "dense_gemv_timings_us": self.dense_gemv_timings_us,
             "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
-            "norm_in_gemv": spec.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
+            "norm_in_gemv": self.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
         }
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------

@@ -227,15 +227,15 @@ class ChatEngine:
                       "(no compile, no CUDA graphs)")
         options = fast_decode.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
         decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
-        timings = decoder.gemv_timings_us
-        if self.loaded.settings.quantization == "nf4":  # which 4-bit kernel runs, and the start-up timing behind it
-            timed = ", ".join(f"{k} {v:.0f} µs" for k, v in timings.items() if not k.startswith("dense-"))
-            reason += f"; 4-bit kernel: {decoder.options.gemv}" + (f" (per layer: {timed})" if timed else "")
-        elif self.loaded.settings.quantization == "none":  # cuBLAS or llm_core.dense_gemv, and why
-            timed = ", ".join(f"{k[6:]} {v:.0f} µs" for k, v in timings.items() if k.startswith("dense-"))
-            reason += f"; matrix-vector kernel: {decoder.options.dense_gemv}" + (
+        quantization = self.loaded.settings.quantization
+        if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
+            nf4 = quantization == "nf4"
+            timings = decoder.gemv_timings_us if nf4 else decoder.dense_gemv_timings_us
+            timed = ", ".join(f"{k} {v:.0f} µs" for k, v in timings.items())
+            reason += (f"; 4-bit kernel: {decoder.options.gemv}" if nf4 else
+                       f"; matrix-vector kernel: {decoder.options.dense_gemv}") + (
                 f" (per layer: {timed})" if timed else "") + (
-                "; norms, SiLU and residual adds fused into it" if decoder.describe()["norm_in_gemv"] else "")
+                "; norms, SiLU and residual adds fused into it" if decoder.norm_in_gemv else "")
 
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                      stop_event: threading.Event, cache: Any) -> None:
