@@ -101,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         "versions": library_versions(), "quantization": args.quantization, "prompt_tokens": prompt,
         "decode_path_reason": engine.backend.reason, "load_s": round(time.perf_counter() - t0, 1),
         "sleep_ms": args.sleep_ms, "spin_cycles": cycles, "prefill_graphs": decoder.describe()["prefill_graphs"],
+        "graph_pool_idle_bytes": decoder.graph_pool_idle_bytes(),
+        "resident_extra_bytes": engine.memory_facts.resident_extra_bytes,
+        "allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+        "reserved_bytes": torch.cuda.memory_reserved(device) if device.type == "cuda" else None,
         "summary": {mode: {key: med(rs, key) for key in ("host_launch_s", "device_s", "until_done_s")}
                     for mode, rs in rows.items()},
         "runs": rows,

@@ -1122,7 +1122,18 @@ class FastDecoder:
             "dense_gemv_timings_us": self.dense_gemv_timings_us,
             "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
             "norm_in_gemv": self.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
+            "graph_pool_idle_bytes": self.graph_pool_idle_bytes(),
         }
+
+    def graph_pool_idle_bytes(self) -> int:
+        """Device bytes the CUDA graph pools (decode steps, padded prefills) hold with no live tensor in them: kept
+        for the replays, so no other allocation can use them, yet memory_allocated leaves them out. 0 off CUDA."""
+        pools = {tuple(p) for p in (self._pool, self._pf_pool) if p is not None}
+        if self.device.type != "cuda" or not pools:
+            return 0
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return sum(int(seg["total_size"]) - int(seg["allocated_size"]) for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools)
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
     def resize_cache(self, tokens: int) -> None:

@@ -309,7 +309,7 @@ class ChatEngine:
             after = device_allocated_bytes(self.loaded.device)
             if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
                 self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
-                    self.memory_facts, self._allocated_before_decode, after))
+                    self.memory_facts, self._allocated_before_decode, after, decoder.graph_pool_idle_bytes()))
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass

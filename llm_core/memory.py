@@ -481,12 +481,14 @@ class PeakPrediction:
         return asdict(self) | {"peak_allocated_bytes": self.peak_allocated_bytes}
 
 
-def resident_extra_bytes(facts: ModelMemoryFacts, allocated_before: int, allocated_after: int) -> int:
-    """What a decode path's set-up left allocated beyond the static KV block the facts already count: the device
+def resident_extra_bytes(facts: ModelMemoryFacts, allocated_before: int, allocated_after: int,
+                         held_idle: int = 0) -> int:
+    """What a decode path's set-up keeps on the device beyond the static KV block the facts already count: the device
     bytes allocated after its warm-up less those before it was built (the weights, and any other engine's memory,
-    are in both), less that block. Never negative."""
+    are in both), less that block, plus `held_idle`: bytes held for it that memory_allocated does not show (CUDA
+    graph pools between replays). Never negative."""
     static_kv = _kv_device_bytes(facts, facts.static_kv_tokens, "dynamic", None) if facts.static_kv_tokens else 0
-    return max(0, int(allocated_after) - int(allocated_before) - static_kv)
+    return max(0, int(allocated_after) - int(allocated_before) - static_kv) + max(0, int(held_idle))
 
 
 def predict_peak_bytes(

@@ -562,6 +562,10 @@ def test_what_the_fast_path_holds_beyond_weights_and_cache_is_measured_once_and_
     extra = resident_extra_bytes(facts, other_engine + 3_762_823_680, other_engine + 4_442_634_240)
     assert extra == 4_442_634_240 - 3_762_823_680 - block  # 310,711,808 B
     assert resident_extra_bytes(facts, 10 * GiB, 10 * GiB) == 0  # nothing allocated: never negative
+    # CUDA graph pools keep blocks between replays that memory_allocated leaves out: they are added
+    assert resident_extra_bytes(facts, 10 * GiB, 10 * GiB, held_idle=64 * 2**20) == 64 * 2**20
+    assert resident_extra_bytes(facts, other_engine + 3_762_823_680, other_engine + 4_442_634_240,
+                                held_idle=2**20) == extra + 2**20
     with_extra = replace(facts, resident_extra_bytes=extra)
     before, after = predict_peak_bytes(facts, 512, 128), predict_peak_bytes(with_extra, 512, 128)
     assert after.total_bytes - before.total_bytes == extra and after.resident_extra_bytes == extra
