@@ -37,8 +37,9 @@ Definitions (both sides stamp each token on the host when the decode loop hands 
                        bench: the call (ids already on the device, device synchronized) -> first new token.
                        Attribution of a gap (compare side, two clock reads per reply): prepare_s = ChatEngine.prepare
                        (templating, tokenizing, memory planning); handoff_s = end of prepare -> the decode backend
-                       starting in the worker thread; ttft_from_decode_start_s = ttft_s minus both (and minus the few
-                       microseconds before prepare): the part comparable with the bench's ttft_s.
+                       starting in the worker thread; before_prepare_s = request received -> prepare (message
+                       checks); ttft_from_decode_start_s = ttft_s minus all three (decode start -> first token, both
+                       read on the reply's own clock): the part comparable with the bench's ttft_s.
   decode_tokens_per_s  (new tokens - 1) / (last token - first token), both sides.
   peak_vram_bytes      torch.cuda.max_memory_allocated over the reply, peak statistics reset just before it (both
                        sides; ReplyStats.peak_vram_allocated_bytes). On CPU: the process's peak RSS (peak_rss_bytes).
@@ -181,6 +182,7 @@ class Probe:
         self.prepare_start: float | None = None
         self.prepare_end: float | None = None
         self.decode_start: float | None = None
+        self.clock_start: float | None = None
         self.prepared: PreparedPrompt | None = None
         inner_prepare, inner_run = engine.prepare, engine.backend.run
 
@@ -191,22 +193,23 @@ class Probe:
             self.prepared = out
             return out
 
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(prepared: Any, gen: Any, streamer: Any, *args: Any, **kwargs: Any) -> Any:
             self.decode_start = time.perf_counter()
-            return inner_run(*args, **kwargs)
+            self.clock_start = streamer.clock.start_s  # the reply's TTFT clock: the engine received the request
+            return inner_run(prepared, gen, streamer, *args, **kwargs)
 
         engine.prepare = prepare  # type: ignore[method-assign]
         engine.backend.run = run
 
     def clear(self) -> None:
-        self.prepare_start = self.prepare_end = self.decode_start = None
+        self.prepare_start = self.prepare_end = self.decode_start = self.clock_start = None
 
     def row(self, ttft_s: float | None) -> dict[str, Any]:
-        a, b, c = self.prepare_start, self.prepare_end, self.decode_start
-        if a is None or b is None or c is None:
-            return {"prepare_s": None, "handoff_s": None, "ttft_from_decode_start_s": None}
-        return {"prepare_s": b - a, "handoff_s": c - b,
-                "ttft_from_decode_start_s": None if ttft_s is None else ttft_s - (c - a)}
+        a, b, c, t0 = self.prepare_start, self.prepare_end, self.decode_start, self.clock_start
+        if a is None or b is None or c is None or t0 is None:
+            return {"prepare_s": None, "handoff_s": None, "before_prepare_s": None, "ttft_from_decode_start_s": None}
+        return {"prepare_s": b - a, "handoff_s": c - b, "before_prepare_s": a - t0,
+                "ttft_from_decode_start_s": None if ttft_s is None else ttft_s - (c - t0)}
 
 
 def compare_row(stats: ReplyStats, probe: dict[str, Any]) -> dict[str, Any]:
@@ -382,8 +385,9 @@ class CompareBench:
             "DEVICE": self.device.type, "CACHE_DIR": str(self.work / "cache"), "DECODE_PATH": self.decode_path(mode),
             "MAX_BATCH_SIZE": "1", "MAX_NEW_TOKENS": str(self.args.new_tokens), "DO_SAMPLE": "false",
             "REPETITION_PENALTY": "1.0", "HISTORY_TURNS": "0", "STREAM_TIMEOUT_S": "300",
-            "PREFILL_GRAPH_TOKENS": str(self.args.prefill_graph_tokens),
         }
+        if self.args.prefill_graph_tokens is not None:
+            environ["PREFILL_GRAPH_TOKENS"] = str(self.args.prefill_graph_tokens)
         return Settings.from_env(environ=environ, env_file=None)
 
     def decode_path(self, mode: str) -> str:
@@ -568,7 +572,8 @@ class CompareBench:
             new_tokens_cut_from=cut_from,
             repeats=len(compare_rows), load_s=first.load_s, engine_load_s=report.load_s, warmup_s=report.warmup_s,
             weights_bytes=report.weights_bytes, metrics=metrics, all_within_5pct=all_ok,
-            compare=side_summary(compare_rows, [m.compare_key for m in self.metrics] + ["prepare_s", "handoff_s"]),
+            compare=side_summary(compare_rows, [m.compare_key for m in self.metrics]
+                                 + ["before_prepare_s", "prepare_s", "handoff_s"]),
             bench={**side_summary(bench_rows, sorted({m.bench_key for m in self.metrics})),
                    "llm_core_bench": summarize(bench_runs)},
             bench_worker=({**side_summary(worker_rows, sorted({m.bench_key for m in self.metrics})),
@@ -633,8 +638,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"timed runs per side after one uncounted first run; default {GPU['repeats']}")
     ap.add_argument("--decode-path", default="auto", choices=["auto", "fast", "plain"],
                     help="DECODE_PATH of the engines (auto: what the demo runs)")
-    ap.add_argument("--prefill-graph-tokens", type=int, default=0,
-                    help="PREFILL_GRAPH_TOKENS of the engines (padded prefill from CUDA graphs; 0 = off, the default)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="PREFILL_GRAPH_TOKENS of the engines (padded prefill from CUDA graphs; 0 = off; default: "
+                         "the setting's default)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"start no new mode or repeat past this many seconds; default {GPU['budget_s']:.0f}")
     ap.add_argument("--no-expandable-segments", action="store_true",

@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--sleep-ms", type=float, default=60.0)
-    ap.add_argument("--prefill-graph-tokens", type=int, default=0, help="PREFILL_GRAPH_TOKENS (0 = compiled prefill)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=None,
+                    help="PREFILL_GRAPH_TOKENS (0 = compiled prefill; default: the setting's default)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tiny model, eager)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/bench"))
     ap.add_argument("--out", type=Path, required=True)

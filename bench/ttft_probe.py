@@ -123,7 +123,7 @@ def probe(decoder: FastDecoder, ids: torch.Tensor, lengths: list[int], repeats: 
 
 
 def load_engine(arch: str, quantization: str, positions: int, device: torch.device, work_dir: Path,
-                prefill_graph_tokens: int = 0) -> tuple[ChatEngine, Settings]:
+                prefill_graph_tokens: int | None = None) -> tuple[ChatEngine, Settings]:
     """The demo's engine on a random-weight checkpoint of `arch` (made once per work dir and context length)."""
     folder = work_dir / f"ckpt-{arch}-ctx{positions}"
     if not (folder / "config.json").is_file():
@@ -131,8 +131,9 @@ def load_engine(arch: str, quantization: str, positions: int, device: torch.devi
     environ = {"MODEL_ID": str(folder), "QUANTIZATION": quantization, "DEVICE": device.type,
                "CACHE_DIR": str(work_dir / "cache"), "MAX_BATCH_SIZE": "1",
                "DECODE_PATH": "auto" if device.type == "cuda" else "fast",
-               "MAX_NEW_TOKENS": "64", "DO_SAMPLE": "false", "REPETITION_PENALTY": "1.0", "HISTORY_TURNS": "0",
-               "PREFILL_GRAPH_TOKENS": str(prefill_graph_tokens)}
+               "MAX_NEW_TOKENS": "64", "DO_SAMPLE": "false", "REPETITION_PENALTY": "1.0", "HISTORY_TURNS": "0"}
+    if prefill_graph_tokens is not None:  # else the setting's default
+        environ["PREFILL_GRAPH_TOKENS"] = str(prefill_graph_tokens)
     settings = Settings.from_env(environ=environ, env_file=None)
     return ChatEngine.load(settings), settings
 

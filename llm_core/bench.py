@@ -54,9 +54,10 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
 }
 # Steps of the fast path measured on NF4 (each a FastDecodeOptions); the fastest becomes "ours".
 NF4_VARIANTS: dict[str, FastDecodeOptions] = {
-    "auto": FastDecodeOptions(),  # what the demo runs: kernel timed at start-up, fused, double quant kept
+    "auto": FastDecodeOptions(),  # what the demo runs: kernel timed at start-up, fused, double quant kept, prefill
+    # from CUDA graphs
     "auto-eagerprefill": FastDecodeOptions(compile_prefill=False),
-    "auto-prefillgraphs": FastDecodeOptions(prefill_graph_tokens=1024),  # padded prefill from CUDA graphs (TTFT)
+    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),  # prefill compiled, launched per reply
     "nf4-fused-dq": FastDecodeOptions(gemv="nf4", fuse=True, absmax="keep"),
     "nf4-fused-dqoff": FastDecodeOptions(gemv="nf4", fuse=True, absmax="fp32"),
     "bnb-unfused-dq": FastDecodeOptions(gemv="bnb", fuse=False, absmax="keep"),
@@ -71,7 +72,7 @@ DENSE_VARIANTS: dict[str, FastDecodeOptions] = {
     "auto": FastDecodeOptions(),  # what the demo runs: cuBLAS or llm_core.dense_gemv timed at start-up, fused
     "dense-fused-triton": FastDecodeOptions(fuse=True, dense_gemv="triton", gemv_prologues=True),  # norms, SiLU,
     "dense-fused-triton-noprologue": FastDecodeOptions(fuse=True, dense_gemv="triton"),  # residuals in the kernel
-    "auto-prefillgraphs": FastDecodeOptions(prefill_graph_tokens=1024),
+    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),
     "dense-fused-cublas": FastDecodeOptions(fuse=True, dense_gemv="cublas"),
     "dense-fused-cublas-torchattn": FastDecodeOptions(fuse=True, dense_gemv="cublas", attention="torch"),
     "dense-fused-reduce": FastDecodeOptions(fuse=True, dense_gemv="reduce"),

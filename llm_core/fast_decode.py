@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import GenerationSettings
+from .config import DEFAULT_PREFILL_GRAPH_TOKENS, GenerationSettings
 from .dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
 from .errors import GenerationError, OutOfMemoryError
 from .loading import LoadedModel
@@ -199,9 +199,10 @@ class FastDecodeOptions:
     # prefill is host-launch-bound (H200, Llama-2-7B, 512 tokens: 11.1 ms bf16 / 19.0 ms NF4 of kernels back to
     # back, 17-28 / 21-43 ms to launch them; bench/results/2026-11-30-h200-prefill-probe.json), so TTFT is the
     # host's launch time and inherits its jitter. Causal attention keeps the real tokens blind to the padding, whose
-    # K/V rows beyond the prompt are overwritten by the decode before any step reads them. Off by default until
-    # measured on a GPU (the graphs' memory pool holds the largest bucket's activations for good).
-    prefill_graph_tokens: int = 0
+    # K/V rows beyond the prompt are overwritten by the decode before any step reads them. Measured with graphs:
+    # 10.8 / 18.4 ms, no spread (2026-11-30-h200-prefill-probe.json, run 2). Cost: the graphs' memory pool holds the
+    # largest bucket's activations for good (FastDecoder.graph_pool_idle_bytes; counted by the memory guard).
+    prefill_graph_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS
     # Prompt attention (SDPA) backends on CUDA: "flash" = flash / memory-efficient / math, never cuDNN, whose
     # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, would build
     # one inside the reply) | "auto" = PyTorch's own choice. PyTorch 2.11 already picks flash attention here

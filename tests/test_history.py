@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 
 from llm_core.errors import ContextBudgetError, InputError
@@ -75,6 +77,13 @@ def test_malformed_history_raises_input_error(history: object) -> None:
 
 def test_clean_text_strips_control_characters_and_keeps_unicode() -> None:
     assert clean_text("  héllo 👋\x00\x07 wörld\n\tok ") == "héllo 👋 wörld\n\tok"
+
+
+def test_clean_text_removes_exactly_the_control_and_surrogate_categories() -> None:
+    """Every code point: removed iff its Unicode category is Cc or Cs, newline and tab excepted."""
+    every = "".join(chr(cp) for cp in range(0x110000))
+    kept = "".join(ch for ch in every if ch in "\n\t" or unicodedata.category(ch) not in ("Cc", "Cs"))
+    assert clean_text("x" + every + "x") == "x" + kept + "x"
 
 
 @pytest.mark.parametrize("bad", ["", "   \n\t ", "\x00\x01"])
