@@ -77,6 +77,10 @@ DENSE_VARIANTS: dict[str, FastDecodeOptions] = {
     "dense-fused-cublas-torchattn": FastDecodeOptions(fuse=True, dense_gemv="cublas", attention="torch"),
     "dense-fused-reduce": FastDecodeOptions(fuse=True, dense_gemv="reduce"),
 }
+INT8_VARIANTS: dict[str, FastDecodeOptions] = {  # int8 layers always take llm_core.dense_gemv with row scales
+    "auto": FastDecodeOptions(),
+    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),
+}
 # Logit agreement bound stated before measuring (bf16 compute, different kernels and fusion order).
 AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}
 # Calibrated bound, stated before its first GPU run (session 2): the same weights computing in fp32 are the
@@ -500,7 +504,8 @@ def run_case(plan: Plan, rec: Recorder, model_name: str, quant: str, best_nf4: l
             t0 = time.perf_counter()
             make_random_checkpoint(model_name, folder, device, max(plan.prompts) + plan.new_tokens + 64)
             rec.add("checkpoint", model=label, seconds=round(time.perf_counter() - t0, 1))
-    compute = "bfloat16" if device.type == "cuda" else ("float32" if quant == "none" else "bfloat16")
+    compute = "float16" if quant == "int8" else (  # LLM.int8 computes in float16
+        "bfloat16" if device.type == "cuda" else ("float32" if quant == "none" else "bfloat16"))
     t0 = time.perf_counter()
     loaded = load(str(folder) if made else model_name, quant, device.type, plan.work_dir / "cache", compute)
     rec.add("load", model=label, quantization=quant, seconds=round(time.perf_counter() - t0, 1),
@@ -608,11 +613,11 @@ def pick_best(tokens_per_s: dict[str, float], default: str = "auto", tie: float 
 
 
 def _variants(plan: Plan, quant: str, model_name: str, best_nf4: list[str]) -> dict[str, FastDecodeOptions]:
-    table = NF4_VARIANTS if quant == "nf4" else DENSE_VARIANTS
+    table = {"nf4": NF4_VARIANTS, "int8": INT8_VARIANTS}.get(quant, DENSE_VARIANTS)
     if plan.smoke:
-        return {"bnb-fused-dq-requant" if quant == "nf4" else "dense-fused-cublas":
-                FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant") if quant == "nf4"
-                else FastDecodeOptions()}
+        smoke = {"nf4": ("bnb-fused-dq-requant", FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant")),
+                 "int8": ("auto", FastDecodeOptions())}.get(quant, ("dense-fused-cublas", FastDecodeOptions()))
+        return dict([smoke])
     if quant == "nf4" and (plan.variants == "best" or model_name in plan.only_best_for) and best_nf4:
         return {best_nf4[0]: NF4_VARIANTS[best_nf4[0]]}
     if plan.variants in ("all", "best"):
@@ -681,7 +686,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--model", action="append", help="HF id or local folder (repeatable)")
     src.add_argument("--random", action="append", choices=sorted(RANDOM_ARCHS),
                      help="random-weight model of this architecture (repeatable)")
-    ap.add_argument("--quantization", nargs="+", default=["nf4"], choices=["nf4", "none"])
+    ap.add_argument("--quantization", nargs="+", default=["nf4"], choices=["nf4", "none", "int8"])
     ap.add_argument("--skip", nargs="*", default=[], help="model:quantization pairs to leave out")
     ap.add_argument("--prompts", nargs="+", type=int, default=[512, 4096, 16384])
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -702,8 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu_smoke else "cpu")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="llmc-bench-"))
     if args.cpu_smoke:
-        plan = Plan([("tiny", "none"), ("tiny", "nf4")], [32, 64], 8, 1, 1, "best", device, 600, args.out, False,
-                    work, smoke=True)
+        plan = Plan([("tiny", "none"), ("tiny", "nf4"), ("tiny", "int8")], [32, 64], 8, 1, 1, "best", device, 600,
+                    args.out, False, work, smoke=True)
     else:
         models = args.random or args.model or ["llama-2-7b"]
         cases = [(m, q) for m in models for q in args.quantization if f"{m}:{q}" not in args.skip]

@@ -1,7 +1,11 @@
-"""One-token matrix-vector product for unquantized (bf16/fp16) weights in Triton, with the decode step's
+"""One-token matrix-vector product for unquantized (bf16/fp16) or int8 weights in Triton, with the decode step's
 neighbours folded in.
 
-y (1, N) = epilogue(prologue(x) @ W.T + bias), W (N, K) row-major, in one kernel and without splitting K:
+y (1, N) = epilogue(prologue(x) @ W.T * row_scale + bias), W (N, K) row-major, in one kernel and without splitting K:
+
+- `row_scale` (fp32, one per row): int8 weights with per-row absmax scales (bitsandbytes' LLM.int8 layout: W =
+  CB * SCB / 127; pass SCB / 127). The int8 values are widened in registers and multiplied with the activations
+  as they are (weight-only int8: no activation quantization), so each weight byte is read once.
 
 - prologue `norm`: x is the residual stream h and the kernel applies the layer's RMSNorm on the fly,
   y = rstd(h) * sum_k W[n, k] * g[k] * h[k]: every program also sums h**2 over its pass over K (h is 8-16 KB and
@@ -39,7 +43,7 @@ AVAILABLE = triton is not None
 
 def dense_gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-                         eps: float = 1e-6, glu: bool = False) -> torch.Tensor:
+                         eps: float = 1e-6, glu: bool = False, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """What the kernel computes, in torch ops (fp32 accumulation): x (1, K) or (1, 2K) with glu -> (1, N)."""
     k = w.shape[1]
     xf = x.float().reshape(-1)
@@ -53,6 +57,8 @@ def dense_gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     y = w.float() @ xf
     if scale is not None:
         y = y * scale
+    if row_scale is not None:
+        y = y * row_scale.float()
     if bias is not None:
         y = y + bias.float()
     y = y.to(x.dtype)
@@ -64,9 +70,10 @@ def dense_gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
 if triton is not None:
 
     @triton.jit
-    def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, g_ptr, y_ptr, N, eps, K: tl.constexpr,
+    def _dense_gemv_kernel(x_ptr, w_ptr, bias_ptr, res_ptr, g_ptr, s_ptr, y_ptr, N, eps, K: tl.constexpr,
                            GLU: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr, RESID: tl.constexpr,
-                           EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           SCALED: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_K columns per step."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
@@ -103,6 +110,8 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if NORM:
             y = y * tl.rsqrt(tl.sum(ss, axis=0) / K + eps)
+        if SCALED:
+            y = y * tl.load(s_ptr + rows, mask=rmask, other=0.0)
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         y = y.to(y_ptr.dtype.element_ty)
@@ -118,15 +127,16 @@ if triton is not None:
         _dense_gemv_kernel)
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in CONFIGS],
-        key=["N", "K", "GLU", "NORM", "RESID"])(_tuned)
+        key=["N", "K", "GLU", "NORM", "RESID", "SCALED"])(_tuned)  # Triton adds the arguments' dtypes to the key
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-               glu: bool = False, *, config: tuple[int, int, int] | None = None,
+               glu: bool = False, row_scale: torch.Tensor | None = None, *, config: tuple[int, int, int] | None = None,
                compiled: list[Any] | None = None) -> torch.Tensor:
-    """x (1, K) (glu: (1, 2K)) -> (1, N) in x's dtype, on the GPU with Triton. `config` = (BLOCK_N, BLOCK_K,
-    num_warps) skips autotuning; `compiled` (diagnostics) receives the compiled kernel."""
+    """x (1, K) (glu: (1, 2K)) -> (1, N) in x's dtype, on the GPU with Triton. w: x's dtype, or int8 with
+    `row_scale` (N,) fp32. `config` = (BLOCK_N, BLOCK_K, num_warps) skips autotuning; `compiled` (diagnostics)
+    receives the compiled kernel."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, k = w.shape
@@ -134,11 +144,14 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
         raise ValueError(f"x has {x.numel()} elements; the weight takes {k}{' (x2 with glu)' if glu else ''}")
     if w.stride(1) != 1 or w.stride(0) != k:
         raise ValueError("the weight must be contiguous (N, K)")
+    if (w.dtype == torch.int8) != (row_scale is not None):
+        raise ValueError("int8 weights take a row_scale, and only they do")
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     args = (x.contiguous(), w, bias if bias is not None else y, residual.contiguous() if residual is not None else y,
-            norm_weight if norm_weight is not None else y, y, n, float(eps))
+            norm_weight if norm_weight is not None else y,
+            row_scale.float().contiguous() if row_scale is not None else y, y, n, float(eps))
     flags = {"K": k, "GLU": bool(glu), "NORM": norm_weight is not None, "HAS_BIAS": bias is not None,
-             "RESID": residual is not None}
+             "RESID": residual is not None, "SCALED": row_scale is not None}
     if config is not None:
         bn, bk, warps = config
         kernel = _dense_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, EVEN_K=k % bk == 0, BLOCK_N=bn,
@@ -162,13 +175,15 @@ def best_config(n: int, k: int) -> dict[str, Any] | None:
 
 @torch.library.custom_op(
     "llm_core::dense_gemv", mutates_args=(),
-    schema="(Tensor x, Tensor w, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, bool glu) -> Tensor")
+    schema="(Tensor x, Tensor w, Tensor? bias, Tensor? residual, Tensor? norm_weight, float eps, bool glu, "
+           "Tensor? row_scale=None) -> Tensor")
 def _dense_gemv_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
-                   norm_weight: torch.Tensor | None, eps: float, glu: bool) -> torch.Tensor:
+                   norm_weight: torch.Tensor | None, eps: float, glu: bool,
+                   row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One opaque op for torch.compile and CUDA graphs: the Triton kernel on CUDA, the torch reference elsewhere."""
     if triton is not None and x.device.type == "cuda":
-        return dense_gemv(x, w, bias, residual, norm_weight, eps, glu)
-    return dense_gemv_reference(x, w, bias, residual, norm_weight, eps, glu)
+        return dense_gemv(x, w, bias, residual, norm_weight, eps, glu, row_scale)
+    return dense_gemv_reference(x, w, bias, residual, norm_weight, eps, glu, row_scale)
 
 
 @_dense_gemv_op.register_fake

@@ -69,8 +69,8 @@ def fast_path_support(loaded: LoadedModel, *, allow_cpu: bool = False) -> tuple[
     if loaded.report.offloaded:
         return False, "layers are offloaded to CPU (MAX_MEMORY); the fast path needs every weight on the GPU"
     quant = loaded.settings.quantization
-    if quant not in ("nf4", "none"):
-        return False, f"QUANTIZATION={quant} is not supported by the fast path (nf4 or none)"
+    if quant not in ("nf4", "int8", "none"):
+        return False, f"QUANTIZATION={quant} is not supported by the fast path (nf4, int8 or none)"
     try:
         _Arch.from_model(loaded.model)
     except _Unsupported as exc:
@@ -82,7 +82,7 @@ def fast_path_support(loaded: LoadedModel, *, allow_cpu: bool = False) -> tuple[
             return False, "this PyTorch cannot report Triton support; torch.compile is unavailable"
         if not has_triton():
             return False, "Triton is not installed, so torch.compile cannot build the decode step"
-    kind = "NF4" if quant == "nf4" else str(loaded.compute_dtype).removeprefix("torch.")
+    kind = {"nf4": "NF4", "int8": "int8 (weight-only)"}.get(quant, str(loaded.compute_dtype).removeprefix("torch."))
     return True, f"static KV cache + compiled {kind} decode step replayed as CUDA graphs"
 
 
@@ -155,6 +155,21 @@ def _is_bnb4(module: Any) -> bool:
     return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module.weight, "quant_state")
 
 
+def _is_bnb8(module: Any) -> bool:
+    """bitsandbytes' LLM.int8 layer holding int8 weights (CB) and per-row scales (SCB)."""
+    return type(module).__name__ == "Linear8bitLt" and module.weight.dtype == torch.int8
+
+
+def _is_dense(module: Any) -> bool:
+    return not (_is_bnb4(module) or _is_bnb8(module))
+
+
+def _int8_scb(module: Any) -> torch.Tensor | None:
+    """The per-row absmax of an int8 layer: on the weight until its first forward, then on its matmul state."""
+    scb = getattr(module.weight, "SCB", None)
+    return scb if scb is not None else getattr(module.state, "SCB", None)
+
+
 def _check_linear(module: Any) -> None:
     if _is_bnb4(module):
         qs = module.weight.quant_state
@@ -162,6 +177,10 @@ def _check_linear(module: Any) -> None:
             raise _Unsupported("only NF4 4-bit weights are implemented by the fast path")
         if module.in_features % qs.blocksize or qs.blocksize % 2:
             raise _Unsupported(f"4-bit block size {qs.blocksize} does not divide the input size {module.in_features}")
+        return
+    if _is_bnb8(module):
+        if module.state.has_fp16_weights or _int8_scb(module) is None or module.weight.dim() != 2:
+            raise _Unsupported("int8 layers must hold quantized weights and row scales (inference mode)")
         return
     if not isinstance(module, torch.nn.Linear):
         raise _Unsupported(f"{type(module).__name__} layers are not implemented by the fast path")
@@ -184,7 +203,8 @@ class FastDecodeOptions:
     attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
     # Unquantized weights at one token: auto (time cublas and triton on the first layer at start-up inside a CUDA
     # graph, keep the faster) | cublas (F.linear) | triton (llm_core.dense_gemv: no split-K; CPU runs its torch
-    # reference) | reduce (an inductor-generated reduction; slower, kept for the record)
+    # reference) | reduce (an inductor-generated reduction; slower, kept for the record). int8 weights always take
+    # llm_core.dense_gemv (with row scales): cuBLAS has no int8-weight x half-activation product
     dense_gemv: str = "auto"
     # With triton dense weights and fused projections: each layer's two RMSNorms, the SiLU-and-multiply and both
     # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels.
@@ -250,14 +270,14 @@ class _LinSpec:
     dense: (w,) | nf4 absmax=fp32: (packed, absmax) | nf4 absmax=nested: (packed, q8, absmax2, offsets, code2,
     offset_scalar); then code (nf4), then bias if any."""
 
-    fmt: str  # dense | nf4
+    fmt: str  # dense | nf4 | int8 (tensors: (w int8, row scale fp32 = SCB / 127))
     absmax: str  # none | fp32 | nested
     n: int
     k: int
     blocksize: int
     splits: tuple[int, ...]
     bias: bool
-    gemv: str  # dense | dense-reduce | dense-triton | bnb | nf4 | torch
+    gemv: str  # dense | dense-reduce | dense-triton | int8 | bnb | nf4 | torch
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
     levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
 
@@ -325,24 +345,29 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
     the 4-bit kernel; unquantized weights use opts.dense_gemv."""
     splits = tuple(int(m.out_features) for m in modules)
-    if all(not _is_bnb4(m) for m in modules):
-        weights = [m.weight for m in modules]
-        bias = [m.bias for m in modules]
+    dense, int8 = all(_is_dense(m) for m in modules), all(_is_bnb8(m) for m in modules)
+    if dense or int8:
+        weights = [m.weight.data for m in modules]
         if len(modules) == 1:
             w = weights[0].detach()
         else:
             w = torch.cat([t.detach() for t in weights], 0)
             _rebind_dense(modules, w)
         tensors = [w]
-        has_bias = any(b is not None for b in bias)
+        if int8:  # bitsandbytes dequantizes as CB * SCB / 127 (int8_vectorwise_dequant)
+            tensors.append(torch.cat([_int8_scb(m).float() for m in modules]) / 127.0)  # type: ignore[union-attr]
+        has_bias = any(m.bias is not None for m in modules)
         if has_bias:
-            tensors.append(torch.cat([b.detach() if b is not None else torch.zeros(s, dtype=w.dtype, device=w.device)
-                                      for b, s in zip(bias, splits, strict=True)]))
-        kernel = {"reduce": "dense-reduce", "triton": "dense-triton"}.get(opts.dense_gemv, "dense")
-        spec = _LinSpec("dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias, kernel, False)
+            dtype = next(m.bias.dtype for m in modules if m.bias is not None)
+            tensors.append(torch.cat([m.bias.detach() if m.bias is not None else
+                                      torch.zeros(s, dtype=dtype, device=w.device)
+                                      for m, s in zip(modules, splits, strict=True)]))
+        kernel = "int8" if int8 else {"reduce": "dense-reduce", "triton": "dense-triton"}.get(opts.dense_gemv, "dense")
+        spec = _LinSpec("int8" if int8 else "dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias,
+                        kernel, False)
         return _Packed(spec, tensors)
     if not all(_is_bnb4(m) for m in modules):
-        raise _Unsupported("a fused projection mixes 4-bit and plain weights")
+        raise _Unsupported("a fused projection mixes quantized and plain weights")
     parts = [_nf4_parts(m) for m in modules]
     k, bs = parts[0]["k"], parts[0]["blocksize"]
     if any(p["k"] != k or p["blocksize"] != bs for p in parts):
@@ -396,11 +421,18 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
 
 
 def _rebind_dense(modules: Sequence[Any], fused: torch.Tensor) -> None:
-    """Point each module's weight at its rows of the fused tensor, so the plain path shares the bytes."""
+    """Point each module's weight at its rows of the fused tensor, so the plain path shares the bytes (int8 layers:
+    also the copies bitsandbytes' matmul reads, weight.CB before the first forward and state.CB after it)."""
     start = 0
     for m in modules:
         rows = m.weight.shape[0]
-        m.weight.data = fused[start:start + rows]
+        part = fused[start:start + rows]
+        m.weight.data = part
+        if _is_bnb8(m):
+            if getattr(m.weight, "CB", None) is not None:
+                m.weight.CB = part
+            if getattr(m.state, "CB", None) is not None:
+                m.state.CB = part
         start += rows
 
 
@@ -578,6 +610,8 @@ def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple
 
 def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """x (1, K) -> (1, N) in the decode step."""
+    if spec.fmt == "int8":  # llm_core.dense_gemv widens the int8 rows in registers and applies the row scales
+        return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), None, None, 0.0, False, ts[1])
     if spec.fmt == "dense":
         if spec.gemv == "dense-reduce":  # one fused reduction kernel per linear (fp32 accumulate), not cuBLAS
             bias = _bias(spec, ts)
@@ -609,6 +643,8 @@ def _linear_prefill(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor])
     """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does too)."""
     if spec.fmt == "dense":
         return F.linear(x, ts[0], _bias(spec, ts))
+    if spec.fmt == "int8":  # compiled: one kernel writes the scaled half-precision copy
+        return F.linear(x, (ts[0].float() * ts[1][:, None]).to(x.dtype), _bias(spec, ts))
     absmax = _absmax_2d(spec, ts).reshape(-1)
     w = torch.ops.bitsandbytes.dequantize_4bit(ts[0].view(-1, 1), absmax, spec.blocksize, "nf4",
                                                [spec.n, spec.k], x.dtype)
@@ -666,7 +702,7 @@ def _split_linears(spec: _LayerSpec, w: Sequence[torch.Tensor]) -> list[list[tor
 
 
 def _tensor_count(lin: _LinSpec) -> int:
-    base = 1 if lin.fmt == "dense" else (3 if lin.absmax == "fp32" else 7)
+    base = {"dense": 1, "int8": 2}.get(lin.fmt) or (3 if lin.absmax == "fp32" else 7)
     return base + int(lin.bias)
 
 
@@ -898,7 +934,8 @@ class FastDecoder:
             raise GenerationError(f"The fast decode path cannot run for this model: {reason}.")
         self.loaded = loaded
         self.device = loaded.device
-        self.dtype = loaded.compute_dtype if loaded.settings.quantization == "nf4" else _weights_dtype(loaded.model)
+        quantized = loaded.settings.quantization in ("nf4", "int8")
+        self.dtype = loaded.compute_dtype if quantized else _weights_dtype(loaded.model)
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.use_graphs = self.compile and self.device.type == "cuda"
         self._arch = _Arch.from_model(loaded.model)
@@ -973,9 +1010,9 @@ class FastDecoder:
 
     def _pick_dense_gemv(self) -> str:
         """cuBLAS or llm_core.dense_gemv for unquantized weights, timed on the first layer's dense (fused) linears,
-        or on the lm_head where the layers are 4-bit; the faster is kept (cuBLAS if the Triton kernel fails). Only
+        or on the lm_head where the layers are quantized; the faster is kept (cuBLAS if the Triton kernel fails). Only
         reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
-        groups = [g for g in self._layer_groups(self._arch.layers[0]) if not any(_is_bnb4(m) for m in g)]
+        groups = [g for g in self._layer_groups(self._arch.layers[0]) if all(_is_dense(m) for m in g)]
         groups = groups or [[self._arch.lm_head]]
         self.dense_gemv_timings_us = self._time_linears(
             groups, {cand: (replace(self.options, dense_gemv=cand), self.options.gemv)
@@ -1011,7 +1048,7 @@ class FastDecoder:
         self._layer_specs: list[_LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
         notes: set[str] = set()
-        dense = all(not _is_bnb4(m) for layer in a.layers for g in self._layer_groups(layer) for m in g)
+        dense = all(_is_dense(m) for layer in a.layers for g in self._layer_groups(layer) for m in g)
         norm_in = opts.gemv_prologues and opts.fuse and dense and opts.dense_gemv == "triton"
         for i, layer in enumerate(a.layers):
             attn = layer.self_attn

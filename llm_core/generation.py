@@ -236,6 +236,9 @@ class ChatEngine:
                        f"; matrix-vector kernel: {decoder.options.dense_gemv}") + (
                 f" (per layer: {timed})" if timed else "") + (
                 "; norms, SiLU and residual adds fused into it" if decoder.norm_in_gemv else "")
+        elif quantization == "int8":
+            reason += ("; int8 weights read by a Triton matrix-vector kernel with their row scales, activations "
+                       "kept in float16 (weight-only: no LLM.int8 activation quantization or outlier split)")
 
         def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
                      stop_event: threading.Event, cache: Any) -> None:
@@ -244,8 +247,10 @@ class ChatEngine:
 
         self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None))
         self._fast_decoder = decoder
-        # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one.
-        self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len))
+        # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
+        # the prefill dequantizes fused gate/up weights.
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
+                                    fused_dequant=decoder.options.fuse)
 
     def _fast_cache_tokens(self) -> int:
         """The fast path's static KV cache is allocated once at warm-up: size it to what the memory budget allows

@@ -129,6 +129,9 @@ class ModelMemoryFacts:
     # Measured after the decode path's warm-up: device memory it holds beyond the weights and that KV block (the
     # fast path's buffers and its CUDA graphs' memory pool). Held through every reply, so part of every peak.
     resident_extra_bytes: int = 0
+    # The fast path's prefill dequantizes the fused gate/up weight (2 x h x I) of an nf4/fp4/int8 model at once,
+    # where bitsandbytes' own matmuls dequantize one h x I weight (4-bit) or none (int8 multiplies in int8).
+    fused_dequant: bool = False
 
     # -- construction --
     @classmethod
@@ -205,10 +208,13 @@ class ModelMemoryFacts:
 
     @property
     def dequant_weight_bytes(self) -> int:
-        """The bf16 copy bitsandbytes makes of the largest 4-bit weight (h x I) for a multi-token matmul."""
+        """The half-precision copy of the largest quantized weight a multi-token matmul makes: bitsandbytes' of a
+        4-bit h x I weight, or the fast path's of the fused gate/up weight (2 x h x I, 4-bit or int8)."""
+        n = self.hidden_size * self.intermediate_size * (2 if self.fused_dequant else 1)
+        if self.weight_quantization == "int8":
+            return n * self.compute_bytes if self.fused_dequant else 0
         if self.weight_quantization not in ("nf4", "fp4"):
             return 0
-        n = self.hidden_size * self.intermediate_size
         return n * self.compute_bytes + (n // BNB_4BIT_BLOCK) * 4  # + the absmax dequantized to fp32 (double quant)
 
 

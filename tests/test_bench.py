@@ -23,7 +23,7 @@ def test_cpu_smoke_writes_seed_and_ours_records_with_the_required_fields(tmp_pat
     doc = json.loads(out.read_text())
     runs = [r for r in doc["records"] if r["kind"] == "run"]
     cases = {(r["recipe"], r["quantization"], r["prompt_tokens"]) for r in runs}
-    for quant in ("nf4", "none"):  # both recipes at both prompt lengths, in one process and one run
+    for quant in ("nf4", "none", "int8"):  # both recipes at both prompt lengths, in one process and one run
         assert {(recipe, quant, p) for recipe in ("seed", "ours") for p in (32, 64)} <= cases
     for r in runs:
         missing = [k for k in REQUIRED if k not in r]

@@ -1,5 +1,5 @@
-"""llm_core.dense_gemv: the one-token matrix-vector op for unquantized weights, with its prologues (RMSNorm,
-SiLU-and-multiply) and residual epilogue.
+"""llm_core.dense_gemv: the one-token matrix-vector op for unquantized or int8 (row-scaled) weights, with its
+prologues (RMSNorm, SiLU-and-multiply) and residual epilogue.
 
 On CPU the op is its torch reference; these tests pin that reference to the eager ops the decode layer would run
 instead (the fused layer's token equality with generate is in test_fast_decode). The Triton kernel runs in the
@@ -65,6 +65,28 @@ def test_reference_bias_and_residual_epilogue() -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def _int8_case(n: int, k: int, dtype: torch.dtype, device: str = "cpu", seed: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, int8 weights, row scales SCB / 127, the same weights dequantized in fp32) as bitsandbytes stores them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    scb = w.abs().amax(1)
+    q = torch.round(w * 127 / scb[:, None]).to(torch.int8)
+    scale = scb / 127
+    x = torch.randn(1, k, generator=g).to(dtype)
+    return x.to(device), q.to(device), scale.to(device), (q.float() * scale[:, None]).to(device)
+
+
+def test_reference_row_scale_is_int8_dequantization_then_linear() -> None:
+    x, q, scale, deq = _int8_case(24, 40, torch.float32)
+    bias = torch.randn(24)
+    got = dg.dense_gemv_reference(x, q, bias, row_scale=scale)
+    torch.testing.assert_close(got, F.linear(x, deq, bias), rtol=1e-5, atol=1e-5)
+    op = torch.ops.llm_core.dense_gemv(x.half(), q, None, None, None, 0.0, False, scale)
+    assert op.dtype == torch.float16
+    torch.testing.assert_close(op.float(), F.linear(x.half().float(), deq), rtol=2e-3, atol=2e-3)
+
+
 def test_the_custom_op_runs_the_reference_on_cpu_and_traces() -> None:
     c = _case(8, 16, torch.float32)
     want = dg.dense_gemv_reference(c["x"], c["w"], c["bias"], c["res"], c["g"], 1e-6, False)
@@ -85,6 +107,8 @@ def test_the_kernel_checks_its_input_sizes() -> None:
         return
     with pytest.raises(ValueError, match="elements"):
         dg.dense_gemv(torch.zeros(1, 4), torch.zeros(2, 4), glu=True)
+    with pytest.raises(ValueError, match="row_scale"):
+        dg.dense_gemv(torch.zeros(1, 4), torch.zeros(2, 4, dtype=torch.int8))
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
@@ -124,3 +148,15 @@ def test_kernel_in_fp16_and_fp32_on_gpu() -> None:
         want = dg.dense_gemv_reference(c["gate_up"], c["w"], glu=True, residual=c["res"])
         got = dg.dense_gemv(c["gate_up"], c["w"], glu=True, residual=c["res"])
         assert got.dtype == dtype and _rel(got, want) <= (5e-3 if dtype == torch.float16 else 1e-5)
+
+
+@pytest.mark.gpu
+@needs_triton_gpu
+@pytest.mark.parametrize(("n", "k", "config"), [(12288, 4096, None), (4096, 11008, None), (1000, 1000, (4, 512, 4))])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_int8_kernel_matches_the_dequantized_weights_on_gpu(n: int, k: int, config: Any, dtype: torch.dtype) -> None:
+    x, q, scale, deq = _int8_case(n, k, dtype, "cuda", seed=n)
+    bias = torch.randn(n, device="cuda").to(dtype)
+    want = F.linear(x.float(), deq, bias.float())
+    got = dg.dense_gemv(x, q, bias, row_scale=scale, config=config)
+    assert got.dtype == dtype and _rel(got, want) <= 5e-3

@@ -326,6 +326,73 @@ def test_fused_nf4_linear_equals_its_parts(shapes: list[tuple[int, int]], absmax
                for m in parts)
 
 
+# --- int8 (bitsandbytes LLM.int8 weights, weight-only in the fast path) ---------------------------------------
+
+
+def int8_linear(n: int, k: int, seed: int, bias: bool = False) -> Any:
+    bnb = pytest.importorskip("bitsandbytes")
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(n, k, generator=g) * (0.02 + 0.01 * seed))
+    m = bnb.nn.Linear8bitLt(k, n, bias=bias, has_fp16_weights=False, threshold=6.0)
+    m.load_state_dict(ref.state_dict())
+    return m.to("cpu")  # quantizes: weight int8 (CB), weight.SCB the row absmax
+
+
+@pytest.mark.parametrize("forward_first", [False, True])  # bitsandbytes moves CB/SCB to its state on a forward
+def test_fused_int8_linear_equals_its_parts(forward_first: bool) -> None:
+    """Fused int8 projection vs x @ (CB * SCB / 127).T + bias of each part (bitsandbytes' dequantization), in
+    the decode (llm_core.dense_gemv with row scales; its torch reference on CPU) and the prefill form. Bound: fp32
+    sums of the same products, <= 1e-5 absolute. The plain path then reads the fused storage, unchanged."""
+    parts = [int8_linear(n, 96, seed=i, bias=(i == 1)) for i, n in enumerate((64, 32, 32))]
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(9))
+    before = [m(x) for m in parts] if forward_first else None
+    assert all(fd._is_bnb8(m) and fd._int8_scb(m) is not None for m in parts)
+    expected = torch.cat([x @ (m.weight.data.float() * fd._int8_scb(m)[:, None] / 127).t()
+                          + (m.bias if m.bias is not None else 0) for m in parts], -1)
+    packed = fd._pack_linears(parts, FastDecodeOptions(), "bnb")
+    assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and fd._tensor_count(packed.spec) == 3
+    got_decode = fd._linear_decode(packed.spec, x, packed.tensors)
+    got_prefill = fd._linear_prefill(packed.spec, x[None].expand(1, 3, -1), packed.tensors)[0]
+    assert (got_decode - expected).abs().max().item() <= 1e-5
+    assert (got_prefill - expected).abs().max().item() <= 1e-5
+    after = [m(x) for m in parts]
+    if before is not None:
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    fused = packed.tensors[0].untyped_storage().data_ptr()
+    assert all(m.weight.data.untyped_storage().data_ptr() == fused for m in parts)
+    assert all(m.state.CB.untyped_storage().data_ptr() == fused for m in parts)  # what bnb.matmul reads
+
+
+def test_int8_fast_path_computes_with_the_dequantized_weights() -> None:
+    """The embedded model loaded with QUANTIZATION=int8: the fast path's teacher-forced scores against the fp32
+    model whose linears hold bitsandbytes' dequantized int8 weights (CB * SCB / 127). Weight-only int8, fp16
+    activations: relative L2 <= 2e-2 per position (measured 0.005; bitsandbytes' own LLM.int8 matmul, which also
+    quantizes the activations, is 0.42 from the same reference on CPU, so the bound tells the two apart)."""
+    q = load_model(make_settings(QUANTIZATION="int8").model)
+    reference = load_model(make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32").model).model
+    modules = dict(q.model.named_modules())
+    replaced = 0
+    for name, m in reference.named_modules():
+        src = modules.get(name)
+        if src is not None and fd._is_bnb8(src):
+            m.weight.data = src.weight.data.float() * fd._int8_scb(src).float()[:, None] / 127
+            replaced += 1
+    assert replaced == 7 * q.model.config.num_hidden_layers  # every projection; lm_head stays unquantized
+    dec = FastDecoder(q, compile=False, max_cache_len=256)
+    dec.warmup()
+    assert {f.split("/")[0] for f in dec.describe()["linear_formats"]} == {"int8"} and dec.dtype == torch.float16
+    ids = q.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    forced = q.tokenizer(" Paris, and the capital of Germany is Berlin.", return_tensors="pt").input_ids[0].tolist()
+    got = dec.forced_scores(ids, forced)
+    with torch.no_grad():
+        want = reference(torch.cat([ids, torch.tensor([forced])], 1)).logits[0, ids.shape[1] - 1:].float()
+    rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+    assert rel <= 2e-2, rel
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 def test_bnb_kernel_reads_the_fused_linear_too() -> None:
     parts = [nf4_linear(256, 256, seed=i) for i in range(3)]
     x = torch.randn(1, 256)
@@ -353,18 +420,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("quantization", ["none", "nf4", "none-triton", "bf16-triton"])
+@pytest.mark.parametrize("quantization", ["none", "nf4", "none-triton", "bf16-triton", "int8"])
 def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str) -> None:
     """Compiled step in CUDA graphs vs the same step eager, teacher-forced on the same tokens (a random tiny llama,
-    so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16 and in
-    bf16 (the *-triton cases force llm_core.dense_gemv with its prologues in the graphs; eager runs cuBLAS)."""
+    so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16, in
+    bf16 (the *-triton cases force llm_core.dense_gemv with its prologues in the graphs; eager runs cuBLAS) and in
+    int8 + fp16 (llm_core.dense_gemv with row scales in both)."""
     from llm_core.bench import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     forced_opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=True) if quantization.endswith(
         "triton") else None
-    dtype = "float32" if quantization in ("none", "none-triton") else "bfloat16"
-    quantization = "nf4" if quantization == "nf4" else "none"
+    dtype = {"none": "float32", "none-triton": "float32", "int8": "float16"}.get(quantization, "bfloat16")
+    quantization = quantization if quantization in ("nf4", "int8") else "none"
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", dtype)
     ids = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(0)).cuda()
     forced = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -570,3 +570,21 @@ def test_what_the_fast_path_holds_beyond_weights_and_cache_is_measured_once_and_
     before, after = predict_peak_bytes(facts, 512, 128), predict_peak_bytes(with_extra, 512, 128)
     assert after.total_bytes - before.total_bytes == extra and after.resident_extra_bytes == extra
     assert after.peak_allocated_bytes - before.peak_allocated_bytes == extra
+
+
+def test_the_fast_paths_fused_dequantized_weight_is_in_the_prefill_peak() -> None:
+    """The fast path's prefill dequantizes the fused gate/up weight (2 x h x I) where bitsandbytes dequantizes one
+    h x I weight (4-bit) or none (LLM.int8 multiplies in int8): the activation peak of a 512-token prefill grows
+    by exactly that half-precision copy."""
+    config = LlamaConfig(**LLAMA2_7B)
+    h_i = 4096 * 11008
+    cases = (("int8", 0, 2 * h_i * 2), ("nf4", h_i * 2 + h_i // 64 * 4, 2 * h_i * 2 + 2 * h_i // 64 * 4))
+    for quant, plain, fused in cases:
+        facts = ModelMemoryFacts.from_config(config, 4 * GiB, torch.float16 if quant == "int8" else torch.bfloat16,
+                                             weight_quantization=quant)
+        assert facts.dequant_weight_bytes == plain
+        fast = replace(facts, fused_dequant=True)
+        assert fast.dequant_weight_bytes == fused
+        before, after = predict_peak_bytes(facts, 512, 128), predict_peak_bytes(fast, 512, 128)
+        assert after.activation_bytes >= fused > before.activation_bytes - plain  # the copy now sets the peak
+        assert after.total_bytes > before.total_bytes
