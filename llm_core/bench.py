@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .config import GenerationSettings, Settings
-from .fast_decode import FastDecodeOptions, FastDecoder, kv_cache_exact_bytes
+from .fast_decode import FastDecodeOptions, FastDecoder, int8_weight_fp32, kv_cache_exact_bytes
 from .loading import LoadedModel, library_versions, load_model
 from .memory import device_allocated_bytes
 
@@ -336,23 +336,36 @@ def random_prompt(vocab: int, length: int, device: torch.device) -> torch.Tensor
 
 @contextlib.contextmanager
 def fp32_compute(model: Any) -> Any:
-    """The same weights computing in fp32: bitsandbytes 4-bit layers get an fp32 compute dtype, every bf16/fp16
-    parameter and buffer an fp32 copy. On exit the original tensors are put back (not cast back), so storage the
-    fast path shares with the model stays shared."""
+    """The same weights computing in fp32: bitsandbytes 4-bit layers get an fp32 compute dtype, LLM.int8 layers an
+    fp32 product with their dequantized weights (CB * SCB / 127, no activation quantization), every bf16/fp16
+    parameter and buffer an fp32 copy. On exit the original tensors and forwards are put back (not cast back), so
+    storage the fast path shares with the model stays shared."""
     half = (torch.bfloat16, torch.float16)
     layers = [(m, m.compute_dtype) for m in model.modules() if hasattr(m, "compute_dtype") and hasattr(m, "weight")
               and getattr(m.weight, "quant_state", None) is not None]
+    int8 = [m for m in model.modules() if type(m).__name__ == "Linear8bitLt" and m.weight.dtype == torch.int8]
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.dtype in half]
     saved = [(t, t.data) for t in tensors]
+
+    def dequantized_forward(m: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        def forward(x: torch.Tensor) -> torch.Tensor:  # one layer's fp32 weight at a time
+            bias = None if m.bias is None else m.bias.float()
+            return torch.nn.functional.linear(x.float(), int8_weight_fp32(m), bias)
+        return forward
+
     try:
         for m, _ in layers:
             m.compute_dtype = torch.float32
+        for m in int8:
+            m.forward = dequantized_forward(m)  # the instance attribute shadows Linear8bitLt.forward
         for t in tensors:
             t.data = t.data.float()
         yield model
     finally:
         for m, dtype in layers:
             m.compute_dtype = dtype
+        for m in int8:
+            del m.forward
         for t, data in saved:
             t.data = data
 

@@ -170,6 +170,15 @@ def _int8_scb(module: Any) -> torch.Tensor | None:
     return scb if scb is not None else getattr(module.state, "SCB", None)
 
 
+def int8_weight_fp32(module: Any) -> torch.Tensor:
+    """An LLM.int8 layer's weights as bitsandbytes dequantizes them (CB * SCB / 127), in fp32: what the fast path's
+    int8 products compute with (the reference of its accuracy checks)."""
+    scb = _int8_scb(module)
+    if scb is None:
+        raise ValueError("the int8 layer has no row scales")
+    return module.weight.data.float() * scb.float()[:, None] / 127
+
+
 def _check_linear(module: Any) -> None:
     if _is_bnb4(module):
         qs = module.weight.quant_state

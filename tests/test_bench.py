@@ -31,6 +31,11 @@ def test_cpu_smoke_writes_seed_and_ours_records_with_the_required_fields(tmp_pat
         assert r["new_tokens"] == 8 and r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
         assert r["versions"]["torch"] and "--cpu-smoke" in r["command"] and r["device"] == "cpu"
     assert doc["records"][-1]["kind"] == "done"
+    # int8: the fp32 reference multiplies by the dequantized int8 weights, which the fast path computes with (weight
+    # only) and LLM.int8 approximates (it also quantizes the activations): ours is the closer of the two
+    int8 = next(r for r in doc["records"] if r["kind"] == "variant" and r["quantization"] == "int8")["agreement"]
+    assert int8["within_calibrated_bound"] is True
+    assert int8["ours_vs_fp32_max_rel_l2"] < int8["seed_vs_fp32_max_rel_l2"]
 
 
 def test_pick_best_keeps_the_default_unless_another_variant_is_clearly_faster() -> None:

@@ -349,8 +349,7 @@ def test_fused_int8_linear_equals_its_parts(forward_first: bool) -> None:
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(9))
     before = [m(x) for m in parts] if forward_first else None
     assert all(fd._is_bnb8(m) and fd._int8_scb(m) is not None for m in parts)
-    expected = torch.cat([x @ (m.weight.data.float() * fd._int8_scb(m)[:, None] / 127).t()
-                          + (m.bias if m.bias is not None else 0) for m in parts], -1)
+    expected = torch.cat([x @ fd.int8_weight_fp32(m).t() + (m.bias if m.bias is not None else 0) for m in parts], -1)
     packed = fd._pack_linears(parts, FastDecodeOptions(), "bnb")
     assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and fd._tensor_count(packed.spec) == 3
     got_decode = fd._linear_decode(packed.spec, x, packed.tensors)
@@ -377,7 +376,7 @@ def test_int8_fast_path_computes_with_the_dequantized_weights() -> None:
     for name, m in reference.named_modules():
         src = modules.get(name)
         if src is not None and fd._is_bnb8(src):
-            m.weight.data = src.weight.data.float() * fd._int8_scb(src).float()[:, None] / 127
+            m.weight.data = fd.int8_weight_fp32(src)
             replaced += 1
     assert replaced == 7 * q.model.config.num_hidden_layers  # every projection; lm_head stays unquantized
     dec = FastDecoder(q, compile=False, max_cache_len=256)
