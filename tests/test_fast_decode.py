@@ -203,8 +203,9 @@ def test_padded_prefill_keeps_the_scores_and_the_tokens(fp32: LoadedModel) -> No
     on CPU the same padded form eagerly). The real rows see no padding (causal), so the scores after the prompt and
     after each teacher-forced token equal the unpadded prefill's, for lengths below, at and past a bucket edge;
     the padding's K/V rows are written (the padded form ran) and later overwritten by the decode."""
-    plain = FastDecoder(fp32, compile=False, max_cache_len=512)
+    plain = FastDecoder(fp32, compile=False, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=0))
     plain.warmup()
+    assert plain._pf_ids is None  # the unpadded prefill: the reference
     padded = FastDecoder(fp32, compile=False, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=128))
     padded.warmup()
     forced = [42, 7, 1000, 3]
@@ -460,8 +461,9 @@ def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", "bfloat16")
     forced = torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(1)).tolist()
-    plain = FastDecoder(loaded, max_cache_len=512)
+    plain = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=0))
     plain.warmup()
+    assert plain.describe()["prefill_graphs"] == []  # the compiled prefill: the reference
     graphs = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(prefill_graph_tokens=256))
     graphs.warmup()
     assert graphs.describe()["prefill_graphs"] == [64, 128, 192, 256]
