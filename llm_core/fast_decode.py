@@ -170,13 +170,18 @@ def _int8_scb(module: Any) -> torch.Tensor | None:
     return scb if scb is not None else getattr(module.state, "SCB", None)
 
 
+def _int8_row_scale(module: Any) -> torch.Tensor:
+    """SCB / 127 in fp32: the factor each int8 row is dequantized with (bitsandbytes' int8_vectorwise_dequant)."""
+    scb = _int8_scb(module)
+    if scb is None:
+        raise _Unsupported("an int8 layer has no row scales (SCB)")
+    return scb.float() / 127
+
+
 def int8_weight_fp32(module: Any) -> torch.Tensor:
     """An LLM.int8 layer's weights as bitsandbytes dequantizes them (CB * SCB / 127), in fp32: what the fast path's
     int8 products compute with (the reference of its accuracy checks)."""
-    scb = _int8_scb(module)
-    if scb is None:
-        raise ValueError("the int8 layer has no row scales")
-    return module.weight.data.float() * scb.float()[:, None] / 127
+    return module.weight.data.float() * _int8_row_scale(module)[:, None]
 
 
 def _check_linear(module: Any) -> None:
@@ -352,7 +357,7 @@ def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
 
 def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> _Packed:
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
-    the 4-bit kernel; unquantized weights use opts.dense_gemv."""
+    the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales."""
     splits = tuple(int(m.out_features) for m in modules)
     dense, int8 = all(_is_dense(m) for m in modules), all(_is_bnb8(m) for m in modules)
     if dense or int8:
@@ -363,8 +368,8 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
             w = torch.cat([t.detach() for t in weights], 0)
             _rebind_dense(modules, w)
         tensors = [w]
-        if int8:  # bitsandbytes dequantizes as CB * SCB / 127 (int8_vectorwise_dequant)
-            tensors.append(torch.cat([_int8_scb(m).float() for m in modules]) / 127.0)  # type: ignore[union-attr]
+        if int8:
+            tensors.append(torch.cat([_int8_row_scale(m) for m in modules]))
         has_bias = any(m.bias is not None for m in modules)
         if has_bias:
             dtype = next(m.bias.dtype for m in modules if m.bias is not None)
@@ -649,7 +654,8 @@ def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) 
 
 
 def _linear_prefill(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does too)."""
+    """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does for 4-bit
+    weights; for int8 it quantizes the activations instead, LLM.int8, which the fast path does not)."""
     if spec.fmt == "dense":
         return F.linear(x, ts[0], _bias(spec, ts))
     if spec.fmt == "int8":  # compiled: one kernel writes the scaled half-precision copy
