@@ -62,7 +62,7 @@ PREFILL_BUCKET_TOKENS = 64  # padded prefill lengths: multiples of this (FastDec
 
 def fast_path_support(loaded: LoadedModel, *, allow_cpu: bool = False) -> tuple[bool, str]:
     """(can run, reason shown in the model panel). False on CPU unless `allow_cpu`, on offloaded models, on
-    quantization modes other than nf4/none, and on architectures whose layers this module does not implement."""
+    quantization modes other than nf4/int8/none, and on architectures whose layers this module does not implement."""
     device = loaded.device
     if device.type != "cuda" and not allow_cpu:
         return False, "CPU: the fast path needs CUDA graphs; plain generate is used"
@@ -624,15 +624,13 @@ def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple
 
 def _linear_decode(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """x (1, K) -> (1, N) in the decode step."""
-    if spec.fmt == "int8":  # llm_core.dense_gemv widens the int8 rows in registers and applies the row scales
-        return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), None, None, 0.0, False, ts[1])
+    if spec.fmt == "int8" or spec.gemv == "dense-triton":
+        return _dense_gemv(spec, x, ts)
     if spec.fmt == "dense":
         if spec.gemv == "dense-reduce":  # one fused reduction kernel per linear (fp32 accumulate), not cuBLAS
             bias = _bias(spec, ts)
             y = (ts[0].float() * x.float()).sum(-1)
             return (y if bias is None else y + bias.float()).to(x.dtype).view(1, -1)
-        if spec.gemv == "dense-triton":
-            return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), None, None, 0.0, False)
         return F.linear(x, ts[0], _bias(spec, ts))
     if spec.gemv == "bnb":
         packed = ts[0].view(-1, 1)
@@ -668,8 +666,10 @@ def _linear_prefill(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor])
 
 def _dense_gemv(spec: _LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], *, residual: torch.Tensor | None = None,
                 norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
-    """llm_core.dense_gemv with its prologue (norm or glu) and residual epilogue; x (1, K) -> (1, N)."""
-    return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), residual, norm, eps, glu)
+    """llm_core.dense_gemv with its prologue (norm or glu) and residual epilogue; x (1, K) -> (1, N). int8 weights
+    pass their row scales (the kernel widens the int8 rows in registers and scales each row once)."""
+    row_scale = ts[1] if spec.fmt == "int8" else None
+    return torch.ops.llm_core.dense_gemv(x, ts[0], _bias(spec, ts), residual, norm, eps, glu, row_scale)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
