@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from .config import GenerationSettings, Settings
-from .fast_decode import FastDecodeOptions, FastDecoder, int8_weight_fp32, kv_cache_exact_bytes
+from .fast_decode import FastDecodeOptions, FastDecoder, int8_weight_fp32, is_int8_linear, kv_cache_exact_bytes
 from .loading import LoadedModel, library_versions, load_model
 from .memory import device_allocated_bytes
 
@@ -343,7 +343,7 @@ def fp32_compute(model: Any) -> Any:
     half = (torch.bfloat16, torch.float16)
     layers = [(m, m.compute_dtype) for m in model.modules() if hasattr(m, "compute_dtype") and hasattr(m, "weight")
               and getattr(m.weight, "quant_state", None) is not None]
-    int8 = [m for m in model.modules() if type(m).__name__ == "Linear8bitLt" and m.weight.dtype == torch.int8]
+    int8 = [m for m in model.modules() if is_int8_linear(m)]
     tensors = [t for t in [*model.parameters(), *model.buffers()] if t.dtype in half]
     saved = [(t, t.data) for t in tensors]
 

@@ -155,13 +155,13 @@ def _is_bnb4(module: Any) -> bool:
     return type(module).__name__ in ("Linear4bit", "LinearNF4", "LinearFP4") and hasattr(module.weight, "quant_state")
 
 
-def _is_bnb8(module: Any) -> bool:
+def is_int8_linear(module: Any) -> bool:
     """bitsandbytes' LLM.int8 layer holding int8 weights (CB) and per-row scales (SCB)."""
     return type(module).__name__ == "Linear8bitLt" and module.weight.dtype == torch.int8
 
 
 def _is_dense(module: Any) -> bool:
-    return not (_is_bnb4(module) or _is_bnb8(module))
+    return not (_is_bnb4(module) or is_int8_linear(module))
 
 
 def _int8_scb(module: Any) -> torch.Tensor | None:
@@ -192,7 +192,7 @@ def _check_linear(module: Any) -> None:
         if module.in_features % qs.blocksize or qs.blocksize % 2:
             raise _Unsupported(f"4-bit block size {qs.blocksize} does not divide the input size {module.in_features}")
         return
-    if _is_bnb8(module):
+    if is_int8_linear(module):
         if module.state.has_fp16_weights or _int8_scb(module) is None or module.weight.dim() != 2:
             raise _Unsupported("int8 layers must hold quantized weights and row scales (inference mode)")
         return
@@ -359,7 +359,7 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
     the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales."""
     splits = tuple(int(m.out_features) for m in modules)
-    dense, int8 = all(_is_dense(m) for m in modules), all(_is_bnb8(m) for m in modules)
+    dense, int8 = all(_is_dense(m) for m in modules), all(is_int8_linear(m) for m in modules)
     if dense or int8:
         weights = [m.weight.data for m in modules]
         if len(modules) == 1:
@@ -442,7 +442,7 @@ def _rebind_dense(modules: Sequence[Any], fused: torch.Tensor) -> None:
         rows = m.weight.shape[0]
         part = fused[start:start + rows]
         m.weight.data = part
-        if _is_bnb8(m):
+        if is_int8_linear(m):
             if getattr(m.weight, "CB", None) is not None:
                 m.weight.CB = part
             if getattr(m.state, "CB", None) is not None:

@@ -349,7 +349,7 @@ def test_fused_int8_linear_equals_its_parts(forward_first: bool) -> None:
     parts = [int8_linear(n, 96, seed=i, bias=(i == 1)) for i, n in enumerate((64, 32, 32))]
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(9))
     before = [m(x) for m in parts] if forward_first else None
-    assert all(fd._is_bnb8(m) and fd._int8_scb(m) is not None for m in parts)
+    assert all(fd.is_int8_linear(m) and fd._int8_scb(m) is not None for m in parts)
     expected = torch.cat([x @ fd.int8_weight_fp32(m).t() + (m.bias if m.bias is not None else 0) for m in parts], -1)
     packed = fd._pack_linears(parts, FastDecodeOptions(), "bnb")
     assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and fd._tensor_count(packed.spec) == 3
@@ -376,7 +376,7 @@ def test_int8_fast_path_computes_with_the_dequantized_weights() -> None:
     replaced = 0
     for name, m in reference.named_modules():
         src = modules.get(name)
-        if src is not None and fd._is_bnb8(src):
+        if src is not None and fd.is_int8_linear(src):
             m.weight.data = fd.int8_weight_fp32(src)
             replaced += 1
     assert replaced == 7 * q.model.config.num_hidden_layers  # every projection; lm_head stays unquantized
