@@ -41,7 +41,7 @@ types: setup-dev
 	$(BIN)/mypy llm_core app.py
 
 bench-smoke: setup
-	$(BIN)/python -m llm_core.bench --cpu-smoke
+	$(BIN)/python -m bench.decode --cpu-smoke
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .mypy_cache .ruff_cache

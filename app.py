@@ -16,8 +16,6 @@ from typing import Any
 
 import gradio as gr
 
-from llm_core.batching import check_history_size
-from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
     KV_CACHE_MODES,
@@ -30,8 +28,10 @@ from llm_core.config import (
     Settings,
     parse_auth,
 )
+from llm_core.engine.chat import ChatEngine
+from llm_core.engine.compare import CompareConfig, Comparison, EnginePool, allowed_models
+from llm_core.engine.serving import check_history_size
 from llm_core.errors import LLMCoreError
-from llm_core.generation import ChatEngine
 from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
 

@@ -1,24 +1,24 @@
-"""Compare benchmark (issue 5): the Compare view's own numbers against llm_core.bench's numbers for the same
+"""Compare benchmark (issue 5): the Compare view's own numbers against bench.decode's numbers for the same
 configuration, on the same loaded model, in one process; NF4 vs bf16 vs int8 of a random-weight Llama-2-7B shape.
 The requirement: TTFT, decode tokens/s and peak memory each agree within 5% (the comparison adds no overhead). TTFT
 is compared from the same point on both sides (the decode loop's start); the reply's full TTFT, which also counts the
 engine's templating, tokenizing and memory planning (about 3 ms at 512 tokens), is reported beside it.
 
 GPU (one device call, about 4-6 minutes on an H200; starts no new mode past --budget-s and cuts repeats to fit it):
-    BENCH=bench/compare_bench.py BENCH_OUT=compare.json bash bench/h200.sh --random llama-2-7b
-    (or, with bitsandbytes importable: python bench/compare_bench.py --random llama-2-7b --out compare.json)
-CPU smoke (the tiny random llama of `python -m llm_core.bench --cpu-smoke`, about 10 s on two cores):
-    python bench/compare_bench.py --cpu-smoke --out /tmp/compare-smoke.json
+    BENCH=bench.compare_bench BENCH_OUT=compare.json bash bench/h200.sh --random llama-2-7b
+    (or, with bitsandbytes importable: python -m bench.compare_bench --random llama-2-7b --out compare.json)
+CPU smoke (the tiny random llama of `python -m bench.decode --cpu-smoke`, about 10 s on two cores):
+    python -m bench.compare_bench --cpu-smoke --out /tmp/compare-smoke.json
 
 Per mode of --modes (CompareConfig presets: nf4 = NF4 + double quant + bf16 compute, none = plain bf16, int8 = LLM.int8
 with fp16 compute), in that order; each model is loaded once and unloaded before the next mode:
   compare  Comparison.run([config], prompt, gen) over an EnginePool: the objects the Compare tab uses, the random
            checkpoint allowed through COMPARE_MODELS. The prompt is --prompt-tokens words of the checkpoint's word
            tokenizer (one token each, no system prompt); gen is greedy, --new-tokens tokens, repetition penalty off
-           and EOS held back until the last token (GenerationSettings.min_new_tokens): what llm_core.bench runs.
+           and EOS held back until the last token (GenerationSettings.min_new_tokens): what bench.decode runs.
            The first comparison loads the engine (its load time, warm-up included, is the comparison's own) and is
            not counted: it pays the first-call costs at this prompt length. Numbers: each reply's final ReplyStats.
-  bench    the same engine's model, the same prompt ids and token count, timed as llm_core.bench times them
+  bench    the same engine's model, the same prompt ids and token count, timed as bench.decode times them
            (bench.timed_run): through the engine's own FastDecoder with bench.ours_call when the comparison decoded on
            the fast path, through model.generate with bench.seed_call when it decoded on the plain path. One 8-token
            call first (first-call costs, as bench does), then the repeats, interleaved with the compare runs
@@ -66,9 +66,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from llm_core.bench import (  # noqa: E402
+from bench.decode import (
     RANDOM_ARCHS,
     Recorder,
     RunResult,
@@ -80,22 +78,12 @@ from llm_core.bench import (  # noqa: E402
     summarize,
     timed_run,
 )
-from llm_core.compare import (  # noqa: E402
-    MODE_PRESETS,
-    CompareConfig,
-    CompareUpdate,
-    Comparison,
-    EnginePool,
-    SideResult,
-)
-from llm_core.config import Settings  # noqa: E402
-from llm_core.generation import ChatEngine, PreparedPrompt, WorkerThreads  # noqa: E402
-from llm_core.loading import configure_cuda_allocator, library_versions  # noqa: E402
-from llm_core.memory import (
-    PeakMeter,  # noqa: E402
-    free_memory,  # noqa: E402
-)
-from llm_core.metrics import ReplyStats  # noqa: E402
+from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine, PreparedPrompt, WorkerThreads
+from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
+from llm_core.loading import configure_cuda_allocator, library_versions
+from llm_core.memory.device import PeakMeter, free_memory
+from llm_core.metrics import ReplyStats
 
 TITLE = "Compare view vs the benchmark, same configuration (batch 1, random-weight Llama shape)"
 TOLERANCE = 0.05
@@ -117,7 +105,7 @@ class Metric:
 
 
 class Document(Recorder):
-    """llm_core.bench's Recorder (one record per measurement, the file rewritten after each), writing a document with
+    """bench.decode's Recorder (one record per measurement, the file rewritten after each), writing a document with
     a title, date, device and summary beside meta and records."""
 
     def __init__(self, path: Path | None, head: dict[str, Any], meta: dict[str, Any]) -> None:
@@ -369,7 +357,7 @@ class CompareBench:
     def checkpoint(self) -> Path:
         positions = self.args.prompt_tokens + self.args.new_tokens + 64
         # The context length is part of the name: it sizes the engine's static cache, so a checkpoint of another
-        # length (e.g. llm_core.bench's, 16k, in a shared work dir) must not be picked up.
+        # length (e.g. bench.decode's, 16k, in a shared work dir) must not be picked up.
         folder = self.work / f"ckpt-{self.arch}-ctx{positions}"
         if not (folder / "config.json").is_file():
             t0 = time.perf_counter()
@@ -497,11 +485,11 @@ class CompareBench:
 
         def bench_once(prompt: torch.Tensor, tokens: int, thread: WorkerThreads | None = None
                        ) -> tuple[RunResult, int | None]:
-            """llm_core.bench's timed call, on this (main) thread as llm_core.bench runs it, or on `thread`."""
+            """bench.decode's timed call, on this (main) thread as bench.decode runs it, or on `thread`."""
             if decoder is not None:
-                call = ours_call(decoder, prompt, tokens)  # llm_core.bench's "ours", on the engine's own decoder
+                call = ours_call(decoder, prompt, tokens)  # bench.decode's "ours", on the engine's own decoder
             else:
-                call = seed_call(engine.loaded, prompt, tokens)  # llm_core.bench's seed recipe: plain generate
+                call = seed_call(engine.loaded, prompt, tokens)  # bench.decode's seed recipe: plain generate
             meter = PeakMeter(device).start() if device.type != "cuda" else None  # CUDA: timed_run's own peak
             if thread is None:
                 run = timed_run(device, call)
@@ -644,7 +632,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--budget-s", type=float, default=None,
                     help=f"start no new mode or repeat past this many seconds; default {GPU['budget_s']:.0f}")
     ap.add_argument("--no-expandable-segments", action="store_true",
-                    help="leave PYTORCH_CUDA_ALLOC_CONF as found (llm_core.bench's case) instead of setting expandable "
+                    help="leave PYTORCH_CUDA_ALLOC_CONF as found (bench.decode's case) instead of setting expandable "
                          "segments before the first CUDA allocation, as the app does")
     ap.add_argument("--work-dir", type=Path, default=None, help="checkpoint and caches (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None, help="JSON file, rewritten after every record")

@@ -3,9 +3,9 @@ the same build; aggregate decode tokens/s, TTFT (p50/p95) and peak memory agains
 
 GPU (one call; about 3-5 minutes on an H200, most of it writing and quantizing the random 7B checkpoint):
     pip install --no-deps --no-index .whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl -q
-    python bench/concurrency_bench.py --out "$OUT/concurrency.json" [--budget-gib 8] [--serial-baseline]
+    python -m bench.concurrency_bench --out "$OUT/concurrency.json" [--budget-gib 8] [--serial-baseline]
 CPU smoke (a tiny random llama, about a minute on two cores):
-    python bench/concurrency_bench.py --cpu-smoke --out /tmp/concurrency-smoke.json
+    python -m bench.concurrency_bench --cpu-smoke --out /tmp/concurrency-smoke.json
 
 What it runs
   model    a random-weight Llama-2-7B-shaped checkpoint (bf16, written once to --ckpt), loaded through llm_core's own
@@ -45,12 +45,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import memory_bench  # noqa: E402
-from llm_core.config import Settings  # noqa: E402
-from llm_core.generation import ChatEngine, ReplyUpdate  # noqa: E402
-from llm_core.memory import GiB, default_budget_bytes, free_memory  # noqa: E402
+from bench import memory_bench
+from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.memory.device import free_memory
+from llm_core.memory.model import GiB, default_budget_bytes
 
 # memory_bench's model shapes, with this benchmark's context length
 LLAMA2_7B: dict[str, Any] = dict(memory_bench.LLAMA2_7B, max_position_embeddings=4096)

@@ -5,7 +5,7 @@ gets in the fused decode layer (qkv and gate_up: RMSNorm; o: residual; down: SiL
 Each kernel runs over enough distinct weight copies that they come from HBM, not L2, inside one CUDA graph; the
 time is per call and bytes/s counts the weight bytes. Error is relative L2 against the fp32 reference formula.
 
-    python bench/dense_gemv_bench.py --out dense-gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
+    python -m bench.dense_gemv_bench --out dense-gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
 """
 
 from __future__ import annotations
@@ -22,12 +22,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.gemv_bench import finish, time_calls  # noqa: E402
-from llm_core import dense_gemv as dg  # noqa: E402
-from llm_core.bench import measure_copy_bandwidth  # noqa: E402
-from llm_core.loading import library_versions  # noqa: E402
+from bench.decode import measure_copy_bandwidth
+from bench.gemv_bench import finish, time_calls
+from llm_core.fast.kernels import dense_gemv as dg
+from llm_core.loading import library_versions
 
 SHAPES = {  # (name, N, K, the prologue/epilogue it gets in the fused layer)
     "llama-2-7b": [("qkv", 12288, 4096, "norm"), ("o", 4096, 4096, "residual"),

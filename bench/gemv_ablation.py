@@ -4,7 +4,7 @@ llm_core.nf4_gemv, kept here as the ablation's subject): the same kernel with on
 bench/results/2026-11-30-h200-gemv.json and docs/fast_decode.md. It showed the table gathers, not HBM, bound it
 (ncu: L1 pipe ~90% busy, DRAM 11%), which led to the register table of llm_core.nf4_gemv.
 
-    python bench/gemv_ablation.py --out ablation.json
+    python -m bench.gemv_ablation --out ablation.json
 """
 
 from __future__ import annotations

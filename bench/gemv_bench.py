@@ -5,7 +5,7 @@ variant (exact products). Every kernel runs on the same bitsandbytes-quantized w
 blocksize 64), over enough distinct copies that the weights come from HBM, not L2 (60 MB on an H200), inside
 one CUDA graph; the time is per call. Error is against x @ dequantize_4bit(W).T in fp32.
 
-    python bench/gemv_bench.py --out gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
+    python -m bench.gemv_bench --out gemv.json [--arch llama-2-7b llama-3-8b] [--sweep]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from llm_core import nf4_gemv
-from llm_core.bench import measure_copy_bandwidth
-from llm_core.fast_decode import time_in_cuda_graph
+from bench.decode import measure_copy_bandwidth
+from llm_core.fast.generate import time_in_cuda_graph
+from llm_core.fast.kernels import nf4_gemv
 from llm_core.loading import library_versions
 
 SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
@@ -105,7 +105,7 @@ def dump_asm(call: Callable[[], Any], stem: Path) -> dict[str, int] | str:
     import collections
     import re
 
-    from llm_core import nf4_gemv as k
+    from llm_core.fast.kernels import nf4_gemv as k
 
     kernels: list[Any] = []
     original = k.nf4_gemv

@@ -2,13 +2,13 @@
 # Device-run driver (H200 through the workplace's `run` tool; see docs/fast_decode.md). Installs the carried
 # bitsandbytes wheel (.whl/, git-ignored), records the machine, runs a benchmark under a wall-clock limit; the JSON,
 # the log and nvidia-smi's view land in $OUT.
-#   bash bench/h200.sh --random llama-2-7b ...         python -m llm_core.bench ... -> $OUT/decode.json
-#   BENCH=bench/compare_bench.py BENCH_OUT=compare.json bash bench/h200.sh --random llama-2-7b
+#   bash bench/h200.sh --random llama-2-7b ...         python -m bench.decode ... -> $OUT/decode.json
+#   BENCH=bench.compare_bench BENCH_OUT=compare.json bash bench/h200.sh --random llama-2-7b
 #                                                      that script instead (a module name works too) -> $OUT/compare.json
 # The benchmark gets the arguments, then --work-dir /tmp/bench --out "$OUT/$BENCH_OUT".
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-BENCH=${BENCH:-llm_core.bench}
+BENCH=${BENCH:-bench.decode}
 BENCH_OUT=${BENCH_OUT:-decode.json}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1

@@ -3,10 +3,10 @@ and the longest context the quantized KV cache fits; one JSON document rewritten
 
 GPU (one call, about 5-7 minutes on an H200; starts no new case after --deadline-s, default 450 s):
     pip install --no-deps --no-index .whl/bitsandbytes-0.50.2-py3-none-manylinux_2_24_x86_64.whl -q
-    python bench/memory_bench.py --out "$OUT/memory.json"
+    python -m bench.memory_bench --out "$OUT/memory.json"
 CPU smoke (a tiny random llama, < 1 minute; the cap is emulated by raising an injected OOM where the prediction
 exceeds it, since CPU memory cannot be capped):
-    python bench/memory_bench.py --cpu-smoke --out /tmp/memory-smoke.json
+    python -m bench.memory_bench --cpu-smoke --out /tmp/memory-smoke.json
 
 Phases
   a  prediction: the seed recipe (plain generate, one prefill pass, DynamicCache) on a random-weight Llama-2-7B-
@@ -39,18 +39,13 @@ from typing import Any, cast
 import torch
 from transformers import StoppingCriteria
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from llm_core.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache  # noqa: E402
-from llm_core.memory import (  # noqa: E402
+from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
+from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
+from llm_core.memory.model import (
     GiB,
     MiB,
     ModelMemoryFacts,
-    OOMInjector,
-    PeakMeter,
     QuantizedKVSpec,
-    free_memory,
-    is_oom_error,
     max_context_tokens,
     model_weights_bytes,
     plan_reply,

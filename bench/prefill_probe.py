@@ -9,8 +9,8 @@
 
 Device time of the first way minus the second is what the GPU spent waiting for the host.
 
-    python bench/prefill_probe.py --quantization none --out prefill.json      (GPU)
-    python bench/prefill_probe.py --device cpu --out /tmp/prefill.json        (CPU smoke: host times only)
+    python -m bench.prefill_probe --quantization none --out prefill.json      (GPU)
+    python -m bench.prefill_probe --device cpu --out /tmp/prefill.json        (CPU smoke: host times only)
 """
 
 from __future__ import annotations
@@ -25,10 +25,8 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.ttft_probe import load_engine  # noqa: E402
-from llm_core.loading import library_versions  # noqa: E402
+from bench.ttft_probe import load_engine
+from llm_core.loading import library_versions
 
 
 def spin_cycles_per_ms(device: torch.device) -> int:

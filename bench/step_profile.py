@@ -5,7 +5,7 @@ the CUDA graph the replies replay, at a given context length. Kernels are groupe
 matrix-vector products, decode attention, and the rest (norms, rotary + cache write, residual adds, SiLU, the
 head's sampling epilogue), with their count and device time per step, next to the step's wall time.
 
-    python bench/step_profile.py --random llama-2-7b --quantization nf4 --out profile.json   (GPU)
+    python -m bench.step_profile --random llama-2-7b --quantization nf4 --out profile.json   (GPU)
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.ttft_probe import load_engine  # noqa: E402
-from llm_core.bench import RANDOM_ARCHS  # noqa: E402
-from llm_core.loading import library_versions  # noqa: E402
+from bench.decode import RANDOM_ARCHS
+from bench.ttft_probe import load_engine
+from llm_core.loading import library_versions
 
 GROUPS = (("gemv", ("nf4_gemv", "gemm_4bit", "gemv", "gemm", "cublas", "cutlass", "sm90_xmma", "nvjet")),
           ("attention", ("_attn_split", "_attn_combine", "attention")))

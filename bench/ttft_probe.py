@@ -2,12 +2,12 @@
 backend, next to the engine's own TTFT.
 
 Why: in the compare-vs-bench runs (bench/results/2026-11-30-h200-compare.json) a reply through ChatEngine took
-57-80 ms longer to its first token than the same call from llm_core.bench, all of it inside the worker thread
+57-80 ms longer to its first token than the same call from bench.decode, all of it inside the worker thread
 before the first token. Suspect: cuDNN attention, whose execution plans PyTorch caches per thread and per shape,
 so each new thread and each new prompt length builds one inside the reply. FastDecodeOptions.prefill_attention
 ("flash", the default, or "auto" = PyTorch's choice) is measured both ways on the same loaded model.
 
-    python bench/ttft_probe.py --random llama-2-7b --out ttft.json     (GPU; writes JSON)
+    python -m bench.ttft_probe --random llama-2-7b --out ttft.json     (GPU; writes JSON)
 
 Per backend choice: prefill seconds (device synchronized before and after) on the main thread, on a new
 thread each call, on one long-lived thread, at new prompt lengths (first call at each length), and the engine's
@@ -29,14 +29,12 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.compare_bench import prompt_ids, prompt_text  # noqa: E402
-from llm_core.bench import RANDOM_ARCHS, make_random_checkpoint  # noqa: E402
-from llm_core.config import Settings  # noqa: E402
-from llm_core.fast_decode import FastDecoder  # noqa: E402
-from llm_core.generation import ChatEngine  # noqa: E402
-from llm_core.loading import library_versions  # noqa: E402
+from bench.compare_bench import prompt_ids, prompt_text
+from bench.decode import RANDOM_ARCHS, make_random_checkpoint
+from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine
+from llm_core.fast.generate import FastDecoder
+from llm_core.loading import library_versions
 
 
 def _sync(device: torch.device) -> None:

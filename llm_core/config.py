@@ -79,7 +79,7 @@ class GenerationSettings:
     stream_timeout_s: float = 120.0  # longest wait for the next token before the reply is failed
     kv_cache: str = "dynamic"  # dynamic | quantized (4-bit, ~3.5x more context) | offload (CPU RAM, slow)
     # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
-    # reply exactly max_new_tokens long, as llm_core.bench does. Honoured by the plain and fast paths, not batched.
+    # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
     min_new_tokens: int = 0
 
     def validate(self) -> GenerationSettings:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llm_core.config import SPECS, Settings
-from llm_core.generation import ChatEngine
+from llm_core.engine.chat import ChatEngine
 
 REPO = Path(__file__).resolve().parent.parent
 # Converted embedded model, reused across runs (the first conversion takes ~20 s).

@@ -13,7 +13,7 @@ import pytest
 
 from app import EMBEDDED_CHOICE as EMBEDDED
 from app import NO_SIDE, build_demo
-from llm_core.generation import ChatEngine
+from llm_core.engine.chat import ChatEngine
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

@@ -1,4 +1,4 @@
-"""llm_core.bench (issue 3's benchmark) on CPU: its smoke run writes the records the issue asks for, and the variant
+"""bench.decode (issue 3's benchmark) on CPU: its smoke run writes the records the issue asks for, and the variant
 it measures at every prompt length is chosen as stated."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llm_core.bench import pick_best
+from bench.decode import pick_best
 
 REPO = Path(__file__).resolve().parent.parent
 REQUIRED = ("recipe", "model", "quantization", "prompt_tokens", "new_tokens", "ttft_s", "decode_tokens_per_s",
@@ -17,7 +17,7 @@ REQUIRED = ("recipe", "model", "quantization", "prompt_tokens", "new_tokens", "t
 
 def test_cpu_smoke_writes_seed_and_ours_records_with_the_required_fields(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, "-m", "llm_core.bench", "--cpu-smoke", "--out", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "bench.decode", "--cpu-smoke", "--out", str(out)], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())

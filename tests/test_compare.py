@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from llm_core.compare import CompareConfig, Comparison, EnginePool, first_difference, main, memory_in_use
+from llm_core.engine.chat import ChatEngine
+from llm_core.engine.compare import CompareConfig, Comparison, EnginePool, first_difference, main, memory_in_use
 from llm_core.errors import InputError
-from llm_core.generation import ChatEngine
 from llm_core.loading import estimate_weights_bytes
 from llm_core.metrics import export_csv, read_csv
 from tests.conftest import make_settings
@@ -87,7 +87,7 @@ def test_unload_really_frees_memory() -> None:
 
 
 def test_a_config_that_does_not_fit_beside_the_others_unloads_them_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    from llm_core import compare
+    from llm_core.engine import compare
 
     settings = make_settings()
     own_pool = EnginePool(settings, reserve_bytes=0)
@@ -143,7 +143,7 @@ def test_command_line_twin_writes_the_same_json(tmp_path: Path, monkeypatch: pyt
                                                                             "embedded · none · sdpa"] * 2
     assert sum("difference" in r for r in records) == 2
     assert all(r["new_tokens"] > 0 for r in records if "configuration" in r)
-    assert data["command"].startswith("python -m llm_core.compare --config nf4")
+    assert data["command"].startswith("python -m llm_core.engine.compare --config nf4")
 
 
 def test_stop_and_chat_never_wait_for_a_load_in_progress(pool: EnginePool) -> None:

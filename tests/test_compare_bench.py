@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core.bench import make_random_checkpoint
+from bench.decode import make_random_checkpoint
 from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine
 from llm_core.errors import InputError
-from llm_core.generation import ChatEngine
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = {"nf4": ("fast", "ours"), "none": ("fast", "ours"), "int8": ("plain", "seed")}  # smoke: path, bench recipe
@@ -64,7 +64,8 @@ def test_min_new_tokens_holds_eos_back_on_the_plain_and_fast_paths(tiny_checkpoi
 
 def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
-    proc = subprocess.run([sys.executable, "bench/compare_bench.py", "--cpu-smoke", "--work-dir", str(tmp_path / "w"),
+    proc = subprocess.run([sys.executable, "-m", "bench.compare_bench", "--cpu-smoke",
+                           "--work-dir", str(tmp_path / "w"),
                            "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -141,7 +142,7 @@ def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_pat
         assert any(line.startswith(mode) for line in proc.stdout.splitlines())
     # --reanalyze recomputes every check from the run records alone: the same verdicts as the run's own
     again = tmp_path / "again.json"
-    proc = subprocess.run([sys.executable, "bench/compare_bench.py", "--reanalyze", str(out), "--out", str(again)],
+    proc = subprocess.run([sys.executable, "-m", "bench.compare_bench", "--reanalyze", str(out), "--out", str(again)],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     redone = json.loads(again.read_text())

@@ -15,9 +15,15 @@ import pytest
 import torch
 
 from app import build_demo
-from llm_core.batching import BatchScheduler, ReplySlots, SamplingOptions, check_history_size, resolve_max_batch_size
+from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.engine.serving import (
+    BatchScheduler,
+    ReplySlots,
+    SamplingOptions,
+    check_history_size,
+    resolve_max_batch_size,
+)
 from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, SettingsError
-from llm_core.generation import ChatEngine, ReplyUpdate
 from tests.conftest import make_settings
 from tests.test_app import free_port, text
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core.engine.chat import ChatEngine
 from llm_core.errors import ContextBudgetError, GenerationError, InputError, ModelLoadError, OutOfMemoryError
-from llm_core.generation import ChatEngine
 from llm_core.history import Turn, build_messages
 from llm_core.loading import load_model
 from tests.conftest import make_settings

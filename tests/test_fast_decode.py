@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core import fast_decode as fd
 from llm_core.config import GenerationSettings
 from llm_core.errors import GenerationError
-from llm_core.fast_decode import FastDecodeOptions, FastDecoder, bucket_list, fast_path_support
+from llm_core.fast import FastDecodeOptions, FastDecoder, bucket_list, fast_path_support, layer, pack, support
+from llm_core.fast.kernels import attention
 from llm_core.loading import LoadedModel, load_model
 from tests.conftest import make_settings
 
@@ -311,9 +311,9 @@ def test_fused_nf4_linear_equals_its_parts(shapes: list[tuple[int, int]], absmax
     x = torch.randn(1, shapes[0][1], generator=torch.Generator().manual_seed(9))
     before = [m(x) for m in parts]
     expected = torch.cat([x @ dequantized(m).t() + (m.bias if m.bias is not None else 0) for m in parts], -1)
-    packed = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
-    got_decode = fd._linear_decode(packed.spec, x, packed.tensors)
-    got_prefill = fd._linear_prefill(packed.spec, x[None], packed.tensors)[0]
+    packed = pack.pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
+    got_decode = layer.linear_decode(packed.spec, x, packed.tensors)
+    got_prefill = layer.linear_prefill(packed.spec, x[None], packed.tensors)[0]
     err = (got_decode - expected).abs().max().item()
     rel = ((got_decode - expected).norm() / expected.norm()).item()
     if exact:
@@ -349,12 +349,13 @@ def test_fused_int8_linear_equals_its_parts(forward_first: bool) -> None:
     parts = [int8_linear(n, 96, seed=i, bias=(i == 1)) for i, n in enumerate((64, 32, 32))]
     x = torch.randn(1, 96, generator=torch.Generator().manual_seed(9))
     before = [m(x) for m in parts] if forward_first else None
-    assert all(fd.is_int8_linear(m) and fd._int8_scb(m) is not None for m in parts)
-    expected = torch.cat([x @ fd.int8_weight_fp32(m).t() + (m.bias if m.bias is not None else 0) for m in parts], -1)
-    packed = fd._pack_linears(parts, FastDecodeOptions(), "bnb")
-    assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and fd._tensor_count(packed.spec) == 3
-    got_decode = fd._linear_decode(packed.spec, x, packed.tensors)
-    got_prefill = fd._linear_prefill(packed.spec, x[None].expand(1, 3, -1), packed.tensors)[0]
+    assert all(support.is_int8_linear(m) and support.int8_scb(m) is not None for m in parts)
+    expected = torch.cat([x @ support.int8_weight_fp32(m).t() + (m.bias if m.bias is not None else 0)
+                          for m in parts], -1)
+    packed = pack.pack_linears(parts, FastDecodeOptions(), "bnb")
+    assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and layer.tensor_count(packed.spec) == 3
+    got_decode = layer.linear_decode(packed.spec, x, packed.tensors)
+    got_prefill = layer.linear_prefill(packed.spec, x[None].expand(1, 3, -1), packed.tensors)[0]
     assert (got_decode - expected).abs().max().item() <= 1e-5
     assert (got_prefill - expected).abs().max().item() <= 1e-5
     after = [m(x) for m in parts]
@@ -376,8 +377,8 @@ def test_int8_fast_path_computes_with_the_dequantized_weights() -> None:
     replaced = 0
     for name, m in reference.named_modules():
         src = modules.get(name)
-        if src is not None and fd.is_int8_linear(src):
-            m.weight.data = fd.int8_weight_fp32(src)
+        if src is not None and support.is_int8_linear(src):
+            m.weight.data = support.int8_weight_fp32(src)
             replaced += 1
     assert replaced == 7 * q.model.config.num_hidden_layers  # every projection; lm_head stays unquantized
     dec = FastDecoder(q, compile=False, max_cache_len=256)
@@ -398,18 +399,18 @@ def test_bnb_kernel_reads_the_fused_linear_too() -> None:
     x = torch.randn(1, 256)
     expected = torch.cat([x @ dequantized(m).t() for m in parts], -1)
     for mode in ("fp32", "requant"):
-        packed = fd._pack_linears(parts, FastDecodeOptions(gemv="bnb", absmax=mode), "bnb")
-        got = fd._linear_decode(packed.spec, x, packed.tensors)
+        packed = pack.pack_linears(parts, FastDecodeOptions(gemv="bnb", absmax=mode), "bnb")
+        got = layer.linear_decode(packed.spec, x, packed.tensors)
         assert ((got - expected).norm() / expected.norm()).item() <= (1e-5 if mode == "fp32" else 1e-2)
 
 
 def test_compiled_attention_form_equals_the_matmul_form() -> None:
-    spec = fd._LayerSpec(8, 2, 16, 0.25, 1e-5, 1e-5, None, (), True, "reduce")
+    spec = layer.LayerSpec(8, 2, 16, 0.25, 1e-5, 1e-5, None, (), True, "reduce")
     g = torch.Generator().manual_seed(3)
     q, k, v = torch.randn(8, 16, generator=g), torch.randn(40, 2, 16, generator=g), torch.randn(40, 2, 16, generator=g)
     pos = torch.tensor([29])
-    a = fd._decode_attention(spec, q, k, v, pos)
-    b = fd._decode_attention(fd._LayerSpec(8, 2, 16, 0.25, 1e-5, 1e-5, None, (), True, "matmul"), q, k, v, pos)
+    a = layer.decode_attention(spec, q, k, v, pos)
+    b = layer.decode_attention(layer.LayerSpec(8, 2, 16, 0.25, 1e-5, 1e-5, None, (), True, "matmul"), q, k, v, pos)
     assert (a - b).abs().max().item() <= 1e-5
 
 
@@ -426,7 +427,7 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16, in
     bf16 (the *-triton cases force llm_core.dense_gemv with its prologues in the graphs; eager runs cuBLAS) and in
     int8 + fp16 (llm_core.dense_gemv with row scales in both)."""
-    from llm_core.bench import load, make_random_checkpoint
+    from bench.decode import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     forced_opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=True) if quantization.endswith(
@@ -456,7 +457,7 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
 def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: str) -> None:
     """Padded prefill replayed from CUDA graphs vs the compiled prefill without graphs, teacher-forced on the same
     tokens, for prompt lengths below, at and past a 64-token bucket edge and past the option (plain path)."""
-    from llm_core.bench import load, make_random_checkpoint
+    from bench.decode import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", "bfloat16")
@@ -482,21 +483,21 @@ def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: 
 def test_fused_projection_on_the_nf4_kernel_matches_the_reference_on_gpu(absmax: str) -> None:
     """q/k/v-style parts fused (nested absmax kept exactly per part, or dequantized to fp32) through
     llm_core.nf4_gemv, against the torch formula on the same packing."""
-    if fd.triton is None:
+    if attention.triton is None:
         pytest.skip("triton not installed")
     parts = [nf4_linear(n, 4096, seed=i).cuda() for i, n in enumerate((4096, 1024, 1024))]
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    ref = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
-    tri = fd._pack_linears(parts, FastDecodeOptions(absmax=absmax), "nf4")
-    want = fd._linear_decode(ref.spec, x, ref.tensors).float()
-    got = fd._linear_decode(tri.spec, x, tri.tensors).float()
+    ref = pack.pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
+    tri = pack.pack_linears(parts, FastDecodeOptions(absmax=absmax), "nf4")
+    want = layer.linear_decode(ref.spec, x, ref.tensors).float()
+    got = layer.linear_decode(tri.spec, x, tri.tensors).float()
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
 
 
 def test_fp32_reference_restores_the_model_and_calibrates_agreement(tmp_path: Any) -> None:
     """The bench's calibrated logit check: the same NF4 weights computing in fp32 are the reference; the model is
     put back exactly afterwards (same tensors, so storage shared with the fast path stays shared)."""
-    from llm_core.bench import agreement, fp32_compute, load, make_random_checkpoint
+    from bench.decode import agreement, fp32_compute, load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cpu"), 256)
     loaded = load(str(folder), "nf4", "cpu", tmp_path / "cache", "bfloat16")

@@ -20,20 +20,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from llm_core.config import Settings
 from llm_core.errors import ContextBudgetError, SettingsError
-from llm_core.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
 from llm_core.loading import LoadedModel, load_model
-from llm_core.memory import (
+from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
+from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
+from llm_core.memory.model import (
     GiB,
     MemoryBudget,
     MiB,
     ModelMemoryFacts,
-    OOMInjector,
-    PeakMeter,
     QuantizedKVSpec,
     default_budget_bytes,
     forward_activation_bytes,
-    free_memory,
-    is_oom_error,
     kv_bytes,
     kv_bytes_per_token,
     max_context_tokens,
@@ -218,7 +215,7 @@ def test_quantized_kv_replies_stay_close_to_the_dynamic_cache(loaded: LoadedMode
 
 @pytest.mark.parametrize("nbits", [2, 4, 8])
 def test_quantized_layer_round_trip_error_shrinks_with_bits(nbits: int) -> None:
-    from llm_core.kv_cache import GroupQuantizedLayer, _Scratch, pack_codes, unpack_codes
+    from llm_core.memory.kv_cache import GroupQuantizedLayer, _Scratch, pack_codes, unpack_codes
 
     codes = torch.randint(0, 2**nbits, (1, 2, 5, 64), dtype=torch.uint8)
     assert torch.equal(unpack_codes(pack_codes(codes, nbits), nbits), codes)
@@ -456,7 +453,7 @@ def test_peak_meter_on_cpu_sees_a_temporary_allocation(high_water_mark: bool, mo
     import mmap
     import time
 
-    from llm_core import memory
+    from llm_core.memory import device as memory
 
     if not high_water_mark:
         monkeypatch.setattr(memory, "_reset_rss_high_water_mark", lambda: False)
@@ -532,7 +529,7 @@ def test_injector_scoped_arming_and_points() -> None:
 def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_length() -> None:
     """The fast path allocates its KV cache once for static_kv_tokens; a reply's predicted KV is that block (the
     exact bytes FastDecoder allocates), not a cache growing to prompt + new tokens."""
-    from llm_core.fast_decode import kv_cache_exact_bytes
+    from llm_core.memory.model import kv_cache_exact_bytes
 
     config = LlamaConfig(**LLAMA2_7B)
     growing = ModelMemoryFacts.from_config(config, 4 * GiB, torch.bfloat16, weight_quantization="nf4")

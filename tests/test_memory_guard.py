@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from llm_core.engine.chat import ChatEngine
 from llm_core.errors import ContextBudgetError, OutOfMemoryError
-from llm_core.generation import ChatEngine
 from llm_core.history import Turn, build_messages
-from llm_core.memory import MemoryBudget, predict_peak_bytes
+from llm_core.memory.model import MemoryBudget, predict_peak_bytes
 
 
 def last(iterable: Any) -> Any:

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from llm_core import fast_decode as fd
-from llm_core import nf4_gemv
-from llm_core.fast_decode import FastDecodeOptions
+from llm_core.fast import FastDecodeOptions, FastDecoder
+from llm_core.fast.kernels import nf4_gemv
 
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
@@ -239,7 +238,7 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
 def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) -> None:
     """The decode step built on llm_core.nf4_gemv against the same step on bitsandbytes' kernel, teacher-forced
     (a random tiny llama, no download): scores agree within bf16 noise."""
-    from llm_core.bench import load, make_random_checkpoint
+    from bench.decode import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     loaded = load(str(folder), "nf4", "cuda", tmp_path / "cache", "bfloat16")
@@ -247,7 +246,7 @@ def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) ->
     forced = torch.randint(3, 500, (16,), generator=torch.Generator().manual_seed(1)).tolist()
     scores = {}
     for gemv in ("bnb", "nf4"):
-        decoder = fd.FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv=gemv))
+        decoder = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv=gemv))
         assert decoder.options.gemv == gemv
         decoder.warmup()
         scores[gemv] = decoder.forced_scores(ids, forced)

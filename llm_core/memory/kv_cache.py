@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .errors import SettingsError
-from .memory import DEQUANT_CHUNK_TOKENS, KV_MODES, QuantizedKVSpec, layer_windows
+from ..errors import SettingsError
+from .model import DEQUANT_CHUNK_TOKENS, KV_MODES, QuantizedKVSpec, layer_windows
 
 QUANT_BACKENDS = ("builtin", "hqq", "quanto")
 QUANTIZE_CHUNK_TOKENS = 2048  # quantize at most this many tokens per batch (bounds fp32 temporaries)

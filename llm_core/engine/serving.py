@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
-from .errors import ContextBudgetError, GenerationError, InputError
-from .memory import free_memory, is_oom_error, kv_bytes_per_token
+from ..errors import ContextBudgetError, GenerationError, InputError
+from ..memory.device import free_memory, is_oom_error
+from ..memory.model import kv_bytes_per_token
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -208,7 +209,7 @@ def default_kv_budget_bytes(loaded: Any, max_batch_size: int, budget_bytes: int 
     device had free after loading minus a margin; llm_core.memory), minus what is allocated now (weights), minus the
     activations of the largest prefill (a full-context prompt) or of a full batch's decode step, the logits and the
     workspace, all divided by (1 + the allocator's reserve fraction)."""
-    from .memory import (
+    from ..memory.model import (
         ModelMemoryFacts,
         decode_transient_bytes,
         default_budget_bytes,

@@ -4,7 +4,7 @@ Configurations come from settings (COMPARE_MODELS x COMPARE_MODES), never free t
 An EnginePool keeps loaded engines resident while they fit the memory budget and unloads (truly frees) the
 least recently used ones before loading another that would not fit, saying so. Knows nothing about Gradio.
 
-CLI: python -m llm_core.compare --config nf4 --config none --prompt "Why is the sky blue?" --out compare.json
+CLI: python -m llm_core.engine.compare --config nf4 --config none --prompt "Why is the sky blue?" --out compare.json
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from .config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
-from .errors import InputError, LLMCoreError, ModelLoadError
-from .generation import ChatEngine, ReplyUpdate
-from .loading import estimate_weights_bytes, resolve_device
-from .memory import free_memory
-from .metrics import ReplyStats, format_bytes
+from ..config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
+from ..errors import InputError, LLMCoreError, ModelLoadError
+from ..loading import estimate_weights_bytes, resolve_device
+from ..memory.device import free_memory
+from ..metrics import ReplyStats, format_bytes
+from .chat import ChatEngine, ReplyUpdate
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
 MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     except LLMCoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = json.dumps({"command": " ".join(["python -m llm_core.compare", *(argv or sys.argv[1:])]),
+    text = json.dumps({"command": " ".join(["python -m llm_core.engine.compare", *(argv or sys.argv[1:])]),
                        "records": records}, indent=2, ensure_ascii=False)
     if args.out == "-":
         print(text)

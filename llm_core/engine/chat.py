@@ -22,27 +22,23 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from .batching import BatchScheduler, ReplySlots, RowKV, SessionSlots
-from .config import GenerationSettings, Settings
-from .errors import GenerationError, InputError, LLMCoreError, OutOfMemoryError, SettingsError
-from .history import FittedHistory, Turn, build_messages, clean_text, fit_history
-from .kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
-from .loading import LoadedModel, Progress, load_model
-from .memory import (
+from ..config import GenerationSettings, Settings
+from ..errors import GenerationError, InputError, LLMCoreError, OutOfMemoryError, SettingsError
+from ..history import FittedHistory, Turn, build_messages, clean_text, fit_history
+from ..loading import LoadedModel, Progress, load_model
+from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
+from ..memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
+from ..memory.model import (
     MemoryBudget,
     ModelMemoryFacts,
-    OOMInjector,
-    PeakMeter,
-    device_allocated_bytes,
-    free_memory,
-    is_oom_error,
     max_context_tokens,
     plan_reply,
     refit_reserve,
     require_fit,
     resident_extra_bytes,
 )
-from .metrics import ReplyStats, TokenClock
+from ..metrics import ReplyStats, TokenClock
+from .serving import BatchScheduler, ReplySlots, RowKV, SessionSlots
 
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
@@ -210,26 +206,26 @@ class ChatEngine:
         if mode == "plain":
             return
         try:
-            from . import fast_decode
+            from .. import fast
         except ImportError as exc:  # the fast path is optional: the plain path always works
             if mode == "fast":
                 raise SettingsError(f"DECODE_PATH=fast, but the fast decode path is unavailable: {exc}") from exc
             self.backend = self._plain_backend(f"fast path unavailable: {exc}")
             return
-        ok, reason = fast_decode.fast_path_support(self.loaded)
+        ok, reason = fast.fast_path_support(self.loaded)
         if not ok and mode == "auto":
             self.backend = self._plain_backend(reason)
             return
         if not ok and mode == "fast" and self.loaded.device.type == "cuda":
             raise SettingsError(f"DECODE_PATH=fast cannot run here: {reason}. Use DECODE_PATH=auto.")
         if not ok:  # DECODE_PATH=fast off CUDA: the same loop, eager (tests and debugging)
-            ok, why = fast_decode.fast_path_support(self.loaded, allow_cpu=True)
+            ok, why = fast.fast_path_support(self.loaded, allow_cpu=True)
             if not ok:
                 raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
-        options = fast_decode.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
-        decoder = fast_decode.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
+        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        decoder = fast.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
             nf4 = quantization == "nf4"
@@ -275,7 +271,7 @@ class ChatEngine:
     def _configure_decode(self) -> None:
         """Batched decoding (llm_core.batching) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
         reply at a time on the plain or fast path."""
-        from .batching import batching_support, default_kv_budget_bytes, make_batched_run, resolve_max_batch_size
+        from .serving import batching_support, default_kv_budget_bytes, make_batched_run, resolve_max_batch_size
 
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,

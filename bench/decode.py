@@ -13,8 +13,8 @@ Definitions, per run (one `generate` call, batch 1, min_new_tokens = max_new_tok
   a measured device-to-device copy bandwidth (bytes read + written) of the same GPU.
 Medians over repeats are reported beside each repeat's numbers.
 
-    python -m llm_core.bench --random llama-2-7b --out bench/results/x.json
-    python -m llm_core.bench --cpu-smoke --out /tmp/smoke.json
+    python -m bench.decode --random llama-2-7b --out bench/results/x.json
+    python -m bench.decode --cpu-smoke --out /tmp/smoke.json
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from typing import Any
 
 import torch
 
-from .config import GenerationSettings, Settings
-from .fast_decode import FastDecodeOptions, FastDecoder, int8_weight_fp32, is_int8_linear, kv_cache_exact_bytes
-from .loading import LoadedModel, library_versions, load_model
-from .memory import device_allocated_bytes
+from llm_core.config import GenerationSettings, Settings
+from llm_core.fast.generate import FastDecodeOptions, FastDecoder
+from llm_core.fast.support import int8_weight_fp32, is_int8_linear
+from llm_core.loading import LoadedModel, library_versions, load_model
+from llm_core.memory.device import device_allocated_bytes
+from llm_core.memory.model import kv_cache_exact_bytes
 
 RANDOM_ARCHS: dict[str, dict[str, Any]] = {
     "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -257,8 +259,8 @@ def _load_direct(settings: Any, model_id: str) -> LoadedModel:
     """The seed recipe without the demo's loader: from_pretrained with the same quantization config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .loading import LoadReport, build_quantization_config, resolve_compute_dtype, resolve_device
-    from .models import ModelSource
+    from llm_core.loading import LoadReport, build_quantization_config, resolve_compute_dtype, resolve_device
+    from llm_core.models import ModelSource
 
     device = resolve_device(settings)
     dtype = resolve_compute_dtype(settings, device)
@@ -694,7 +696,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m llm_core.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", action="append", help="HF id or local folder (repeatable)")
     src.add_argument("--random", action="append", choices=sorted(RANDOM_ARCHS),
@@ -728,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = Plan(cases, args.prompts, args.new_tokens, args.repeats, args.seed_repeats, args.variants, device,
                     args.budget_s, args.out, not args.no_profile, work, only_best_for=tuple(args.only_best_for))
     meta = {
-        "command": "python -m llm_core.bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m bench.decode " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "device": _device_name(device),
         "machine": {"host_cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "gpu_count": torch.cuda.device_count() if device.type == "cuda" else 0},

@@ -1,0 +1,1 @@
+"""Benchmarks of the product: python -m bench.<name> from the repository root (see docs/performance.md)."""

@@ -1,0 +1,844 @@
+"""Fast decode path: a static KV cache and a compiled decode step replayed as CUDA graphs; knows nothing of chat.
+
+It takes a `LoadedModel` and token ids, never text, settings files or the UI. The pipeline, named gpt-fast style:
+`pack_weights -> prefill -> decode_step -> select -> stream`.
+
+- pack_weights: the model's own tensors, read in place (no copy) from transformers modules; q/k/v and gate/up
+  are fused into one linear each by concatenating their rows. For bitsandbytes NF4 the packed 4-bit data is
+  concatenated exactly (blocks never straddle rows) and the transformers modules are re-pointed at views of the
+  fused storage, so the plain path keeps working on the same bytes and memory is not doubled. Double-quantized
+  absmax is kept exactly (per-256-block scale and offset) or, for bitsandbytes' kernel, requantized once.
+- prefill: one pass over the prompt (SDPA causal attention), writes K/V into the static cache; on CUDA each
+  layer is compiled with the prompt length dynamic (one compile for every length), eager if that fails.
+- decode_step: a hand-written llama-family layer (RMSNorm, RoPE, cache write, attention, SwiGLU) compiled once
+  with torch.compile(fullgraph=True), the attended length dynamic, then captured as one CUDA graph per length
+  bucket at warm-up. Attention is a Triton split-K kernel that reads cache rows up to the live position only.
+  Replaying a graph launches every kernel of all layers with no Python and no host sync.
+- select: repetition penalty, min-new-tokens and greedy argmax run inside the graph; sampling (temperature, top-k,
+  top-p, multinomial) runs eagerly on the device right after the replay, with a per-request generator.
+- stream: each new token is copied into pinned host memory with an event; the host reads token i after it has
+  queued step i+1 (a one-step lag), so the GPU never waits for Python and Stop halts after at most one step.
+
+On CPU the same code runs eagerly (no compile, no graphs): that is what the token-equality test exercises.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import GenerationSettings
+from ..errors import GenerationError, OutOfMemoryError
+from ..loading import LoadedModel
+from ..sampling import sample_from_scores
+from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
+from .layer import (
+    HeadSpec,
+    LayerSpec,
+    embed_prologue,
+    head_logits,
+    layer_decode,
+    layer_prefill,
+    linear_decode,
+    rms_norm,
+)
+from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOptions
+from .pack import PackedLinear, pack_linears
+from .support import Arch, fast_path_support, is_dense_linear
+from .timing import time_in_cuda_graph
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET_TOKENS = 256
+
+
+def bucket_list(cache_len: int) -> list[int]:
+    """Attention lengths the decode step is captured for: every 256 tokens to 4k, 1k to 16k, then 4k; the last
+    is the cache length. Decoding at position p uses the smallest bucket > p, so attention reads at most ~25%
+    (short) / ~6% (long contexts) more cache rows than needed."""
+    out, b = [], MIN_BUCKET_TOKENS
+    while b < cache_len:
+        out.append(b)
+        b += 256 if b < 4096 else 1024 if b < 16384 else 4096
+    out.append(cache_len)
+    return out
+
+
+@dataclass
+class _KVLayer:
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass
+class KVCacheView:
+    """Read-only view of the static cache in the layout metrics.cache_bytes reads (`layers[i].keys/values`)."""
+
+    layers: list[_KVLayer] = field(default_factory=list)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class FastDecoder:
+    """Owns the static KV cache, packed weights, compiled step and captured graphs of one loaded model.
+
+    One reply at a time (a lock). Building it re-points the model's q/k/v and gate/up weights at fused storage
+    (same values); plain `model.generate` keeps working on the same model.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, max_cache_len: int | None = None, compile: bool | None = None,
+                 options: FastDecodeOptions | None = None) -> None:
+        ok, reason = fast_path_support(loaded, allow_cpu=True)
+        if not ok:
+            raise GenerationError(f"The fast decode path cannot run for this model: {reason}.")
+        self.loaded = loaded
+        self.device = loaded.device
+        quantized = loaded.settings.quantization in ("nf4", "int8")
+        self.dtype = loaded.compute_dtype if quantized else _weights_dtype(loaded.model)
+        self.compile = self.device.type == "cuda" if compile is None else compile
+        self.use_graphs = self.compile and self.device.type == "cuda"
+        self._arch = Arch.from_model(loaded.model)
+        self.options = (options or FastDecodeOptions()).resolved(self.device, self._arch.head_dim)
+        self.reason = reason
+        self.max_cache_len = int(max_cache_len or loaded.context_length)
+        self._lock = threading.Lock()
+        self.gemv_timings_us: dict[str, float] = {}  # start-up timing of each 4-bit kernel (auto)
+        self.dense_gemv_timings_us: dict[str, float] = {}  # and of cuBLAS / llm_core.dense_gemv (dense_gemv=auto)
+        if self.options.gemv == "nf4" and self.dtype != torch.bfloat16:  # the kernel reads bf16 activations
+            self.options = replace(self.options, gemv="bnb")
+        with torch.no_grad():
+            if self.options.gemv == "auto":
+                self.options = replace(self.options, gemv=self._pick_gemv())
+            if self.options.dense_gemv == "auto":
+                self.options = replace(self.options, dense_gemv=self._pick_dense_gemv())
+            self._build_plan()
+        vocab = self._arch.vocab
+        dev = self.device
+        self._tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self._pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self._seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        self._penalty = torch.ones((), dtype=torch.float32, device=dev)
+        self._eos_bias = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        self._scores = torch.zeros(1, vocab, dtype=torch.float32, device=dev)
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._cache_len = 0
+        self._buckets: list[int] = []
+        self._graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self._host_tokens: torch.Tensor | None = None
+        self._events: list[Any] = []
+        self._cpu_tokens: dict[int, int] = {}
+        self._compiled = False
+        self.warmup_s: float | None = None
+        self.compile_cache_loaded = False
+        self.compile_s: float | None = None
+        self.capture_s: float | None = None
+        self.prefill_warm_s: float | None = None
+        self._pf_graphs: dict[int, Any] = {}  # padded prefill: one CUDA graph per bucket length
+        self._pf_pool: Any = None
+        self._pf_ids: torch.Tensor | None = None  # static inputs / outputs of the padded prefill
+        self._pf_pos: torch.Tensor | None = None
+        self._pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._pf_scores = torch.zeros(1, self._arch.vocab, dtype=torch.float32, device=self.device)
+        self._pf_tok = torch.zeros(1, dtype=torch.long, device=self.device)
+        # The last reply's prefill, for diagnostics (prefill_timing): host clock reads, and CUDA events around it
+        self._clock: dict[str, float] = {}
+        self._prefill_events: tuple[Any, Any] | None = None
+
+    # --- weights ---------------------------------------------------------------------------------------------
+    def _layer_groups(self, layer: Any) -> list[list[Any]]:
+        attn, mlp = layer.self_attn, layer.mlp
+        if self.options.fuse:
+            return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
+                    [mlp.down_proj]]
+        return [[attn.q_proj], [attn.k_proj], [attn.v_proj], [attn.o_proj], [mlp.gate_proj], [mlp.up_proj],
+                [mlp.down_proj]]
+
+    def _pick_gemv(self) -> str:
+        """The 4-bit kernel: each candidate timed on the first layer's real (fused) weights; the fastest is kept,
+        bitsandbytes' if none runs. Dense weights and CPU never get here."""
+        if self.loaded.settings.quantization != "nf4":
+            return "bnb"
+        groups = self._layer_groups(self._arch.layers[0])
+        candidates = ["bnb"] + (["nf4"] if _NF4_KERNEL_AVAILABLE and self.dtype == torch.bfloat16 else [])
+        self.gemv_timings_us = self._time_linears(
+            groups, {cand: (replace(self.options, gemv=cand), cand) for cand in candidates})
+        timings = self.gemv_timings_us
+        return min(timings, key=lambda k: timings[k]) if timings else "bnb"
+
+    def _pick_dense_gemv(self) -> str:
+        """cuBLAS or llm_core.dense_gemv for unquantized weights, timed on the first layer's dense (fused) linears,
+        or on the lm_head where the layers are quantized; the faster is kept (cuBLAS if the Triton kernel fails). Only
+        reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
+        groups = [g for g in self._layer_groups(self._arch.layers[0]) if all(is_dense_linear(m) for m in g)]
+        groups = groups or [[self._arch.lm_head]]
+        self.dense_gemv_timings_us = self._time_linears(
+            groups, {cand: (replace(self.options, dense_gemv=cand), self.options.gemv)
+                     for cand in DENSE_GEMV_KERNELS[:2]})  # cublas, triton
+        timings = self.dense_gemv_timings_us
+        return min(timings, key=lambda k: timings[k]) if timings else "cublas"
+
+    def _time_linears(self, groups: list[list[Any]], candidates: dict[str, tuple[FastDecodeOptions, str]]
+                      ) -> dict[str, float]:
+        """Microseconds per call of `groups` packed as each candidate's (options, 4-bit kernel), as the decode step
+        runs them: inside a CUDA graph (no Python launch costs), after warm-up calls that compile and autotune
+        Triton kernels outside the capture. A candidate that fails is logged and left out."""
+        timings: dict[str, float] = {}
+        for cand, (opts, gemv) in candidates.items():
+            try:
+                packed = [pack_linears(g, opts, gemv) for g in groups]
+                xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
+
+                def layer(packed: list[PackedLinear] = packed, xs: list[torch.Tensor] = xs) -> None:
+                    for p, x in zip(packed, xs, strict=True):
+                        linear_decode(p.spec, x, p.tensors)
+
+                timings[cand] = round(time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3), 2)
+            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
+                log.warning("kernel %s unavailable: %s", cand, exc)
+        return timings
+
+    def _build_plan(self) -> None:
+        a, opts = self._arch, self.options
+        gemv = opts.gemv
+        attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
+        layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
+        self._layer_specs: list[LayerSpec] = []
+        self._layer_weights: list[list[torch.Tensor]] = []
+        notes: set[str] = set()
+        dense = all(is_dense_linear(m) for layer in a.layers for g in self._layer_groups(layer) for m in g)
+        norm_in = opts.gemv_prologues and opts.fuse and dense and opts.dense_gemv == "triton"
+        for i, layer in enumerate(a.layers):
+            attn = layer.self_attn
+            packed = [pack_linears(g, opts, gemv) for g in self._layer_groups(layer)]
+            notes.update(p.note for p in packed if p.note)
+            next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
+            if norm_in:  # each layer applies its own input norm; the head the final one
+                next_norm = layer.input_layernorm
+            rest = [layer.post_attention_layernorm.weight, next_norm.weight]
+            qk_eps = None
+            if a.qk_norm:
+                rest += [attn.q_norm.weight, attn.k_norm.weight]
+                qk_eps = float(_eps(attn.q_norm))
+            spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
+                              float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
+                              tuple(p.spec for p in packed), opts.fuse, attention, norm_in)
+            self._layer_specs.append(layer_specs.setdefault(spec, spec))
+            self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
+        lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
+        self._head_spec = HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)), norm_in, float(_eps(a.norm)))
+        self._lm_tensors = lm.tensors + ([a.norm.weight.detach()] if norm_in else [])
+        self._embed = a.embed.weight.detach()
+        self._norm0 = a.layers[0].input_layernorm.weight.detach()
+        self.notes = sorted(notes)
+        self._make_functions()
+
+    def _make_functions(self) -> None:
+        """Closures over static specs; compiled once each (all layers share one spec, hence one graph)."""
+        head_spec, rotary = self._head_spec, self._arch.rotary
+
+        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor, norm0: torch.Tensor) -> Any:
+            return embed_prologue(head_spec, rotary, tok, pos, embed, norm0)
+
+        def head(hn: torch.Tensor, lm: list[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
+                 eos_bias: torch.Tensor) -> Any:
+            return head_logits(head_spec, hn, lm, seen, penalty, eos_bias)
+
+        layer_fns: dict[int, Callable[..., Any]] = {}
+        for spec in self._layer_specs:
+            if id(spec) not in layer_fns:
+                layer_fns[id(spec)] = _bind_layer(spec)
+        prefill_fns: dict[int, Callable[..., Any]] = {}
+        for spec in self._layer_specs:
+            if id(spec) not in prefill_fns:
+                prefill_fns[id(spec)] = _bind_prefill(spec)
+        self._prologue_fn: Callable[..., Any] = prologue
+        self._head_fn: Callable[..., Any] = head
+        self._layer_fns: list[Callable[..., Any]] = [layer_fns[id(s)] for s in self._layer_specs]
+        self._prefill_eager_fns: list[Callable[..., Any]] = [prefill_fns[id(s)] for s in self._layer_specs]
+        self._prefill_fns = self._prefill_eager_fns
+        self._prefill_compiled_ok = False
+        if self.compile:
+            compiled: dict[int, Callable[..., Any]] = {}
+            self._prologue_fn = self._compile(prologue)
+            self._head_fn = self._compile(head)
+            self._layer_fns = [compiled.setdefault(id(fn), self._compile(fn)) for fn in self._layer_fns]
+            if self.options.compile_prefill:
+                self._prefill_fns = [compiled.setdefault(id(fn), self._compile(fn)) for fn in self._prefill_fns]
+                self._prefill_compiled_ok = True
+
+    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        backend = self.options.compile_backend
+        if backend == "inductor":
+            # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
+            return torch.compile(fn, fullgraph=True, options={"assert_indirect_indexing": False})
+        return torch.compile(fn, fullgraph=True, backend=backend)
+
+    @property
+    def weights_bytes_per_token(self) -> int:
+        """Bytes of weights the decode step reads per token (all linears, norms, lm_head; one embedding row)."""
+        seen: set[int] = set()
+        total = 0
+        for tensors in [*self._layer_weights, self._lm_tensors]:
+            for t in tensors:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
+        return total + self._arch.hidden * self._embed.element_size()
+
+    @property
+    def norm_in_gemv(self) -> bool:
+        """Whether the layers run their norms, SiLU and residual adds inside llm_core.dense_gemv."""
+        return self._layer_specs[0].norm_in_gemv
+
+    def kv_bytes_per_token(self) -> int:
+        a = self._arch
+        return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def cache(self) -> KVCacheView | None:
+        if self._k is None or self._v is None:
+            return None
+        return KVCacheView([_KVLayer(self._k[i], self._v[i]) for i in range(self._k.shape[0])])
+
+    @property
+    def cache_len(self) -> int:
+        return self._cache_len
+
+    def describe(self) -> dict[str, Any]:
+        spec = self._layer_specs[0]
+        return {
+            "options": asdict(self.options), "compiled": self.compile, "cuda_graphs": self.use_graphs,
+            "linear_formats": [f"{s.fmt}/{s.absmax}/{s.gemv}" for s in spec.linears],
+            "linears_per_layer": len(spec.linears), "notes": self.notes, "cache_len": self._cache_len,
+            "buckets": len(self._buckets), "weights_bytes_per_token": self.weights_bytes_per_token,
+            "kv_bytes_per_token": self.kv_bytes_per_token(), "warmup_s": self.warmup_s,
+            "compile_s": self.compile_s, "capture_s": self.capture_s,
+            "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
+            "dense_gemv_timings_us": self.dense_gemv_timings_us,
+            "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
+            "norm_in_gemv": self.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
+            "graph_pool_idle_bytes": self.graph_pool_idle_bytes(),
+        }
+
+    def graph_pool_idle_bytes(self) -> int:
+        """Device bytes the CUDA graph pools (decode steps, padded prefills) hold with no live tensor in them: kept
+        for the replays, so no other allocation can use them, yet memory_allocated leaves them out. 0 off CUDA."""
+        pools = {tuple(p) for p in (self._pool, self._pf_pool) if p is not None}
+        if self.device.type != "cuda" or not pools:
+            return 0
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return sum(int(seg["total_size"]) - int(seg["allocated_size"]) for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools)
+
+    # --- cache, capture, warm-up -----------------------------------------------------------------------------
+    def resize_cache(self, tokens: int) -> None:
+        """Allocate the static cache for `tokens` (rounded up to 16) and capture its buckets; frees the old one."""
+        tokens = _round_up(max(int(tokens), 1), 16)
+        if tokens > self.max_cache_len:
+            raise GenerationError(f"{tokens:,} tokens exceed the fast path's cache limit ({self.max_cache_len:,}).")
+        with self._lock, torch.no_grad():
+            self._allocate(tokens)
+
+    def _allocate(self, tokens: int) -> None:
+        a = self._arch
+        self._graphs.clear()
+        self._pf_graphs.clear()  # their pool goes with them: freed before the new cache is allocated
+        self._pf_pool = None
+        self._k = self._v = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._cache_len = tokens
+        self._buckets = bucket_list(tokens)
+        if self.device.type == "cuda":
+            self._host_tokens = torch.zeros(tokens + 1, dtype=torch.long, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(3)]
+        if self.options.prefill_graph_tokens:
+            top = _round_up(self.options.prefill_graph_tokens, PREFILL_BUCKET_TOKENS)
+            self._pf_ids = torch.zeros(top, dtype=torch.long, device=self.device)
+            self._pf_pos = torch.arange(top, device=self.device)
+        if self.use_graphs:
+            t0 = time.perf_counter()
+            self._capture_all()
+            try:
+                self._capture_prefill()
+            except Exception as exc:  # noqa: BLE001 - e.g. the compiled prefill failing: it has an eager fallback
+                log.warning("Prefill graphs not captured: %s: %s", type(exc).__name__, exc)
+                self.notes.append(f"prefill graphs off ({type(exc).__name__})")
+                self._pf_graphs.clear()
+                self._pf_ids = None
+                self._sync()
+            self.capture_s = round(time.perf_counter() - t0, 3)
+
+    def warmup(self, cache_tokens: int | None = None) -> float:
+        """Compile and capture everything a first reply needs: the cache for `cache_tokens` (default
+        max_cache_len) and a graph for each of its attention buckets. Returns seconds."""
+        t0 = time.perf_counter()
+        with self._lock, torch.no_grad():
+            cache_file = self._compile_cache_file()
+            if self.compile and cache_file is not None and cache_file.is_file():
+                self.compile_cache_loaded = _load_compile_artifacts(cache_file)
+            if self.compile and not self._compiled:
+                t1 = time.perf_counter()
+                self._allocate_plain(_round_up(min(self.max_cache_len, MIN_BUCKET_TOKENS), 16))
+                self._warm_step(self._cache_len)  # compiles prologue, layer(s), head with a dynamic length
+                self._sync()
+                self.compile_s = round(time.perf_counter() - t1, 3)
+                self._compiled = True
+            self._allocate(_round_up(min(cache_tokens or self.max_cache_len, self.max_cache_len), 16))
+            self._warm_prefill_and_sampling()
+            if self.compile and cache_file is not None:
+                _save_compile_artifacts(cache_file)
+        self.warmup_s = round(time.perf_counter() - t0, 3)
+        return self.warmup_s
+
+    def _allocate_plain(self, tokens: int) -> None:
+        a = self._arch
+        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
+        self._graphs.clear()
+        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._cache_len = tokens
+        self._buckets = bucket_list(tokens)
+
+    def _warm_prefill_and_sampling(self) -> None:
+        ids = torch.arange(min(8, self._cache_len - 2), device=self.device) % self._arch.vocab
+        self._seen.zero_()
+        t0 = time.perf_counter()
+        try:
+            scores, _ = self._prefill(ids)
+        except Exception as exc:  # noqa: BLE001 - the eager prefill is always there; say why it is used
+            if not self._prefill_compiled_ok:
+                raise
+            log.warning("Compiled prefill unavailable (%s: %s); the prefill runs eagerly.", type(exc).__name__, exc)
+            self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
+            self._prefill_compiled_ok = False
+            scores, _ = self._prefill(ids)
+        self.prefill_warm_s = round(time.perf_counter() - t0, 3)
+        sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
+                           torch.Generator(device=self.device))
+        self._sync()
+
+    def _compile_cache_file(self) -> Path | None:
+        if not self.compile or self.options.compile_backend != "inductor":
+            return None
+        try:
+            from .models import default_cache_dir
+
+            root = default_cache_dir(self.loaded.settings) / "compile"
+        except Exception:  # noqa: BLE001 - the compile cache is an optimisation; never fail warm-up for it
+            return None
+        import transformers
+
+        key = json.dumps({
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "config": self.loaded.model.config.to_json_string(use_diff=False),
+            "options": asdict(self.options), "dtype": str(self.dtype),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "specs": repr(sorted({repr(s) for s in self._layer_specs})), "head": repr(self._head_spec),
+        }, sort_keys=True)
+        return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.bin"
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _views(self, bucket: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        assert self._k is not None and self._v is not None
+        ks = [self._k[i, :bucket] for i in range(self._k.shape[0])]
+        vs = [self._v[i, :bucket] for i in range(self._v.shape[0])]
+        if self.compile:
+            for t in (*ks, *vs):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        return ks, vs
+
+    def _step(self, bucket: int) -> None:
+        """One decode step on the static buffers: feed _tok at _pos, write scores/next token, advance _pos."""
+        ks, vs = self._views(bucket)
+        self._seen.index_fill_(0, self._tok, True)
+        h, hn, cos, sin = self._prologue_fn(self._tok, self._pos, self._embed, self._norm0)
+        for fn, w, kc, vc in zip(self._layer_fns, self._layer_weights, ks, vs, strict=True):
+            h, hn = fn(h, hn, cos, sin, self._pos, kc, vc, w)
+        scores, nxt = self._head_fn(hn, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        self._scores.copy_(scores)
+        self._tok.copy_(nxt)
+        self._pos.add_(1)
+
+    def _warm_step(self, bucket: int) -> None:
+        self._tok.zero_()
+        self._pos.zero_()
+        self._step(bucket)
+
+    def _capture_all(self) -> None:
+        """Warm each bucket (first-call autotuning happens outside capture), then capture one graph per bucket."""
+        self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for bucket in self._buckets:
+                self._warm_step(bucket)
+                self._warm_step(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        for bucket in self._buckets:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._step(bucket)
+            self._graphs[bucket] = graph
+        self._sync()
+
+    def _prefill_buckets(self) -> list[int]:
+        """Padded prefill lengths that fit the cache (multiples of PREFILL_BUCKET_TOKENS, up to the option)."""
+        top = min(self.options.prefill_graph_tokens, self._cache_len)
+        return list(range(PREFILL_BUCKET_TOKENS, top + 1, PREFILL_BUCKET_TOKENS))
+
+    def _capture_prefill(self) -> None:
+        """One graph per padded prefill length, warmed twice first (outside capture) like the decode buckets. A
+        length whose capture fails is left to the compiled prefill (and said in the notes)."""
+        buckets = self._prefill_buckets()
+        if not buckets:
+            return
+        self._pf_pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side), _prefill_attention_scope(self.options.prefill_attention, self.device):
+            for bucket in buckets:
+                self._pf_last.fill_(bucket - 1)
+                self._padded_prefill(bucket)
+                self._padded_prefill(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._sync()
+        for bucket in buckets:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with _prefill_attention_scope(self.options.prefill_attention, self.device), \
+                        torch.cuda.graph(graph, pool=self._pf_pool):
+                    self._padded_prefill(bucket)
+            except Exception as exc:  # noqa: BLE001 - the compiled prefill still serves this length
+                log.warning("Prefill graph for %d tokens not captured: %s: %s", bucket, type(exc).__name__, exc)
+                self.notes.append(f"prefill graphs off from {bucket} tokens ({type(exc).__name__})")
+                break
+            self._pf_graphs[bucket] = graph
+        self._sync()
+
+    def _run_step(self, bucket: int) -> None:
+        graph = self._graphs.get(bucket)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._step(bucket)
+
+    def _bucket_for(self, length: int) -> int:
+        return self._buckets[bisect.bisect_left(self._buckets, length)]
+
+    # --- prefill -----------------------------------------------------------------------------------------------
+    def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (P,) -> (scores (1, V), greedy token (1,)); fills cache rows 0..P-1. Marks prompt tokens as seen."""
+        assert self._k is not None and self._v is not None
+        total = ids.numel()
+        self._seen.index_fill_(0, ids, True)
+        chunk = self.options.prefill_chunk_tokens or total
+        bucket = _round_up(total, PREFILL_BUCKET_TOKENS)
+        if self._pf_ids is not None and chunk >= total and bucket in self._prefill_buckets():
+            # right-padded to the bucket: static ids, the last real row picked on the device
+            self._pf_ids[:total].copy_(ids)
+            self._pf_ids[total:bucket].fill_(0)  # any id: causal attention keeps real rows blind to it
+            self._pf_last.fill_(total - 1)
+            graph = self._pf_graphs.get(bucket)
+            if graph is not None:
+                graph.replay()
+            else:
+                with _prefill_attention_scope(self.options.prefill_attention, self.device):
+                    self._padded_prefill(bucket)
+            return self._pf_scores, self._pf_tok
+        with _prefill_attention_scope(self.options.prefill_attention, self.device):
+            hn_last = self._prefill_layers(ids, total, chunk)
+        return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+
+    def _padded_prefill(self, bucket: int) -> None:
+        """The prefill over _pf_ids[:bucket] on static buffers (capturable): cache rows 0..bucket-1, then the head on
+        row _pf_last, into _pf_scores / _pf_tok."""
+        assert self._pf_ids is not None and self._pf_pos is not None
+        hn = self._prefill_pass(self._pf_ids[:bucket], self._pf_pos[:bucket], 0)
+        last = hn[0].index_select(0, self._pf_last)  # (1, H): the last real token's row
+        scores, nxt = self._head_fn(last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        self._pf_scores.copy_(scores)
+        self._pf_tok.copy_(nxt)
+
+    def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
+        hn_last = None
+        for start in range(0, total, chunk):
+            part = ids[start:start + chunk]
+            pos = torch.arange(start, start + part.numel(), device=self.device)
+            hn = self._prefill_pass(part, pos, start)
+            hn_last = hn[:, -1].clone()  # (1, H) contiguous: the same input layout as the decode step
+        assert hn_last is not None
+        return hn_last
+
+    def _prefill_pass(self, ids: torch.Tensor, pos: torch.Tensor, start: int) -> torch.Tensor:
+        """Every layer over ids (S,) at positions pos (S,) = start..start+S-1: cache rows written; returns the
+        last layer's hn (1, S, H) (un-normed h where the layers fuse their norms)."""
+        assert self._k is not None and self._v is not None
+        h = F.embedding(ids, self._embed)[None]
+        cos, sin = self._arch.rotary(h, pos[None])
+        hn = rms_norm(h, self._norm0, self._head_spec.eps0)
+        fns = self._prefill_fns if self._prefill_compiled_ok and ids.numel() > 1 else self._prefill_eager_fns
+        for i, (fn, w) in enumerate(zip(fns, self._layer_weights, strict=True)):
+            if fns is self._prefill_fns:
+                for t in (h, hn, cos, sin):
+                    torch._dynamo.maybe_mark_dynamic(t, 1)
+                for t in (self._k[i], self._v[i]):
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            h, hn = fn(h, hn, cos, sin, start, self._k[i], self._v[i], w)
+        return hn
+
+    # --- generate --------------------------------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                 streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
+                 min_new_tokens: int = 0) -> torch.Tensor:
+        """Like model.generate for batch 1: returns (1, P+N) ids. streamer.put(prompt) first, then each new token
+        as it is produced (one step behind the GPU), then streamer.end(), also on stop or error."""
+        try:  # warm-up's grad mode whatever the caller's: tensors made under inference_mode carry other dispatch
+            # keys, and dynamo would recompile the prefill, head and prologue inside the first reply
+            with self._lock, torch.inference_mode(False), torch.no_grad():
+                new = self._generate(input_ids, attention_mask, gen, streamer, stop_event, max_new_tokens,
+                                     min_new_tokens)
+            tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device).view(1, -1)
+            return torch.cat([input_ids, tail], dim=1)
+        except torch.cuda.OutOfMemoryError as exc:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise OutOfMemoryError("The GPU ran out of memory in the fast decode path; lower max new tokens or the "
+                                   "history length and try again.") from exc
+        finally:
+            if streamer is not None:
+                streamer.end()
+
+    def _prompt_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise GenerationError(f"The fast decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
+        ids = input_ids[0]
+        if attention_mask is not None and not bool(attention_mask.all()):
+            keep = attention_mask[0].bool()
+            first = int(keep.nonzero()[0]) if bool(keep.any()) else ids.numel()
+            if not bool(keep[first:].all()):
+                raise GenerationError("The fast decode path supports left padding only.")
+            ids = ids[first:]
+        if ids.numel() == 0:
+            raise GenerationError("The prompt is empty.")
+        return ids.to(self.device)
+
+    def _eos_ids(self) -> list[int]:
+        eos = getattr(self.loaded.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.loaded.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int
+                  ) -> list[int]:
+        clock = {"entry": time.perf_counter()}
+        self._clock = clock
+        ids = self._prompt_ids(input_ids, attention_mask)
+        prompt_len, limit = ids.numel(), int(max_new_tokens)
+        if limit < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        need = prompt_len + limit
+        if need > self.max_cache_len:
+            raise GenerationError(f"The prompt ({prompt_len:,} tokens) plus max new tokens ({limit:,}) exceed the "
+                                  f"fast path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
+        if need > self._cache_len:  # only after resize_cache() shrank it: allocation and capture, never compile
+            log.warning("Fast decode cache grows to %d tokens inside a reply (capture only).", need)
+            self._allocate(_round_up(need, 16))
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        eos = set(self._eos_ids())
+        self._seen.zero_()
+        self._penalty.fill_(float(gen.repetition_penalty))
+        self._eos_bias.zero_()
+        if min_new_tokens > 0 and eos:
+            self._eos_bias[list(eos)] = float("-inf")
+        generator = None
+        if gen.do_sample:
+            generator = torch.Generator(device=self.device)
+            if gen.seed is not None:
+                generator.manual_seed(int(gen.seed))
+            else:
+                generator.seed()
+        events = self._prefill_events
+        if events is None and self.device.type == "cuda":
+            events = self._prefill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        clock["prefill_start"] = time.perf_counter()
+        if events is not None:
+            events[0].record()
+        scores, nxt = self._prefill(ids)
+        if events is not None:
+            events[1].record()
+        clock["prefill_launched"] = time.perf_counter()
+        if gen.do_sample:
+            nxt = sample_from_scores(scores, gen, generator)
+        self._tok.copy_(nxt)
+        self._pos.fill_(prompt_len)
+        out: list[int] = []
+        self._publish(0)
+        for i in range(1, limit + 1):
+            launched = i < limit and not stop_event.is_set()
+            if launched:  # queue step i (it produces token i) before reading token i-1 back
+                if min_new_tokens and i == min_new_tokens:
+                    self._eos_bias.zero_()
+                self._run_step(self._bucket_for(prompt_len + i))
+                if gen.do_sample:
+                    self._tok.copy_(sample_from_scores(self._scores, gen, generator))
+                self._publish(i)
+            token = self._collect(i - 1)
+            out.append(token)
+            if i == 1:
+                clock["first_token"] = time.perf_counter()
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if token in eos or not launched or stop_event.is_set():
+                break
+        return out
+
+    def _publish(self, index: int) -> None:
+        """Start copying the current token (device) to the host; index = its place among the new tokens."""
+        if self._host_tokens is not None and self.device.type == "cuda":
+            self._host_tokens[index:index + 1].copy_(self._tok, non_blocking=True)
+            self._events[index % len(self._events)].record()
+        else:
+            self._cpu_tokens[index] = int(self._tok.item())
+
+    def _collect(self, index: int) -> int:
+        if self._host_tokens is not None and self.device.type == "cuda":
+            self._events[index % len(self._events)].synchronize()
+            return int(self._host_tokens[index])
+        return self._cpu_tokens.pop(index)
+
+    # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
+    def prefill_timing(self) -> dict[str, float | None]:
+        """Where the last reply's first token came from, in seconds (after it: the events have completed by then).
+        entry_to_prefill_s: generate() entered -> prefill launch begins (prompt checks, streamer, buffers);
+        prefill_launch_s: host time launching the prefill and head (waits inside count, e.g. a synchronizing op);
+        prefill_gpu_s: device time from the prefill's first kernel to the head's last (CUDA events; None on CPU);
+        first_token_s: generate() entered -> token 0 read back on the host."""
+        c = self._clock
+        if "prefill_launched" not in c:
+            return {}
+        gpu = None
+        if self._prefill_events is not None:
+            self._prefill_events[1].synchronize()
+            gpu = self._prefill_events[0].elapsed_time(self._prefill_events[1]) / 1e3
+        return {"entry_to_prefill_s": c["prefill_start"] - c["entry"],
+                "prefill_launch_s": c["prefill_launched"] - c["prefill_start"], "prefill_gpu_s": gpu,
+                "first_token_s": c["first_token"] - c["entry"] if "first_token" in c else None}
+
+    def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: scores (1 + len(forced), V) fp32 for the last prompt position and after feeding each
+        forced token through the decode step (graphs on CUDA). Repetition penalty off; for logit agreement."""
+        ids = self._prompt_ids(input_ids, None)
+        need = ids.numel() + len(forced) + 1
+        with self._lock, torch.no_grad():
+            if need > self._cache_len:
+                self._allocate(_round_up(need, 16))
+            self._seen.zero_()
+            self._penalty.fill_(1.0)
+            self._eos_bias.zero_()
+            rows = [self._prefill(ids)[0].clone()]
+            self._pos.fill_(ids.numel())
+            for j, token in enumerate(forced):
+                self._tok.fill_(int(token))
+                self._run_step(self._bucket_for(ids.numel() + j + 1))
+                rows.append(self._scores.clone())
+            return torch.cat(rows, 0)
+
+    def time_decode_steps(self, context_tokens: int, steps: int) -> float:
+        """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
+        with self._lock, torch.no_grad():
+            if context_tokens + steps > self._cache_len:
+                self._allocate(_round_up(context_tokens + steps, 16))
+            self._pos.fill_(context_tokens)
+            self._sync()
+            t0 = time.perf_counter()
+            for i in range(steps):
+                self._run_step(self._bucket_for(context_tokens + i + 1))
+            self._sync()
+            return (time.perf_counter() - t0) / steps
+
+
+def _prefill_attention_scope(choice: str, device: torch.device) -> Any:
+    """The SDPA backends the prefill may use (FastDecodeOptions.prefill_attention). Set around tracing and every
+    call alike: a compiled prefill keeps the backend chosen when it was traced."""
+    if choice == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _bind_prefill(spec: LayerSpec) -> Callable[..., Any]:
+    def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, w: list[torch.Tensor]) -> Any:
+        return layer_prefill(spec, h, hn, cos, sin, start, k_cache, v_cache, w)
+
+    return layer
+
+
+def _bind_layer(spec: LayerSpec) -> Callable[..., Any]:
+    def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+              k_cache: torch.Tensor, v_cache: torch.Tensor, w: list[torch.Tensor]) -> Any:
+        return layer_decode(spec, h, hn, cos, sin, pos, k_cache, v_cache, w)
+
+    return layer
+
+
+def _eps(norm: Any) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    return float(eps if eps is not None else getattr(norm, "eps", 1e-6))
+
+
+def _weights_dtype(model: Any) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _load_compile_artifacts(path: Path) -> bool:
+    try:
+        torch.compiler.load_cache_artifacts(path.read_bytes())
+        return True
+    except Exception as exc:  # noqa: BLE001 - a stale or foreign cache only costs a recompile
+        log.warning("Ignoring compile cache %s: %s", path, exc)
+        return False
+
+
+def _save_compile_artifacts(path: Path) -> None:
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            return
+        data = saved[0]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("Could not save the compile cache to %s: %s", path, exc)

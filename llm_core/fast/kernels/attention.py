@@ -1,0 +1,116 @@
+"""Triton split-K decode attention (flash-decoding): one query token over the cache rows up to its position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...errors import GenerationError
+
+try:  # the decode attention kernel needs Triton (shipped with CUDA builds of PyTorch); CPU-only installs skip it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_l, stride_h,
+                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+        """Flash-decoding, step 1: program (kv head h, split s) attends the G query heads of h to cache rows
+        [s*chunk, min((s+1)*chunk, pos+1)); writes unnormalized output, running max and sum. Rows after pos are
+        never read, whatever the captured bucket length."""
+        h = tl.program_id(0)
+        sp = tl.program_id(1)
+        length = tl.load(pos_ptr).to(tl.int32) + 1
+        gi = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        qmask = gi < G
+        q = tl.load(q_ptr + (h * G + gi)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        start = sp * chunk
+        end = tl.minimum(start + chunk, length)
+        for off in range(start, end, BLOCK_L):
+            li = off + tl.arange(0, BLOCK_L)
+            lmask = li < end
+            kv = li[:, None] * stride_l + h * stride_h + d[None, :]
+            k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(lmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        row = sp * (HKV * G) + h * G + gi
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+        tl.store(m_ptr + row, m_i, mask=qmask)
+        tl.store(l_ptr + row, l_i, mask=qmask)
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, nsplit, HQ: tl.constexpr, D: tl.constexpr,
+                             SP: tl.constexpr):
+        """Flash-decoding, step 2: merge the splits of one query head (log-sum-exp weights)."""
+        r = tl.program_id(0)
+        sp = tl.arange(0, SP)
+        smask = sp < nsplit
+        m = tl.load(m_ptr + sp * HQ + r, mask=smask, other=float("-inf"))
+        lsum = tl.load(l_ptr + sp * HQ + r, mask=smask, other=0.0)
+        w = tl.exp(m - tl.max(m, axis=0))
+        d = tl.arange(0, D)
+        o = tl.load(o_ptr + (sp[:, None] * HQ + r) * D + d[None, :], mask=smask[:, None], other=0.0)
+        out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
+        tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+
+    @torch.library.custom_op("llm_core::decode_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+        length, hkv, dim = k.shape
+        hq = q.shape[0]
+        chunk, nsplit = _attention_splits(length, hkv, k.device)
+        o = torch.empty(nsplit, hq, dim, dtype=torch.float32, device=q.device)
+        m = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
+        lsum = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
+        groups = hq // hkv
+        if k.stride() != v.stride() or k.stride(2) != 1:
+            raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
+        _attn_split_kernel[(hkv, nsplit)](q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1),
+                                          HKV=hkv, G=groups,
+                                          GP=max(16, triton.next_power_of_2(groups)), D=dim,
+                                          BLOCK_L=ATTENTION_BLOCK, IEEE=q.dtype == torch.float32)
+        out = torch.empty(hq, dim, dtype=q.dtype, device=q.device)
+        _attn_combine_kernel[(hq,)](o, m, lsum, out, nsplit, HQ=hq, D=dim, SP=triton.next_power_of_2(nsplit))
+        return out
+
+    @_decode_attention_op.register_fake
+    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
+
+
+ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
+
+def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
+    """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    target = max(1, -(-4 * sms // kv_heads))
+    chunk = max(ATTENTION_BLOCK, _round_up(-(-length // target), ATTENTION_BLOCK))
+    return chunk, -(-length // chunk)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,289 @@
+"""The hand-written llama-family layer in decode (one token) and prefill (the prompt) form, and the head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .pack import LinSpec, absmax_2d, bias_of, code_of
+
+
+def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ W.T for one row x (1, K) and NF4 weights W (N, K), in torch ops that inductor fuses into a single
+    reduction kernel: packed (N, K/2) uint8 (high nibble first), absmax (N, K/blocksize) fp32, code (16,) fp32."""
+    n, k2 = packed.shape
+    nblk = absmax.shape[1]
+    per = k2 // nblk  # bytes per block
+    p = packed.view(n, nblk, per)
+    xf = x.float().view(nblk, per, 2)
+    hi = code[(p >> 4).to(torch.int32)]
+    lo = code[(p & 15).to(torch.int32)]
+    y = ((hi * xf[:, :, 0] + lo * xf[:, :, 1]) * absmax[:, :, None]).sum(dim=(1, 2))
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).view(1, n)
+
+
+def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x (1, K) -> (1, N) in the decode step."""
+    if spec.fmt == "int8" or spec.gemv == "dense-triton":
+        return dense_gemv_linear(spec, x, ts)
+    if spec.fmt == "dense":
+        if spec.gemv == "dense-reduce":  # one fused reduction kernel per linear (fp32 accumulate), not cuBLAS
+            bias = bias_of(spec, ts)
+            y = (ts[0].float() * x.float()).sum(-1)
+            return (y if bias is None else y + bias.float()).to(x.dtype).view(1, -1)
+        return F.linear(x, ts[0], bias_of(spec, ts))
+    if spec.gemv == "bnb":
+        packed = ts[0].view(-1, 1)
+        if spec.absmax == "fp32":
+            return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[1].view(-1), spec.blocksize,
+                                                    "nf4", bias_of(spec, ts))
+        if not spec.uniform_offset:
+            return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], absmax_2d(spec, ts).view(-1),
+                                                    spec.blocksize, "nf4", bias_of(spec, ts))
+        return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4",
+                                                bias_of(spec, ts), ts[1], ts[4], ts[5])
+    if spec.gemv == "nf4":  # llm_core.nf4_gemv: NF4 table in registers, nested absmax read in place
+        if spec.absmax == "fp32":
+            return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
+                                               spec.blocksize, False, list(spec.levels))
+        return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
+                                           spec.blocksize, True, list(spec.levels))
+    return nf4_matvec_torch(x, ts[0], absmax_2d(spec, ts), code_of(spec, ts), bias_of(spec, ts))
+
+
+def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does for 4-bit
+    weights; for int8 it quantizes the activations instead, LLM.int8, which the fast path does not)."""
+    if spec.fmt == "dense":
+        return F.linear(x, ts[0], bias_of(spec, ts))
+    if spec.fmt == "int8":  # compiled: one kernel writes the scaled half-precision copy
+        return F.linear(x, (ts[0].float() * ts[1][:, None]).to(x.dtype), bias_of(spec, ts))
+    absmax = absmax_2d(spec, ts).reshape(-1)
+    w = torch.ops.bitsandbytes.dequantize_4bit(ts[0].view(-1, 1), absmax, spec.blocksize, "nf4",
+                                               [spec.n, spec.k], x.dtype)
+    return F.linear(x, w, bias_of(spec, ts))
+
+
+def dense_gemv_linear(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], *,
+                      residual: torch.Tensor | None = None,
+                      norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
+    """llm_core.dense_gemv with its prologue (norm or glu) and residual epilogue; x (1, K) -> (1, N). int8 weights
+    pass their row scales (the kernel widens the int8 rows in registers and scales each row once)."""
+    row_scale = ts[1] if spec.fmt == "int8" else None
+    return torch.ops.llm_core.dense_gemv(x, ts[0], bias_of(spec, ts), residual, norm, eps, glu, row_scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op (fp32 statistics, weight applied in the input dtype)."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# --- the layer, in decode (one token) and prefill (the prompt) form ------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    eps_post: float
+    eps_next: float  # of the norm in rest[1]: the next layer's input norm, or this layer's own (norm_in_gemv)
+    qk_norm_eps: float | None
+    linears: tuple[LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
+    fused: bool
+    attention: str  # triton (custom kernel) | reduce (torch, written for inductor) | matmul (torch, eager)
+    # Dense triton weights, fused projections: the layer takes and returns the residual stream un-normed; its input
+    # norm (rest[1]) and post-attention norm run inside the qkv and gate/up kernels, SiLU-and-multiply inside the
+    # down kernel, the residual adds in the o and down kernels' epilogues (llm_core.dense_gemv)
+    norm_in_gemv: bool = False
+
+
+def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Cut the flat weight list of a layer into per-linear lists (the rest: norms, see _layer_weights)."""
+    out, i = [], 0
+    for lin in spec.linears:
+        count = tensor_count(lin)
+        out.append(list(w[i:i + count]))
+        i += count
+    out.append(list(w[i:]))
+    return out
+
+
+def tensor_count(lin: LinSpec) -> int:
+    base = {"dense": 1, "int8": 2}.get(lin.fmt) or (3 if lin.absmax == "fp32" else 7)
+    return base + int(lin.bias)
+
+
+def _project_qkv(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]],
+                 linear: Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    if spec.fused:
+        qkv = linear(spec.linears[0], x, lins[0])
+        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
+        return q, k, v, 1
+    return (linear(spec.linears[0], x, lins[0]), linear(spec.linears[1], x, lins[1]),
+            linear(spec.linears[2], x, lins[2]), 3)
+
+
+def _mlp(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], first: int,
+         linear: Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    if spec.fused:
+        gate, up = linear(spec.linears[first], x, lins[first]).split(list(spec.linears[first].splits), dim=-1)
+        down = first + 1
+    else:
+        gate = linear(spec.linears[first], x, lins[first])
+        up = linear(spec.linears[first + 1], x, lins[first + 1])
+        down = first + 2
+    return linear(spec.linears[down], F.silu(gate) * up, lins[down])
+
+
+def decode_attention(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      pos: torch.Tensor) -> torch.Tensor:
+    """One query token over the cache prefix. q (H, D); k/v_cache (L, Hkv, D), rows after pos masked -> (1, H*D).
+
+    Compiled form: broadcast products and reductions in fp32 (no repeat_kv copy, no fp32 copy of the cache) that
+    inductor fuses into a few kernels. Eager form (CPU): the same math as two batched matmuls."""
+    if spec.attention == "triton":
+        out = torch.ops.llm_core.decode_attention(q, k_cache, v_cache, pos, spec.scale)
+        return out.reshape(1, spec.n_heads * spec.head_dim)
+    groups = spec.n_heads // spec.n_kv_heads
+    length = k_cache.shape[0]
+    valid = torch.arange(length, device=q.device) <= pos  # (L,)
+    if spec.attention == "reduce":
+        qf = q.float().view(1, spec.n_kv_heads, groups, spec.head_dim)
+        scores = (qf * k_cache.float()[:, :, None, :]).sum(-1) * spec.scale  # (L, Hkv, G)
+        scores = scores.masked_fill(~valid[:, None, None], float("-inf"))
+        probs = torch.softmax(scores, dim=0)
+        out = (probs[..., None] * v_cache.float()[:, :, None, :]).sum(0)  # (Hkv, G, D)
+    else:
+        qf = q.float().view(spec.n_kv_heads, groups, spec.head_dim)
+        scores = torch.matmul(qf, k_cache.float().permute(1, 2, 0)) * spec.scale  # (Hkv, G, L)
+        probs = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+        out = torch.matmul(probs, v_cache.float().transpose(0, 1))  # (Hkv, G, D)
+    return out.reshape(1, spec.n_heads * spec.head_dim).to(q.dtype)
+
+
+def layer_decode(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, w: Sequence[torch.Tensor]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer for one token. h: residual (1, H); hn: h after this layer's input norm; cos/sin (1, D);
+    pos (1,) int64 position of the token; k/v_cache (L, Hkv, D) prefix of this layer's cache (written at pos).
+    Returns (h, next layer's normed input) so the next input norm fuses with this layer's last residual add."""
+    lins = _split_linears(spec, w)
+    rest = lins[-1]  # [post_attention_layernorm.weight, next (or, norm_in_gemv, own input) norm weight, (q/k_norm)]
+    if spec.norm_in_gemv:  # h arrives un-normed: the input norm is the qkv kernel's prologue (hn is not used)
+        qkv = dense_gemv_linear(spec.linears[0], h, lins[0], norm=rest[1], eps=spec.eps_next)
+        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
+        used = 1
+    else:
+        q, k, v, used = _project_qkv(spec, hn, lins, linear_decode)
+    q = q.view(spec.n_heads, spec.head_dim)
+    k = k.view(spec.n_kv_heads, spec.head_dim)
+    v = v.view(spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:
+        q, k = rms_norm(q, rest[2], spec.qk_norm_eps), rms_norm(k, rest[3], spec.qk_norm_eps)
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    k_cache.index_copy_(0, pos, k[None])
+    v_cache.index_copy_(0, pos, v[None])
+    attn = decode_attention(spec, q, k_cache, v_cache, pos)
+    if spec.norm_in_gemv:
+        h = dense_gemv_linear(spec.linears[1], attn, lins[1], residual=h)
+        gate_up = dense_gemv_linear(spec.linears[2], h, lins[2], norm=rest[0], eps=spec.eps_post)
+        h = dense_gemv_linear(spec.linears[3], gate_up, lins[3], residual=h, glu=True)
+        return h, h
+    h = h + linear_decode(spec.linears[used], attn, lins[used])
+    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_decode)
+    return h, rms_norm(h, rest[1], spec.eps_next)
+
+
+def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   start: int, k_cache: torch.Tensor, v_cache: torch.Tensor, w: Sequence[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same layer over a chunk of S prompt tokens at positions start..start+S-1. h, hn (1, S, H);
+    cos/sin (1, S, D); k/v_cache (L, Hkv, D) full cache of this layer."""
+    lins = _split_linears(spec, w)
+    rest = lins[-1]
+    seq = h.shape[1]
+    if spec.norm_in_gemv:  # the layer's own input norm (rest[1]); it returns h un-normed, as its decode form does
+        hn = rms_norm(h, rest[1], spec.eps_next)
+    q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill)
+    q = q.view(1, seq, spec.n_heads, spec.head_dim)
+    k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
+    v = v.view(1, seq, spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:
+        q, k = rms_norm(q, rest[2], spec.qk_norm_eps), rms_norm(k, rest[3], spec.qk_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, S, D)
+    c, s = cos[:, None], sin[:, None]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    k_cache[start:start + seq].copy_(k[0].transpose(0, 1))
+    v_cache[start:start + seq].copy_(v[0].transpose(0, 1))
+    groups = spec.n_heads // spec.n_kv_heads
+    if start == 0:
+        keys, values, mask, causal = k, v, None, True
+    else:  # a later chunk attends to everything cached so far (bottom-right aligned causal mask)
+        end = start + seq
+        keys = k_cache[:end].transpose(0, 1)[None]
+        values = v_cache[:end].transpose(0, 1)[None]
+        mask = (torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
+        causal = False
+    if groups > 1 and h.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)
+        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
+        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
+        gqa: dict[str, Any] = {}
+    else:
+        gqa = {"enable_gqa": True} if groups > 1 else {}
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, **gqa)
+    attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
+    h = h + linear_prefill(spec.linears[used], attn, lins[used])
+    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_prefill)
+    return h, (h if spec.norm_in_gemv else rms_norm(h, rest[1], spec.eps_next))
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    lm: LinSpec
+    eps0: float
+    norm: bool = False  # layers hand over the residual un-normed (norm_in_gemv): the head applies the final norm,
+    eps_final: float = 0.0  # whose weight is the last of its tensors (inside the lm_head kernel when dense triton)
+
+
+def embed_prologue(spec: HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+              norm0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """tok, pos (1,) -> residual h (1, H), first layer's normed input, cos/sin (1, D) from the model's own RoPE."""
+    h = F.embedding(tok, embed)
+    cos, sin = rotary(h[None], pos[None])
+    return h, rms_norm(h, norm0, spec.eps0), cos[0], sin[0]
+
+
+def head_logits(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
+          eos_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final-normed hidden (1, H) -> scores (1, V) fp32 after repetition penalty and min-new-tokens EOS ban (as
+    transformers' processors compute them), and the greedy token (1,)."""
+    if spec.norm:
+        lm, final = lm[:-1], lm[-1]
+        if spec.lm.gemv == "dense-triton":
+            logits = dense_gemv_linear(spec.lm, hn, lm, norm=final, eps=spec.eps_final).float()
+        else:
+            logits = linear_decode(spec.lm, rms_norm(hn, final, spec.eps_final), lm).float()
+    else:
+        logits = linear_decode(spec.lm, hn, lm).float()
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    scores = torch.where(seen, penalized, logits) + eos_bias
+    return scores, scores.argmax(-1)

@@ -1,0 +1,91 @@
+"""How the decode step is built: FastDecodeOptions and the choices it resolves on a device."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..config import DEFAULT_PREFILL_GRAPH_TOKENS
+from ..errors import GenerationError
+from .kernels.attention import triton
+from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
+from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
+
+GEMV_KERNELS = ("bnb", "nf4", "torch")
+DENSE_GEMV_KERNELS = ("cublas", "triton", "reduce")
+ABSMAX_MODES = ("keep", "fp32", "requant")
+PREFILL_BUCKET_TOKENS = 64  # padded prefill lengths: multiples of this (FastDecodeOptions.prefill_graph_tokens)
+
+
+@dataclass(frozen=True)
+class FastDecodeOptions:
+    """How the decode step is built. Defaults pick the fastest measured choice (see docs/fast_decode.md)."""
+
+    # 4-bit matrix-vector kernel: auto (time bnb and nf4 on the first layer at start-up inside a CUDA graph, keep
+    # the faster) | nf4 (llm_core.nf4_gemv: Triton, NF4 table in registers; bf16 activations, CUDA only) | bnb
+    # (bitsandbytes' gemm_4bit) | torch (inductor-generated). Two earlier Triton kernels that read the table from
+    # L1 (slower than bnb: bench/results/2026-11-30-h200-decode.json, runs 1-2) were removed once nf4 replaced them.
+    gemv: str = "auto"
+    fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
+    absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
+    attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
+    # Unquantized weights at one token: auto (time cublas and triton on the first layer at start-up inside a CUDA
+    # graph, keep the faster) | cublas (F.linear) | triton (llm_core.dense_gemv: no split-K; CPU runs its torch
+    # reference) | reduce (an inductor-generated reduction; slower, kept for the record). int8 weights always take
+    # llm_core.dense_gemv (with row scales): cuBLAS has no int8-weight x half-activation product
+    dense_gemv: str = "auto"
+    # With triton dense weights and fused projections: each layer's two RMSNorms, the SiLU-and-multiply and both
+    # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels.
+    # Off by default: measured slower on an H200 (Llama-2-7B bf16: 248.3 vs 256.6 tok/s; each program redoes the
+    # prologue over all of K, which costs more than the ~100 kernels per step it removes; 2026-11-30-h200-decode)
+    gemv_prologues: bool = False
+    compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
+    prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
+    compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails
+    # Prompts up to this many tokens are prefilled right-padded to a multiple of PREFILL_BUCKET_TOKENS, from one
+    # CUDA graph per bucket captured at warm-up (0 = off; CPU runs the padded form eagerly). Why: the compiled
+    # prefill is host-launch-bound (H200, Llama-2-7B, 512 tokens: 11.1 ms bf16 / 19.0 ms NF4 of kernels back to
+    # back, 17-28 / 21-43 ms to launch them; bench/results/2026-11-30-h200-prefill-probe.json), so TTFT is the
+    # host's launch time and inherits its jitter. Causal attention keeps the real tokens blind to the padding, whose
+    # K/V rows beyond the prompt are overwritten by the decode before any step reads them. Measured with graphs:
+    # 10.8 / 18.4 ms, no spread (2026-11-30-h200-prefill-probe.json, run 2). Cost: the graphs' memory pool holds the
+    # largest bucket's activations for good (FastDecoder.graph_pool_idle_bytes; counted by the memory guard).
+    prefill_graph_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS
+    # Prompt attention (SDPA) backends on CUDA: "flash" = flash / memory-efficient / math, never cuDNN, whose
+    # per-shape execution plans live in a per-thread cache (every new prompt length, and every thread, would build
+    # one inside the reply) | "auto" = PyTorch's own choice. PyTorch 2.11 already picks flash attention here
+    # (bench/results/2026-11-30-h200-ttft-probe.json); "flash" keeps it so whatever a later version prefers.
+    prefill_attention: str = "flash"
+
+    def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
+        if self.gemv not in ("auto", *GEMV_KERNELS):
+            raise GenerationError(f"Unknown gemv kernel {self.gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
+        if self.dense_gemv not in ("auto", *DENSE_GEMV_KERNELS):
+            raise GenerationError(f"Unknown dense gemv {self.dense_gemv!r}; choose one of "
+                                  f"{', '.join(DENSE_GEMV_KERNELS)}.")
+        if self.prefill_attention not in ("flash", "auto"):
+            raise GenerationError(f"Unknown prefill attention {self.prefill_attention!r}; choose flash or auto.")
+        if self.absmax not in ABSMAX_MODES:
+            raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
+        triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
+        gemv = self.gemv
+        if gemv == "nf4" and not (_NF4_KERNEL_AVAILABLE and device.type == "cuda"):  # PTX inside: CUDA only
+            gemv = "bnb"
+        if gemv == "auto" and (device.type != "cuda" or not triton_ok):
+            gemv = "bnb"  # on CPU: the same kernel as the plain path
+        dense = self.dense_gemv
+        if dense == "auto" and not (device.type == "cuda" and _DENSE_KERNEL_AVAILABLE):
+            dense = "cublas"  # CPU: F.linear
+        attention = self.attention
+        pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        if attention == "auto":
+            attention = "triton" if triton_ok and pow2 else "torch"
+        if attention == "triton" and not (triton_ok and pow2):
+            attention = "torch"
+        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense)
+
+
+def _triton_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
