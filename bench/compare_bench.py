@@ -181,10 +181,10 @@ class Probe:
             self.prepared = out
             return out
 
-        def run(prepared: Any, gen: Any, streamer: Any, *args: Any, **kwargs: Any) -> Any:
+        def run(prepared: Any, streamer: Any, *args: Any, **kwargs: Any) -> Any:
             self.decode_start = time.perf_counter()
             self.clock_start = streamer.clock.start_s  # the reply's TTFT clock: the engine received the request
-            return inner_run(prepared, gen, streamer, *args, **kwargs)
+            return inner_run(prepared, streamer, *args, **kwargs)
 
         engine.prepare = prepare  # type: ignore[method-assign]
         engine.backend.run = run
@@ -457,7 +457,7 @@ class CompareBench:
         path = engine.backend.name
         if path not in ("fast", "plain"):
             raise RuntimeError(f"decode path {path!r}: this benchmark measures one reply at a time (MAX_BATCH_SIZE=1)")
-        decoder = getattr(engine, "_fast_decoder", None) if path == "fast" else None
+        decoder = engine.fast_decoder if path == "fast" else None
         if path == "fast" and decoder is None:
             raise RuntimeError("the engine reports the fast path but holds no FastDecoder")
         self.rec.add("load", **base, quantization=report.quantization, double_quant=report.double_quant,

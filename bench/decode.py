@@ -39,8 +39,9 @@ from typing import Any
 
 import torch
 
+from bench.variants import DENSE_VARIANTS, INT8_VARIANTS, NF4_VARIANTS
 from llm_core.config import GenerationSettings, Settings
-from llm_core.fast.generate import FastDecodeOptions, FastDecoder
+from llm_core.fast import FastDecodeOptions, FastDecoder
 from llm_core.fast.support import int8_weight_fp32, is_int8_linear
 from llm_core.loading import LoadedModel, library_versions, load_model
 from llm_core.memory.device import device_allocated_bytes
@@ -53,35 +54,6 @@ RANDOM_ARCHS: dict[str, dict[str, Any]] = {
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5),
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5),
-}
-# Steps of the fast path measured on NF4 (each a FastDecodeOptions); the fastest becomes "ours".
-NF4_VARIANTS: dict[str, FastDecodeOptions] = {
-    "auto": FastDecodeOptions(),  # what the demo runs: kernel timed at start-up, fused, double quant kept, prefill
-    # from CUDA graphs
-    "auto-eagerprefill": FastDecodeOptions(compile_prefill=False),
-    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),  # prefill compiled, launched per reply
-    "nf4-fused-dq": FastDecodeOptions(gemv="nf4", fuse=True, absmax="keep"),
-    "nf4-fused-dqoff": FastDecodeOptions(gemv="nf4", fuse=True, absmax="fp32"),
-    "bnb-unfused-dq": FastDecodeOptions(gemv="bnb", fuse=False, absmax="keep"),
-    "bnb-fused-dq-requant": FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant"),
-    "bnb-fused-dqoff": FastDecodeOptions(gemv="bnb", fuse=True, absmax="fp32"),
-    "torch-fused-dq": FastDecodeOptions(gemv="torch", fuse=True, absmax="keep"),
-    "torch-fused-dqoff": FastDecodeOptions(gemv="torch", fuse=True, absmax="fp32"),
-    "torch-unfused-dq": FastDecodeOptions(gemv="torch", fuse=False, absmax="keep"),
-    "bnb-fused-dq-requant-torchattn": FastDecodeOptions(gemv="bnb", fuse=True, absmax="requant", attention="torch"),
-}
-DENSE_VARIANTS: dict[str, FastDecodeOptions] = {
-    "auto": FastDecodeOptions(),  # what the demo runs: cuBLAS or llm_core.dense_gemv timed at start-up, fused
-    "dense-fused-triton": FastDecodeOptions(fuse=True, dense_gemv="triton", gemv_prologues=True),  # norms, SiLU,
-    "dense-fused-triton-noprologue": FastDecodeOptions(fuse=True, dense_gemv="triton"),  # residuals in the kernel
-    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),
-    "dense-fused-cublas": FastDecodeOptions(fuse=True, dense_gemv="cublas"),
-    "dense-fused-cublas-torchattn": FastDecodeOptions(fuse=True, dense_gemv="cublas", attention="torch"),
-    "dense-fused-reduce": FastDecodeOptions(fuse=True, dense_gemv="reduce"),
-}
-INT8_VARIANTS: dict[str, FastDecodeOptions] = {  # int8 layers always take llm_core.dense_gemv with row scales
-    "auto": FastDecodeOptions(),
-    "auto-compiledprefill": FastDecodeOptions(prefill_graph_tokens=0),
 }
 # Logit agreement bound stated before measuring (bf16 compute, different kernels and fusion order).
 AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}

@@ -42,20 +42,18 @@ def spin_cycles_per_ms(device: torch.device) -> int:
 
 def time_prefill(decoder: Any, ids: torch.Tensor, sleep_cycles: int) -> dict[str, float | None]:
     cuda = ids.device.type == "cuda"
-    decoder._sync()
+    decoder.sync()
     events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else None
     if cuda and sleep_cycles:
         torch.cuda._sleep(sleep_cycles)
     t0 = time.perf_counter()
     if events is not None:
         events[0].record()
-    with decoder._lock, torch.no_grad():
-        decoder._seen.zero_()
-        decoder._prefill(ids)
+    decoder.prefill_only(ids)
     if events is not None:
         events[1].record()
     host = time.perf_counter() - t0
-    decoder._sync()
+    decoder.sync()
     total = time.perf_counter() - t0
     gpu = events[0].elapsed_time(events[1]) / 1e3 if events is not None else None
     return {"host_launch_s": host, "device_s": gpu, "until_done_s": total}
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = args.prompt_tokens if device.type == "cuda" else 32
     t0 = time.perf_counter()
     engine, _ = load_engine(arch, args.quantization, prompt + 192, device, args.work_dir, args.prefill_graph_tokens)
-    decoder = getattr(engine, "_fast_decoder", None)
+    decoder = engine.fast_decoder
     if decoder is None:
         raise SystemExit(f"no fast path: {engine.backend.reason}")
     ids = torch.randint(3, 500, (prompt,), generator=torch.Generator().manual_seed(0)).to(device)

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     engine, _ = load_engine(args.random, args.quantization, args.context + 192, device, args.work_dir)
-    decoder = engine._fast_decoder
+    decoder = engine.fast_decoder
     wall = [decoder.time_decode_steps(args.context, args.steps) for _ in range(3)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decoder.time_decode_steps(args.context, args.steps)

@@ -32,8 +32,8 @@ import torch
 from bench.compare_bench import prompt_ids, prompt_text
 from bench.decode import RANDOM_ARCHS, make_random_checkpoint
 from llm_core.config import Settings
-from llm_core.engine.chat import ChatEngine
-from llm_core.fast.generate import FastDecoder
+from llm_core.engine.chat import ChatEngine, FastBackend
+from llm_core.fast import FastDecoder
 from llm_core.loading import library_versions
 
 
@@ -45,9 +45,7 @@ def _sync(device: torch.device) -> None:
 def timed_prefill(decoder: FastDecoder, ids: torch.Tensor) -> float:
     _sync(ids.device)
     t0 = time.perf_counter()
-    with decoder._lock, torch.no_grad():
-        decoder._seen.zero_()
-        decoder._prefill(ids)
+    decoder.prefill_only(ids)
     _sync(ids.device)
     return time.perf_counter() - t0
 
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     text = prompt_text(words)
     ids = torch.tensor(words, device=device)
     gen = replace(settings.generation, max_new_tokens=32, min_new_tokens=32).validate()
-    engine_decoder = engine._fast_decoder
+    engine_decoder = engine.fast_decoder
     for choice in ("flash", "auto"):
         t1 = time.perf_counter()
         if choice == engine_decoder.options.prefill_attention:
@@ -172,9 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             decoder = FastDecoder(engine.loaded, max_cache_len=engine_decoder.max_cache_len,
                                   options=replace(engine_decoder.options, prefill_attention=choice))
             decoder.warmup()
-            engine._fast_decoder = decoder
-            engine.backend.run = lambda p, g, s, e, c, d=decoder: d.generate(
-                p.input_ids, p.attention_mask, g, s, e, p.max_new_tokens, min_new_tokens=g.min_new_tokens)
+            engine.backend = FastBackend(decoder, engine.backend.reason)
         rec: dict[str, Any] = {"setup_s": round(time.perf_counter() - t1, 2)}
         ttfts = []
         for _ in range(args.repeats + 1):  # the first reply at this length is listed, not left out

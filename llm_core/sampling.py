@@ -1,29 +1,73 @@
-"""The one sampler: transformers' warpers in its order (temperature, top-k, top-p), then multinomial."""
+"""The one sampler of every decode loop we own (fast and batched): transformers' own logits processors, built the
+way `generate` builds them, then argmax or multinomial. The plain path is `generate` itself, so all three agree.
+
+Knows nothing of models or caches: it takes (1, vocab) float32 scores and the request's sampling options.
+"""
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
-
-from .config import GenerationSettings
-
-
-def sample_from_scores(scores: torch.Tensor, gen: GenerationSettings, generator: torch.Generator | None
-                       ) -> torch.Tensor:
-    """transformers' warpers in its order (temperature, top-k, top-p), then multinomial. scores (1, V) -> (1,)."""
-    if gen.temperature != 1.0:
-        scores = scores / gen.temperature
-    if gen.top_k:
-        top_k = min(gen.top_k, scores.shape[-1])
-        kth = torch.topk(scores, top_k)[0][..., -1, None]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if gen.top_p < 1.0:
-        sorted_logits, sorted_idx = torch.sort(scores, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - gen.top_p)
-        remove[..., -1:] = False
-        scores = scores.masked_fill(remove.scatter(1, sorted_idx, remove), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).view(1)
+from transformers import (
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
-# --- the decoder ---------------------------------------------------------------------------------------------
+class SamplingParams(Protocol):
+    """What the sampler reads of GenerationSettings (or the batched path's per-row options)."""
+
+    @property
+    def do_sample(self) -> bool: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    @property
+    def top_p(self) -> float: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+
+def logits_processors(params: SamplingParams, *, penalty: bool = True) -> LogitsProcessorList:
+    """generate's processors for these options, in its order: repetition penalty (unless the caller applies it,
+    as the fast path does inside its graph), then the warpers temperature, top-k, top-p (only when sampling)."""
+    processors = LogitsProcessorList()
+    if penalty and params.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(params.repetition_penalty)))
+    if params.do_sample:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(float(params.temperature)))
+        if params.top_k:
+            processors.append(TopKLogitsWarper(top_k=int(params.top_k)))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=float(params.top_p)))
+    return processors
+
+
+def next_token(scores: torch.Tensor, do_sample: bool, processors: LogitsProcessorList,
+               seen: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """scores (1, V) float32 -> the next token id (1,): the processors (seen: (1, T) ids the penalty reads), then
+    multinomial over the softmax when sampling, else argmax."""
+    if len(processors):
+        ids = seen if seen is not None else _NO_IDS.to(scores.device)
+        scores = processors(ids, scores)  # type: ignore[arg-type]  # LongTensor is a typing-only alias
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).view(1)
+    return scores.argmax(dim=-1).view(1)
+
+
+def sample_from_scores(scores: torch.Tensor, params: Any, generator: torch.Generator | None) -> torch.Tensor:
+    """The warpers (no penalty: the scores have it) and multinomial. scores (1, V) -> (1,)."""
+    return next_token(scores, True, logits_processors(params, penalty=False), None, generator)
+
+
+_NO_IDS = torch.zeros((1, 0), dtype=torch.long)  # the warpers never read input ids; a constant, never written

@@ -44,7 +44,7 @@ def test_min_new_tokens_holds_eos_back_on_the_plain_and_fast_paths(tiny_checkpoi
     if decode_path == "fast":  # the model panel says what runs, not the auto path's "plain generate is used"
         assert "DECODE_PATH=fast on CPU" in engine.backend.reason and "plain" not in engine.backend.reason
         # its memory prediction counts the preallocated static cache, which is all of max_cache_len
-        assert engine.memory_facts.static_kv_tokens == engine._fast_decoder.cache_len > 0
+        assert engine.memory_facts.static_kv_tokens == engine.fast_decoder.cache_len > 0
     gen = replace(settings.generation, max_new_tokens=6, repetition_penalty=1.0)
     message = "t5 t6 t7 t8 t9 t30 t31"
     free = last(engine.stream_chat(message, [], gen=gen, history_turns=0, system_prompt=None))

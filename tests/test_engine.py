@@ -184,7 +184,7 @@ def test_out_of_memory_in_the_worker_becomes_a_clear_error(fp32_engine: ChatEngi
 def test_a_stalled_worker_cannot_hang_the_caller(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     released = threading.Event()
 
-    def stall(prepared: Any, gen: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def stall(prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
         stop_event.wait(30)  # never produces a token; honours stop like the real loops do
         released.set()
 
@@ -257,7 +257,7 @@ def test_the_model_panel_names_the_4bit_kernel_of_the_fast_path() -> None:
     assert engine.backend.name == "fast"
     assert "4-bit kernel: bnb" in engine.report.decode_path_reason  # what the Model panel prints
     # PREFILL_GRAPH_TOKENS reaches the decoder: its padded prefill buffer covers the setting (graphs on CUDA only)
-    decoder = engine._fast_decoder
+    decoder = engine.fast_decoder
     assert decoder.options.prefill_graph_tokens == 128 and decoder._pf_ids is not None
     assert decoder._pf_ids.numel() == 128 and decoder.describe()["prefill_graphs"] == []
 

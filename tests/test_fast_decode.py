@@ -173,29 +173,23 @@ def test_compiled_step_traces_as_one_graph_and_keeps_the_tokens(fp32: LoadedMode
     assert fast(dec, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
 
 
-@pytest.mark.parametrize("prologues", [True, False])
-def test_triton_dense_layer_form_keeps_generate_tokens(fp32: LoadedModel, prologues: bool) -> None:
-    """dense_gemv="triton" runs llm_core.dense_gemv (its torch reference on CPU) through the decode layer. With
-    prologues the layer hands the residual on un-normed: its input and post-attention norms, SiLU-and-multiply and
-    both residual adds happen inside the op, and the head applies the final norm. Greedy tokens equal generate's,
-    also traced by dynamo (fullgraph, backend eager)."""
-    opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=prologues)
+def test_triton_dense_layer_form_keeps_generate_tokens(fp32: LoadedModel) -> None:
+    """dense_gemv="triton" runs llm_core.dense_gemv (its torch reference on CPU) through the decode layer: greedy
+    tokens equal generate's, also traced by dynamo (fullgraph, backend eager)."""
+    opts = FastDecodeOptions(dense_gemv="triton")
     dec = FastDecoder(fp32, compile=False, max_cache_len=512, options=opts)
     dec.warmup()
     described = dec.describe()
-    assert described["norm_in_gemv"] is prologues
     assert all(f == "dense/none/dense-triton" for f in described["linear_formats"])
     for prompt in ("capital", "primes"):
         ids, mask = encode(fp32, PROMPTS[prompt])
         want = reference(fp32, ids, mask, NEW_TOKENS, repetition_penalty=1.05)
         assert fast(dec, ids, mask, NEW_TOKENS, GenerationSettings(repetition_penalty=1.05)) == want
-    if prologues:
-        traced = FastDecoder(fp32, compile=True, max_cache_len=512,
-                             options=FastDecodeOptions(dense_gemv="triton", gemv_prologues=True,
-                                                       compile_backend="eager"))
-        traced.warmup()
-        ids, mask = encode(fp32, PROMPTS["capital"])
-        assert fast(traced, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
+    traced = FastDecoder(fp32, compile=True, max_cache_len=512,
+                         options=FastDecodeOptions(dense_gemv="triton", compile_backend="eager"))
+    traced.warmup()
+    ids, mask = encode(fp32, PROMPTS["capital"])
+    assert fast(traced, ids, mask, 8) == reference(fp32, ids, mask, 8, repetition_penalty=1.05)
 
 
 def test_padded_prefill_keeps_the_scores_and_the_tokens(fp32: LoadedModel) -> None:
@@ -425,12 +419,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str) -> None:
     """Compiled step in CUDA graphs vs the same step eager, teacher-forced on the same tokens (a random tiny llama,
     so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16, in
-    bf16 (the *-triton cases force llm_core.dense_gemv with its prologues in the graphs; eager runs cuBLAS) and in
+    bf16 (the *-triton cases force llm_core.dense_gemv in the graphs; eager runs cuBLAS) and in
     int8 + fp16 (llm_core.dense_gemv with row scales in both)."""
     from bench.decode import load, make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
-    forced_opts = FastDecodeOptions(dense_gemv="triton", gemv_prologues=True) if quantization.endswith(
+    forced_opts = FastDecodeOptions(dense_gemv="triton") if quantization.endswith(
         "triton") else None
     dtype = {"none": "float32", "none-triton": "float32", "int8": "float16"}.get(quantization, "bfloat16")
     quantization = quantization if quantization in ("nf4", "int8") else "none"
@@ -445,7 +439,7 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     graphs = FastDecoder(loaded, max_cache_len=512, options=forced_opts)
     graphs.warmup()
     if forced_opts is not None:
-        assert graphs.norm_in_gemv is True
+        assert graphs.options.dense_gemv == "triton"
     got = graphs.forced_scores(ids, forced)
     bound = 1e-4 if dtype == "float32" else 2e-2
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= bound

@@ -16,8 +16,8 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
@@ -57,10 +57,13 @@ class ReplyUpdate:
 
 @dataclass(frozen=True)
 class PreparedPrompt:
+    """A request ready for a backend: the prompt ids and the generation settings resolved for it (max_new_tokens
+    is what the memory plan allows, min_new_tokens at most that), so no backend chooses between two values."""
+
     fitted: FittedHistory
     input_ids: torch.Tensor  # (1, prompt_tokens) on the model's device
     attention_mask: torch.Tensor  # (1, prompt_tokens)
-    max_new_tokens: int
+    gen: GenerationSettings
     notes: tuple[str, ...] = ()
     kv_cache: str = "dynamic"
     predicted: Any = None  # memory.PeakPrediction for prompt + max_new_tokens
@@ -148,17 +151,77 @@ class WorkerThreads:
                 del job  # thread waits for the next one, that must not keep an unloaded model's memory alive
 
 
-@dataclass
-class DecodeBackend:
-    """The loop that produces tokens: plain `model.generate`, or the fast static-cache path."""
+class DecodeBackend(Protocol):
+    """The loop that produces tokens for one prepared prompt: plain `generate`, the fast static-cache path, or the
+    batch scheduler. `run` streams token ids into `streamer` until EOS, prepared.gen.max_new_tokens or `stop_event`.
+    `make_cache` gives the object whose bytes the stats report; `cache_at_start`: whether run() needs it passed in
+    (the fast path's is its static cache, viewed only for the final stats, so the view costs nothing in TTFT)."""
 
     name: str
     reason: str
-    run: Callable[..., Any]  # (prepared, gen, streamer, stop_event, cache) -> None
-    make_cache: Callable[[], Any] = field(default=lambda: None)
-    # Whether run() needs the cache object before the reply; the fast path's is its static cache, viewed only for
-    # the final stats (building the view, 70 us for 30 layers on CPU, would count in TTFT; it is made at the end).
+    cache_at_start: bool
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None: ...
+
+    def make_cache(self) -> Any: ...
+
+
+@dataclass
+class PlainBackend:
+    """transformers' `generate` with a dynamic (or quantized/offloaded) cache; chunked prefill when configured."""
+
+    loaded: LoadedModel
+    reason: str
+    prefill_chunk_tokens: int | None
+    oom_injector: OOMInjector
+    name: str = "plain"
     cache_at_start: bool = True
+
+    def make_cache(self) -> Any:
+        return make_cache("dynamic", self.loaded.model)
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+        model, gen = self.loaded.model, prepared.gen
+        self.oom_injector.check("prefill")
+        chunk = self.prefill_chunk_tokens
+        if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
+            prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
+        stop = _StopOnEvent(stop_event, on_step=lambda: self.oom_injector.check("decode"))
+        kwargs: dict[str, Any] = dict(
+            input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
+            max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
+            repetition_penalty=gen.repetition_penalty, streamer=streamer, use_cache=True,
+            stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=_pad_id(self.loaded),
+        )
+        if cache is not None:
+            kwargs[cache_kwarg(model)] = cache
+        if gen.min_new_tokens:
+            kwargs["min_new_tokens"] = gen.min_new_tokens
+        if gen.do_sample:
+            kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+            if gen.seed is not None:
+                torch.manual_seed(gen.seed)
+        else:  # greedy: neutralise sampling defaults from the model's generation_config
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        model.generate(**kwargs)
+
+
+@dataclass
+class FastBackend:
+    """llm_core.fast: static KV cache, compiled step replayed as CUDA graphs (eager on CPU)."""
+
+    decoder: Any  # llm_core.fast.FastDecoder (imported lazily: the fast path is optional)
+    reason: str
+    name: str = "fast"
+    cache_at_start: bool = False
+
+    def make_cache(self) -> Any:
+        return self.decoder.cache
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+        gen = prepared.gen
+        self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
+                              gen.max_new_tokens, min_new_tokens=gen.min_new_tokens)
 
 
 class ChatEngine:
@@ -176,9 +239,10 @@ class ChatEngine:
         self._fit_cache: dict[tuple[ModelMemoryFacts, int, int, str, int | None], int] = {}
         self._stops: dict[str, threading.Event] = {}
         self._stops_lock = threading.Lock()
-        self.backend = self._plain_backend("DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
-        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
         self.oom_injector = OOMInjector()  # tests arm it to prove OOM recovery; never fires otherwise
+        self.backend: DecodeBackend = self._plain_backend(
+            "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
+        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
         self.memory_facts = ModelMemoryFacts.from_loaded(loaded)
         budget = settings.memory.budget_bytes
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
@@ -195,11 +259,8 @@ class ChatEngine:
             engine.warmup(progress)
         return engine
 
-    def _plain_backend(self, reason: str) -> DecodeBackend:
-        return DecodeBackend("plain", reason, self._run_plain, self._dynamic_cache)
-
-    def _dynamic_cache(self) -> Any:
-        return make_cache("dynamic", self.loaded.model)
+    def _plain_backend(self, reason: str) -> PlainBackend:
+        return PlainBackend(self.loaded, reason, self.settings.memory.prefill_chunk_tokens or None, self.oom_injector)
 
     def _select_backend(self) -> None:
         mode = self.settings.model.decode_path
@@ -233,20 +294,11 @@ class ChatEngine:
             timed = ", ".join(f"{k} {v:.0f} µs" for k, v in timings.items())
             reason += (f"; 4-bit kernel: {decoder.options.gemv}" if nf4 else
                        f"; matrix-vector kernel: {decoder.options.dense_gemv}") + (
-                f" (per layer: {timed})" if timed else "") + (
-                "; norms, SiLU and residual adds fused into it" if decoder.norm_in_gemv else "")
+                f" (per layer: {timed})" if timed else "")
         elif quantization == "int8":
             reason += ("; int8 weights read by a Triton matrix-vector kernel with their row scales, activations "
                        "kept in float16 (weight-only: no LLM.int8 activation quantization or outlier split)")
-
-        def run_fast(prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
-                     stop_event: threading.Event, cache: Any) -> None:
-            decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
-                             prepared.max_new_tokens, min_new_tokens=min(gen.min_new_tokens, prepared.max_new_tokens))
-
-        self.backend = DecodeBackend("fast", reason, run_fast, lambda: getattr(decoder, "cache", None),
-                                     cache_at_start=False)
-        self._fast_decoder = decoder
+        self.backend = FastBackend(decoder, reason)
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
@@ -261,17 +313,22 @@ class ChatEngine:
         return max(256, min(self.loaded.context_length, fits + max_new))
 
     @property
+    def fast_decoder(self) -> Any | None:
+        """The llm_core.fast FastDecoder when the fast path serves replies, else None."""
+        return self.backend.decoder if isinstance(self.backend, FastBackend) else None
+
+    @property
     def context_limit(self) -> int:
         """Tokens one reply (prompt + new tokens) may span: the model's context, or the fast path's cache."""
-        decoder = getattr(self, "_fast_decoder", None)
-        if decoder is not None and self.backend.name == "fast":
+        decoder = self.fast_decoder
+        if decoder is not None:
             return min(self.loaded.context_length, int(decoder.max_cache_len))
         return self.loaded.context_length
 
     def _configure_decode(self) -> None:
         """Batched decoding (llm_core.batching) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
         reply at a time on the plain or fast path."""
-        from .serving import batching_support, default_kv_budget_bytes, make_batched_run, resolve_max_batch_size
+        from .serving import BatchedBackend, batching_support, default_kv_budget_bytes, resolve_max_batch_size
 
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
@@ -287,9 +344,8 @@ class ChatEngine:
             kv_budget_bytes=default_kv_budget_bytes(loaded, size, self.memory_budget.budget_bytes, self.memory_facts),
             cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(_eos_ids(loaded)),
             cache_kwarg=cache_kwarg(loaded.model))
-        run, make_cache = make_batched_run(self.scheduler)
-        self.backend = DecodeBackend("batched", f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch",
-                                     run, make_cache)
+        self.backend = BatchedBackend(self.scheduler,
+                                      f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
         self._lock = ReplySlots(size)
         self._workers.grow(size)
 
@@ -308,7 +364,7 @@ class ChatEngine:
         say = progress or (lambda _m: None)
         say(f"Warming up ({self.backend.name} decode path)…")
         t0 = time.perf_counter()
-        decoder = getattr(self, "_fast_decoder", None)
+        decoder = self.fast_decoder
         if decoder is not None:
             decoder.warmup()
             after = device_allocated_bytes(self.loaded.device)
@@ -400,8 +456,10 @@ class ChatEngine:
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
         fit_tokens = self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
+        allowed = plan.allowed_new_tokens
+        resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
-                              plan.allowed_new_tokens, notes, gen.kv_cache, plan.predicted,
+                              resolved, notes, gen.kv_cache, plan.predicted,
                               min(fit_tokens, budget_tokens))
 
     def _context_fit(self, max_new_tokens: int, kv_mode: str, chunk: int | None) -> int:
@@ -449,11 +507,10 @@ class ChatEngine:
                 if not is_oom_error(exc):
                     raise
                 raise self._translate(exc) from exc
-            yield from self._stream(prepared, gen, request_id, start_s)
+            yield from self._stream(prepared, request_id, start_s)
 
-    def _stream(self, prepared: PreparedPrompt, gen: GenerationSettings, request_id: str,
-                start_s: float) -> Iterator[ReplyUpdate]:
-        loaded = self.loaded
+    def _stream(self, prepared: PreparedPrompt, request_id: str, start_s: float) -> Iterator[ReplyUpdate]:
+        loaded, gen = self.loaded, prepared.gen
         stop_event = threading.Event()
         with self._stops_lock:
             self._stops[request_id] = stop_event
@@ -474,7 +531,7 @@ class ChatEngine:
         )
         if backend is self._plain:
             cache = make_cache(prepared.kv_cache, self.loaded.model,
-                               capacity_tokens=stats.prompt_tokens + prepared.max_new_tokens)
+                               capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)
         else:
             cache = backend.make_cache() if backend.cache_at_start else None  # else _final_stats makes it
         errors: list[BaseException] = []
@@ -482,7 +539,7 @@ class ChatEngine:
         def work() -> None:
             try:
                 with torch.inference_mode():
-                    backend.run(prepared, gen, streamer, stop_event, cache)
+                    backend.run(prepared, streamer, stop_event, cache)
             except BaseException as exc:  # relayed to the caller below, never swallowed
                 errors.append(exc)
                 streamer.end()
@@ -534,7 +591,7 @@ class ChatEngine:
         elif clock.token_ids and clock.token_ids[-1] in eos_ids:
             reason = "eos"
         else:
-            reason = "length" if count >= prepared.max_new_tokens else "eos"
+            reason = "length" if count >= prepared.gen.max_new_tokens else "eos"
         if isinstance(cache, RowKV):  # batched: this reply's row of the shared cache
             kv = cache.nbytes
         else:
@@ -549,32 +606,6 @@ class ChatEngine:
             decode_bandwidth_bytes_per_s=(rate * loaded.report.weights_bytes) if rate else None,
             **measured,
         )
-
-    def _run_plain(self, prepared: PreparedPrompt, gen: GenerationSettings, streamer: Any,
-                   stop_event: threading.Event, cache: Any) -> None:
-        model = self.loaded.model
-        self.oom_injector.check("prefill")
-        chunk = self.settings.memory.prefill_chunk_tokens
-        if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
-            prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
-        stop = _StopOnEvent(stop_event, on_step=lambda: self.oom_injector.check("decode"))
-        kwargs: dict[str, Any] = dict(
-            input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
-            max_new_tokens=prepared.max_new_tokens, do_sample=gen.do_sample,
-            repetition_penalty=gen.repetition_penalty, streamer=streamer, use_cache=True,
-            stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=_pad_id(self.loaded),
-        )
-        if cache is not None:
-            kwargs[cache_kwarg(model)] = cache
-        if gen.min_new_tokens:
-            kwargs["min_new_tokens"] = min(gen.min_new_tokens, prepared.max_new_tokens)
-        if gen.do_sample:
-            kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
-            if gen.seed is not None:
-                torch.manual_seed(gen.seed)
-        else:  # greedy: neutralise sampling defaults from the model's generation_config
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        model.generate(**kwargs)
 
     def _translate(self, exc: BaseException) -> LLMCoreError:
         if isinstance(exc, LLMCoreError):

@@ -33,7 +33,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ import torch
 from ..errors import ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
+from ..sampling import logits_processors, next_token
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -614,16 +615,12 @@ class BatchScheduler:
         if options.do_sample and options.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(int(options.seed))
-        return _Row(request, prompt_len, 0, -1, seen, prompt_len, 0, _processors(options), generator)
+        return _Row(request, prompt_len, 0, -1, seen, prompt_len, 0, logits_processors(options), generator)
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> int:
         """Next token of one row from its (1, vocab) float32 logits: generate's processors, then argmax or sample."""
-        scores = row.processors(row.seen[:, :row.n_seen], logits) if len(row.processors) else logits
-        if row.request.options.do_sample:
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=row.generator)[0, 0])
-        else:
-            token = int(torch.argmax(scores, dim=-1)[0])
+        token = int(next_token(logits, row.request.options.do_sample, row.processors, row.seen[:, :row.n_seen],
+                               row.generator)[0])
         row.seen[0, row.n_seen] = token
         row.n_seen += 1
         row.new_tokens += 1
@@ -763,29 +760,6 @@ def _pad_left(tensor: torch.Tensor, columns: int) -> torch.Tensor:
     return torch.cat([tensor.new_zeros((rows, heads, columns, dim)), tensor], dim=-2)
 
 
-def _processors(options: SamplingOptions) -> Any:
-    """The logits processors `generate` builds for these options, in its order (penalty, temperature, top-k, top-p)."""
-    from transformers import (
-        LogitsProcessorList,
-        RepetitionPenaltyLogitsProcessor,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    processors = LogitsProcessorList()
-    if options.repetition_penalty != 1.0:
-        processors.append(RepetitionPenaltyLogitsProcessor(penalty=float(options.repetition_penalty)))
-    if options.do_sample:
-        if options.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(float(options.temperature)))
-        if options.top_k:
-            processors.append(TopKLogitsWarper(top_k=int(options.top_k)))
-        if options.top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p=float(options.top_p)))
-    return processors
-
-
 def _free_after_error(exc: BaseException, device: torch.device) -> None:
     """Let go of the failed call's activations (its finished frames hold them), then, after an OOM, of the memory."""
     import traceback
@@ -795,11 +769,19 @@ def _free_after_error(exc: BaseException, device: torch.device) -> None:
         free_memory(device)
 
 
-def make_batched_run(scheduler: BatchScheduler) -> tuple[Callable[..., None], Callable[[], RowKV]]:
-    """(run, make_cache) for the engine's DecodeBackend: run(prepared, gen, streamer, stop_event, cache)."""
+@dataclass
+class BatchedBackend:
+    """The engine's DecodeBackend (llm_core.engine.chat) over a BatchScheduler: each reply is a row of the batch."""
 
-    def run(prepared: Any, gen: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
-        scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), prepared.max_new_tokens, streamer,
-                           stop_event, cache if isinstance(cache, RowKV) else None)
+    scheduler: BatchScheduler
+    reason: str
+    name: str = "batched"
+    cache_at_start: bool = True
 
-    return run, RowKV
+    def make_cache(self) -> RowKV:
+        return RowKV()
+
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+        gen = prepared.gen
+        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer,
+                                stop_event, cache if isinstance(cache, RowKV) else None)

@@ -222,15 +222,11 @@ class FastDecoder:
         self._layer_specs: list[LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
         notes: set[str] = set()
-        dense = all(is_dense_linear(m) for layer in a.layers for g in self._layer_groups(layer) for m in g)
-        norm_in = opts.gemv_prologues and opts.fuse and dense and opts.dense_gemv == "triton"
         for i, layer in enumerate(a.layers):
             attn = layer.self_attn
             packed = [pack_linears(g, opts, gemv) for g in self._layer_groups(layer)]
             notes.update(p.note for p in packed if p.note)
             next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
-            if norm_in:  # each layer applies its own input norm; the head the final one
-                next_norm = layer.input_layernorm
             rest = [layer.post_attention_layernorm.weight, next_norm.weight]
             qk_eps = None
             if a.qk_norm:
@@ -238,12 +234,12 @@ class FastDecoder:
                 qk_eps = float(_eps(attn.q_norm))
             spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention, norm_in)
+                              tuple(p.spec for p in packed), opts.fuse, attention)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
-        self._head_spec = HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)), norm_in, float(_eps(a.norm)))
-        self._lm_tensors = lm.tensors + ([a.norm.weight.detach()] if norm_in else [])
+        self._head_spec = HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)))
+        self._lm_tensors = lm.tensors
         self._embed = a.embed.weight.detach()
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
         self.notes = sorted(notes)
@@ -302,11 +298,6 @@ class FastDecoder:
                     total += t.numel() * t.element_size()
         return total + self._arch.hidden * self._embed.element_size()
 
-    @property
-    def norm_in_gemv(self) -> bool:
-        """Whether the layers run their norms, SiLU and residual adds inside llm_core.dense_gemv."""
-        return self._layer_specs[0].norm_in_gemv
-
     def kv_bytes_per_token(self) -> int:
         a = self._arch
         return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
@@ -333,7 +324,7 @@ class FastDecoder:
             "compile_cache_loaded": self.compile_cache_loaded, "gemv_timings_us": self.gemv_timings_us,
             "dense_gemv_timings_us": self.dense_gemv_timings_us,
             "prefill_compiled": self._prefill_compiled_ok, "prefill_warm_s": self.prefill_warm_s,
-            "norm_in_gemv": self.norm_in_gemv, "prefill_graphs": sorted(self._pf_graphs),
+            "prefill_graphs": sorted(self._pf_graphs),
             "graph_pool_idle_bytes": self.graph_pool_idle_bytes(),
         }
 
@@ -386,7 +377,7 @@ class FastDecoder:
                 self.notes.append(f"prefill graphs off ({type(exc).__name__})")
                 self._pf_graphs.clear()
                 self._pf_ids = None
-                self._sync()
+                self.sync()
             self.capture_s = round(time.perf_counter() - t0, 3)
 
     def warmup(self, cache_tokens: int | None = None) -> float:
@@ -401,7 +392,7 @@ class FastDecoder:
                 t1 = time.perf_counter()
                 self._allocate_plain(_round_up(min(self.max_cache_len, MIN_BUCKET_TOKENS), 16))
                 self._warm_step(self._cache_len)  # compiles prologue, layer(s), head with a dynamic length
-                self._sync()
+                self.sync()
                 self.compile_s = round(time.perf_counter() - t1, 3)
                 self._compiled = True
             self._allocate(_round_up(min(cache_tokens or self.max_cache_len, self.max_cache_len), 16))
@@ -436,7 +427,7 @@ class FastDecoder:
         self.prefill_warm_s = round(time.perf_counter() - t0, 3)
         sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
                            torch.Generator(device=self.device))
-        self._sync()
+        self.sync()
 
     def _compile_cache_file(self) -> Path | None:
         if not self.compile or self.options.compile_backend != "inductor":
@@ -458,7 +449,8 @@ class FastDecoder:
         }, sort_keys=True)
         return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.bin"
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
+        """Wait for the device (a no-op on CPU): before reading a host clock."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -498,13 +490,13 @@ class FastDecoder:
                 self._warm_step(bucket)
                 self._warm_step(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self._sync()
+        self.sync()
         for bucket in self._buckets:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 self._step(bucket)
             self._graphs[bucket] = graph
-        self._sync()
+        self.sync()
 
     def _prefill_buckets(self) -> list[int]:
         """Padded prefill lengths that fit the cache (multiples of PREFILL_BUCKET_TOKENS, up to the option)."""
@@ -526,7 +518,7 @@ class FastDecoder:
                 self._padded_prefill(bucket)
                 self._padded_prefill(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        self._sync()
+        self.sync()
         for bucket in buckets:
             graph = torch.cuda.CUDAGraph()
             try:
@@ -538,7 +530,7 @@ class FastDecoder:
                 self.notes.append(f"prefill graphs off from {bucket} tokens ({type(exc).__name__})")
                 break
             self._pf_graphs[bucket] = graph
-        self._sync()
+        self.sync()
 
     def _run_step(self, bucket: int) -> None:
         graph = self._graphs.get(bucket)
@@ -736,6 +728,13 @@ class FastDecoder:
         return self._cpu_tokens.pop(index)
 
     # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
+    def prefill_only(self, ids: torch.Tensor) -> torch.Tensor:
+        """One prefill of `ids` (1, S) into the cache as a reply runs it, no decode: the last position's scores
+        (1, V). It only launches work on CUDA: call sync() before reading a clock. For the prefill benchmarks."""
+        with self._lock, torch.no_grad():
+            self._seen.zero_()
+            return self._prefill(ids)[0]
+
     def prefill_timing(self) -> dict[str, float | None]:
         """Where the last reply's first token came from, in seconds (after it: the events have completed by then).
         entry_to_prefill_s: generate() entered -> prefill launch begins (prompt checks, streamer, buffers);
@@ -778,11 +777,11 @@ class FastDecoder:
             if context_tokens + steps > self._cache_len:
                 self._allocate(_round_up(context_tokens + steps, 16))
             self._pos.fill_(context_tokens)
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
             for i in range(steps):
                 self._run_step(self._bucket_for(context_tokens + i + 1))
-            self._sync()
+            self.sync()
             return (time.perf_counter() - t0) / steps
 
 

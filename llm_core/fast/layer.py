@@ -34,10 +34,6 @@ def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) ->
     if spec.fmt == "int8" or spec.gemv == "dense-triton":
         return dense_gemv_linear(spec, x, ts)
     if spec.fmt == "dense":
-        if spec.gemv == "dense-reduce":  # one fused reduction kernel per linear (fp32 accumulate), not cuBLAS
-            bias = bias_of(spec, ts)
-            y = (ts[0].float() * x.float()).sum(-1)
-            return (y if bias is None else y + bias.float()).to(x.dtype).view(1, -1)
         return F.linear(x, ts[0], bias_of(spec, ts))
     if spec.gemv == "bnb":
         packed = ts[0].view(-1, 1)
@@ -102,15 +98,11 @@ class LayerSpec:
     head_dim: int
     scale: float
     eps_post: float
-    eps_next: float  # of the norm in rest[1]: the next layer's input norm, or this layer's own (norm_in_gemv)
+    eps_next: float  # of the norm in rest[1]: the next layer's input norm (the final norm after the last layer)
     qk_norm_eps: float | None
     linears: tuple[LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
     fused: bool
     attention: str  # triton (custom kernel) | reduce (torch, written for inductor) | matmul (torch, eager)
-    # Dense triton weights, fused projections: the layer takes and returns the residual stream un-normed; its input
-    # norm (rest[1]) and post-attention norm run inside the qkv and gate/up kernels, SiLU-and-multiply inside the
-    # down kernel, the residual adds in the o and down kernels' epilogues (llm_core.dense_gemv)
-    norm_in_gemv: bool = False
 
 
 def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -185,13 +177,8 @@ def layer_decode(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.
     pos (1,) int64 position of the token; k/v_cache (L, Hkv, D) prefix of this layer's cache (written at pos).
     Returns (h, next layer's normed input) so the next input norm fuses with this layer's last residual add."""
     lins = _split_linears(spec, w)
-    rest = lins[-1]  # [post_attention_layernorm.weight, next (or, norm_in_gemv, own input) norm weight, (q/k_norm)]
-    if spec.norm_in_gemv:  # h arrives un-normed: the input norm is the qkv kernel's prologue (hn is not used)
-        qkv = dense_gemv_linear(spec.linears[0], h, lins[0], norm=rest[1], eps=spec.eps_next)
-        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
-        used = 1
-    else:
-        q, k, v, used = _project_qkv(spec, hn, lins, linear_decode)
+    rest = lins[-1]  # [post_attention_layernorm.weight, next layer's input norm weight, (q/k_norm)]
+    q, k, v, used = _project_qkv(spec, hn, lins, linear_decode)
     q = q.view(spec.n_heads, spec.head_dim)
     k = k.view(spec.n_kv_heads, spec.head_dim)
     v = v.view(spec.n_kv_heads, spec.head_dim)
@@ -202,11 +189,6 @@ def layer_decode(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.
     k_cache.index_copy_(0, pos, k[None])
     v_cache.index_copy_(0, pos, v[None])
     attn = decode_attention(spec, q, k_cache, v_cache, pos)
-    if spec.norm_in_gemv:
-        h = dense_gemv_linear(spec.linears[1], attn, lins[1], residual=h)
-        gate_up = dense_gemv_linear(spec.linears[2], h, lins[2], norm=rest[0], eps=spec.eps_post)
-        h = dense_gemv_linear(spec.linears[3], gate_up, lins[3], residual=h, glu=True)
-        return h, h
     h = h + linear_decode(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_decode)
     return h, rms_norm(h, rest[1], spec.eps_next)
@@ -220,8 +202,6 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     lins = _split_linears(spec, w)
     rest = lins[-1]
     seq = h.shape[1]
-    if spec.norm_in_gemv:  # the layer's own input norm (rest[1]); it returns h un-normed, as its decode form does
-        hn = rms_norm(h, rest[1], spec.eps_next)
     q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill)
     q = q.view(1, seq, spec.n_heads, spec.head_dim)
     k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
@@ -253,15 +233,13 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
     h = h + linear_prefill(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_prefill)
-    return h, (h if spec.norm_in_gemv else rms_norm(h, rest[1], spec.eps_next))
+    return h, rms_norm(h, rest[1], spec.eps_next)
 
 
 @dataclass(frozen=True)
 class HeadSpec:
     lm: LinSpec
     eps0: float
-    norm: bool = False  # layers hand over the residual un-normed (norm_in_gemv): the head applies the final norm,
-    eps_final: float = 0.0  # whose weight is the last of its tensors (inside the lm_head kernel when dense triton)
 
 
 def embed_prologue(spec: HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
@@ -276,14 +254,7 @@ def head_logits(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], se
           eos_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Final-normed hidden (1, H) -> scores (1, V) fp32 after repetition penalty and min-new-tokens EOS ban (as
     transformers' processors compute them), and the greedy token (1,)."""
-    if spec.norm:
-        lm, final = lm[:-1], lm[-1]
-        if spec.lm.gemv == "dense-triton":
-            logits = dense_gemv_linear(spec.lm, hn, lm, norm=final, eps=spec.eps_final).float()
-        else:
-            logits = linear_decode(spec.lm, rms_norm(hn, final, spec.eps_final), lm).float()
-    else:
-        logits = linear_decode(spec.lm, hn, lm).float()
+    logits = linear_decode(spec.lm, hn, lm).float()
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     scores = torch.where(seen, penalized, logits) + eos_bias
     return scores, scores.argmax(-1)

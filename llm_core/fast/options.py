@@ -14,7 +14,7 @@ from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # register
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 
 GEMV_KERNELS = ("bnb", "nf4", "torch")
-DENSE_GEMV_KERNELS = ("cublas", "triton", "reduce")
+DENSE_GEMV_KERNELS = ("cublas", "triton")
 ABSMAX_MODES = ("keep", "fp32", "requant")
 PREFILL_BUCKET_TOKENS = 64  # padded prefill lengths: multiples of this (FastDecodeOptions.prefill_graph_tokens)
 
@@ -25,22 +25,19 @@ class FastDecodeOptions:
 
     # 4-bit matrix-vector kernel: auto (time bnb and nf4 on the first layer at start-up inside a CUDA graph, keep
     # the faster) | nf4 (llm_core.nf4_gemv: Triton, NF4 table in registers; bf16 activations, CUDA only) | bnb
-    # (bitsandbytes' gemm_4bit) | torch (inductor-generated). Two earlier Triton kernels that read the table from
-    # L1 (slower than bnb: bench/results/2026-11-30-h200-decode.json, runs 1-2) were removed once nf4 replaced them.
+    # (bitsandbytes' gemm_4bit) | torch (the dequantize-and-sum formula in torch ops: the reference the kernels are
+    # tested against, not a product choice). Earlier Triton kernels that read the table from L1 were slower than bnb
+    # and were removed once nf4 replaced them (docs/fast_decode.md).
     gemv: str = "auto"
     fuse: bool = True  # q/k/v -> one linear and gate/up -> one linear
     absmax: str = "keep"  # keep: double quant as loaded (read in-kernel) | fp32: double quant off | requant
     attention: str = "auto"  # auto | triton (split-K flash-decoding, reads rows <= pos only) | torch
     # Unquantized weights at one token: auto (time cublas and triton on the first layer at start-up inside a CUDA
     # graph, keep the faster) | cublas (F.linear) | triton (llm_core.dense_gemv: no split-K; CPU runs its torch
-    # reference) | reduce (an inductor-generated reduction; slower, kept for the record). int8 weights always take
-    # llm_core.dense_gemv (with row scales): cuBLAS has no int8-weight x half-activation product
+    # reference). int8 weights always take llm_core.dense_gemv (with row scales): cuBLAS has no int8-weight x
+    # half-activation product. (Measured and dropped: an inductor reduction per linear, and norms/SiLU/residual adds
+    # folded into the kernel as prologues, 248.3 vs 256.6 tok/s bf16 on the H200; docs/fast_decode.md.)
     dense_gemv: str = "auto"
-    # With triton dense weights and fused projections: each layer's two RMSNorms, the SiLU-and-multiply and both
-    # residual adds run inside the matrix-vector kernels (llm_core.dense_gemv prologues/epilogue), not as kernels.
-    # Off by default: measured slower on an H200 (Llama-2-7B bf16: 248.3 vs 256.6 tok/s; each program redoes the
-    # prologue over all of K, which costs more than the ~100 kernels per step it removes; 2026-11-30-h200-decode)
-    gemv_prologues: bool = False
     compile_backend: str = "inductor"  # "eager"/"aot_eager" only for tracing tests
     prefill_chunk_tokens: int | None = None  # split long prompts to flatten the prefill's memory peak
     compile_prefill: bool = True  # prefill layer compiled too (dynamic prompt length); eager if compiling fails

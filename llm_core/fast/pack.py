@@ -28,7 +28,7 @@ class LinSpec:
     blocksize: int
     splits: tuple[int, ...]
     bias: bool
-    gemv: str  # dense | dense-reduce | dense-triton | int8 | bnb | nf4 | torch
+    gemv: str  # dense | dense-triton | int8 | bnb | nf4 | torch (the reference formula)
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
     levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
 
@@ -113,7 +113,7 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> 
             tensors.append(torch.cat([m.bias.detach() if m.bias is not None else
                                       torch.zeros(s, dtype=dtype, device=w.device)
                                       for m, s in zip(modules, splits, strict=True)]))
-        kernel = "int8" if int8 else {"reduce": "dense-reduce", "triton": "dense-triton"}.get(opts.dense_gemv, "dense")
+        kernel = "int8" if int8 else "dense-triton" if opts.dense_gemv == "triton" else "dense"
         spec = LinSpec("int8" if int8 else "dense", "none", int(w.shape[0]), int(w.shape[1]), 0, splits, has_bias,
                         kernel, False)
         return PackedLinear(spec, tensors)
