@@ -54,7 +54,6 @@ import os
 import platform
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,18 +65,8 @@ from typing import Any
 
 import torch
 
-from bench.decode import (
-    RANDOM_ARCHS,
-    Recorder,
-    RunResult,
-    _device_name,
-    make_random_checkpoint,
-    measure_copy_bandwidth,
-    ours_call,
-    seed_call,
-    summarize,
-    timed_run,
-)
+from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
+from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, median
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, PreparedPrompt, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
@@ -104,30 +93,6 @@ class Metric:
     required: bool  # part of issue 5's 5% requirement
 
 
-class Document(Recorder):
-    """bench.decode's Recorder (one record per measurement, the file rewritten after each), writing a document with
-    a title, date, device and summary beside meta and records."""
-
-    def __init__(self, path: Path | None, head: dict[str, Any], meta: dict[str, Any]) -> None:
-        super().__init__(path, meta)
-        self.head = head
-        self.summary: dict[str, Any] = {}
-        self.flush()
-
-    def set_summary(self, **values: Any) -> None:
-        self.summary.update(values)
-        self.flush()
-
-    def flush(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {**self.head, "meta": self.meta, "records": self.records, "summary": self.summary}
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n", encoding="utf-8")
-        tmp.replace(self.path)
-
-
 # --- prompt --------------------------------------------------------------------------------------------------
 
 
@@ -144,11 +109,6 @@ def prompt_text(ids: list[int]) -> str:
 
 
 # --- numbers -------------------------------------------------------------------------------------------------
-
-
-def median(values: list[Any]) -> float | None:
-    clean = [float(v) for v in values if v is not None and v == v]
-    return statistics.median(clean) if clean else None
 
 
 def ratio(compare: float | None, bench: float | None) -> float | None:
@@ -348,7 +308,7 @@ class CompareBench:
             "plan": plan,
         }
         head = {"title": TITLE, "date": time.strftime("%Y-%m-%d"), "device": _device_name(self.device)}
-        self.rec = Document(args.out, head, meta)
+        self.rec = Recorder(args.out, meta, head=head)
 
     def left_s(self) -> float:
         return float(self.args.budget_s) - (time.perf_counter() - self.t_start)

@@ -31,8 +31,6 @@ With random weights a chat can end early on the EOS id (p = 1/vocab per token); 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import platform
 import shlex
@@ -46,6 +44,7 @@ from typing import Any
 import torch
 
 from bench import memory_bench
+from bench.harness import Recorder, make_random_checkpoint, percentile
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.memory.device import free_memory
@@ -54,50 +53,8 @@ from llm_core.memory.model import GiB, default_budget_bytes
 # memory_bench's model shapes, with this benchmark's context length
 LLAMA2_7B: dict[str, Any] = dict(memory_bench.LLAMA2_7B, max_position_embeddings=4096)
 TINY: dict[str, Any] = dict(memory_bench.TINY, max_position_embeddings=4096)
-SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TOPICS = ["the moon", "bread", "rivers", "chess", "volcanoes", "owls", "trains", "glass", "salt", "wind", "iron",
           "maps", "bees", "clocks", "ice", "paper"]
-
-
-def write_checkpoint(folder: Path, shape: dict[str, Any], device: torch.device) -> float:
-    """A random-weight llama (bf16) plus a byte-level BPE tokenizer with a ChatML template; returns seconds taken."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    t0 = time.perf_counter()
-    if (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file():
-        return 0.0
-    folder.mkdir(parents=True, exist_ok=True)
-    vocab_size = int(shape["vocab_size"])
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokens = SPECIALS + alphabet
-    tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]  # every model id decodes to something
-    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<|im_start|>",
-                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    torch.manual_seed(0)
-    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    model.save_pretrained(folder)
-    del model
-    free_memory(device)
-    return time.perf_counter() - t0
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def prompt(i: int) -> str:
@@ -131,23 +88,8 @@ class Bench:
             meta["bitsandbytes"] = bnb.__version__
         except ImportError:
             meta["bitsandbytes"] = "missing"
-        self.doc: dict[str, Any] = {"meta": meta, "records": [], "summary": {}}
-        self.flush()
-
-    def flush(self) -> None:
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.out.write_text(json.dumps(self.doc, indent=2, default=str))
-
-    def record(self, **values: Any) -> dict[str, Any]:
-        self.doc["records"].append(values)
-        print(json.dumps(values, default=str), flush=True)
-        self.flush()
-        return values
-
-    def summary(self, **values: Any) -> None:
-        self.doc["summary"].update(values)
-        print(json.dumps({"summary": values}, default=str), flush=True)
-        self.flush()
+        self.rec = Recorder(self.out, meta)
+        self.record, self.summary = self.rec.add, self.rec.set_summary
 
     # --- engine ------------------------------------------------------------------------------------------------
     def settings(self, max_batch_size: int) -> Settings:
@@ -249,7 +191,12 @@ class Bench:
     # --- run ---------------------------------------------------------------------------------------------------
     def run(self) -> None:
         args = self.args
-        made_s = write_checkpoint(self.ckpt, self.shape, self.device)
+        made_s = 0.0
+        if not (self.ckpt / "config.json").is_file():
+            t_made = time.perf_counter()
+            make_random_checkpoint(self.shape, self.ckpt, self.device, int(self.shape["max_position_embeddings"]),
+                                   tokenizer="chatml")
+            made_s = time.perf_counter() - t_made
         # The cap applies to serving, after the bf16/fp32 random checkpoint was written (it needs ~27 GB).
         if self.device.type == "cuda" and args.budget_gib:
             total = torch.cuda.get_device_properties(0).total_memory

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import platform
 import shutil
@@ -39,6 +38,7 @@ from typing import Any
 
 import torch
 
+from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, median, sync
 from bench.variants import DENSE_VARIANTS, INT8_VARIANTS, NF4_VARIANTS
 from llm_core.config import GenerationSettings, Settings
 from llm_core.fast import FastDecodeOptions, FastDecoder
@@ -47,14 +47,6 @@ from llm_core.loading import LoadedModel, library_versions, load_model
 from llm_core.memory.device import device_allocated_bytes
 from llm_core.memory.model import kv_cache_exact_bytes
 
-RANDOM_ARCHS: dict[str, dict[str, Any]] = {
-    "llama-2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=32, vocab_size=32000, rope_theta=10000.0, rms_norm_eps=1e-5),
-    "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5),
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5),
-}
 # Logit agreement bound stated before measuring (bf16 compute, different kernels and fusion order).
 AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}
 # Calibrated bound, stated before its first GPU run (session 2): the same weights computing in fp32 are the
@@ -62,42 +54,6 @@ AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}
 CALIBRATED_FACTOR = 1.25
 CALIBRATED_FLOOR = 1e-5  # fp32 rounding: where the seed already is the fp32 model, both distances are ~0
 BEST_TIE = 0.01  # pick_best: the default variant counts as the best within this fraction of the fastest
-
-
-# --- output --------------------------------------------------------------------------------------------------
-
-
-MEASUREMENT_KINDS = ("run", "variant")  # records that carry the library versions and the command themselves
-
-
-class Recorder:
-    """Collects records and rewrites the JSON file after each one, so a killed run keeps what it measured."""
-
-    def __init__(self, path: Path | None, meta: dict[str, Any]) -> None:
-        self.path = path
-        self.meta = meta
-        self.records: list[dict[str, Any]] = []
-
-    def add(self, kind: str, **fields: Any) -> dict[str, Any]:
-        rec = {"kind": kind, **fields}
-        if kind in MEASUREMENT_KINDS:  # a measurement stands on its own: how it was made travels with it
-            rec.setdefault("versions", self.meta.get("versions"))
-            rec.setdefault("command", self.meta.get("command"))
-        self.records.append(rec)
-        self.flush()
-        line = {k: v for k, v in rec.items()
-                if k not in ("profile", "repeats", "describe", "table", "versions", "command")}
-        print(json.dumps(line, default=str)[:600], flush=True)
-        return rec
-
-    def flush(self) -> None:
-        if self.path is None:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": self.meta, "records": self.records}, indent=1, default=str),
-                       encoding="utf-8")
-        tmp.replace(self.path)
 
 
 # --- timing --------------------------------------------------------------------------------------------------
@@ -135,20 +91,15 @@ class RunResult:
     tokens: list[int] = field(default_factory=list)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_run(device: torch.device, call: Callable[[TimingStreamer], Any]) -> RunResult:
     streamer = TimingStreamer(device)
-    _sync(device)
+    sync(device)
     before = device_allocated_bytes(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     call(streamer)
-    _sync(device)
+    sync(device)
     t_end = time.perf_counter()
     times = streamer.times
     n = len(times)
@@ -159,8 +110,8 @@ def timed_run(device: torch.device, call: Callable[[TimingStreamer], Any]) -> Ru
 
 
 def _median(values: list[float]) -> float:
-    clean = [v for v in values if v == v]
-    return statistics.median(clean) if clean else float("nan")
+    found = median(values)
+    return float("nan") if found is None else found
 
 
 def summarize(runs: list[RunResult]) -> dict[str, Any]:
@@ -175,41 +126,6 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
 
 
 # --- models --------------------------------------------------------------------------------------------------
-
-
-def make_random_checkpoint(arch: str, folder: Path, device: torch.device, max_positions: int) -> Path:
-    """A random-weight llama of a named shape, saved (bf16 safetensors + a word-level tokenizer with a chat
-    template) so the seed recipe loads it exactly as it loads a real checkpoint."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    shape = dict(RANDOM_ARCHS[arch])
-    rope_theta = shape.pop("rope_theta")
-    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=0, tie_word_embeddings=False,
-                      rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(folder, safe_serialization=True)
-    del model
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-    tok = PreTrainedTokenizerFast(tokenizer_object=_word_tokenizer(Tokenizer, WordLevel, WhitespaceSplit, vocab),
-                                  unk_token="t0", pad_token="t0", bos_token="t1", eos_token="t2")
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tok.save_pretrained(folder)
-    return folder
-
-
-def _word_tokenizer(tokenizer_cls: Any, model_cls: Any, pre_cls: Any, vocab: dict[str, int]) -> Any:
-    tok = tokenizer_cls(model_cls(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_cls()
-    return tok
 
 
 def load(model_id: str, quantization: str, device: str, cache_dir: Path, compute_dtype: str) -> LoadedModel:
@@ -710,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         "definitions": __doc__.split("Definitions, per run")[1].split("    python -m")[0].strip() if __doc__ else "",
         "plan": {k: (str(v) if isinstance(v, (Path, torch.device)) else v) for k, v in asdict(plan).items()},
     }
-    rec = Recorder(args.out, meta)
+    rec = Recorder(args.out, meta, stamp_kinds=("run", "variant"))
     hbm = measure_copy_bandwidth(device)
     plan.hbm_bytes_per_s = hbm
     rec.add("env", device=_device_name(device), copy_bandwidth_bytes_per_s=round(hbm) if hbm else None,

@@ -22,7 +22,6 @@ Phases
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -39,6 +38,7 @@ from typing import Any, cast
 import torch
 from transformers import StoppingCriteria
 
+from bench.harness import Recorder
 from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
 from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
 from llm_core.memory.model import (
@@ -58,32 +58,6 @@ LLAMA2_7B: dict[str, Any] = dict(
 TINY: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=1024, max_position_embeddings=8192, rms_norm_eps=1e-5)
-
-
-class Recorder:
-    """Holds every record and rewrites the JSON document after each one (a killed run keeps what it measured)."""
-
-    def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path = path
-        self.doc: dict[str, Any] = {"meta": meta, "records": [], "summary": {}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.flush()
-
-    def add(self, **record: Any) -> dict[str, Any]:
-        self.doc["records"].append(record)
-        print(json.dumps(record), flush=True)
-        self.flush()
-        return record
-
-    def summary(self, **values: Any) -> None:
-        self.doc["summary"].update(values)
-        print(json.dumps({"summary": values}), flush=True)
-        self.flush()
-
-    def flush(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.doc, indent=1) + "\n")
-        tmp.replace(self.path)
 
 
 class Timer(StoppingCriteria):
@@ -176,7 +150,7 @@ class Bench:
             if not self.args.smoke_cap_mib:
                 self.cap_bytes = self.budget_bytes = predict_peak_bytes(facts, 1000, self.args.new_tokens).total_bytes
         self.facts = facts
-        self.rec.summary(checkpoint_s=round(made_s, 1), load_s=round(time.perf_counter() - t - made_s, 1),
+        self.rec.set_summary(checkpoint_s=round(made_s, 1), load_s=round(time.perf_counter() - t - made_s, 1),
                          weights_bytes=weights, allocated_after_warmup_bytes=allocated,
                          workspace_bytes=facts.workspace_bytes, reserve_fraction=facts.reserve_fraction)
 
@@ -290,7 +264,7 @@ class Bench:
             if rec["crashed"]:
                 break
             last_ok = prompt
-        self.rec.summary(seed_max_context_tokens=last_ok, seed_crashed_at=prompt if last_ok < prompt else None)
+        self.rec.set_summary(seed_max_context_tokens=last_ok, seed_crashed_at=prompt if last_ok < prompt else None)
         return last_ok
 
     def phase_b_ours(self, kv_cache: str = "dynamic") -> int:
@@ -312,7 +286,7 @@ class Bench:
             if rec is None:
                 break
             crashed += bool(rec["crashed"])
-        self.rec.summary(**{f"ours_{kv_cache}_max_context_tokens": most, f"ours_{kv_cache}_crashes": crashed})
+        self.rec.set_summary(**{f"ours_{kv_cache}_max_context_tokens": most, f"ours_{kv_cache}_crashes": crashed})
         return most
 
     def phase_c(self, seed_max: int) -> None:
@@ -324,7 +298,7 @@ class Bench:
                            kv_cache="quantized", chunk=chunk, extra={"max_context_tokens": most,
                                                                      "budget_bytes": self.budget_bytes})
         ok = rec is not None and not rec["crashed"]
-        self.rec.summary(ours_quantized_max_context_tokens=most, ours_quantized_ran_at_max=ok,
+        self.rec.set_summary(ours_quantized_max_context_tokens=most, ours_quantized_ran_at_max=ok,
                          context_ratio_vs_seed=round(most / seed_max, 2) if seed_max else None,
                          ours_quantized_decode_tokens_per_s=rec and rec["decode_tokens_per_s"])
 
@@ -343,10 +317,10 @@ class Bench:
         try:
             if "b" in phases:
                 seed_max = self.phase_b_seed()
-                seed_runs = [r for r in self.rec.doc["records"] if r.get("phase") == "b" and r.get("recipe") == "seed"
+                seed_runs = [r for r in self.rec.records if r.get("phase") == "b" and r.get("recipe") == "seed"
                              and not r.get("crashed")]
                 if seed_runs:
-                    self.rec.summary(seed_decode_tokens_per_s_at_max=seed_runs[-1]["decode_tokens_per_s"])
+                    self.rec.set_summary(seed_decode_tokens_per_s_at_max=seed_runs[-1]["decode_tokens_per_s"])
             if "c" in phases:
                 self.phase_c(seed_max)
             if "b" in phases:
@@ -355,7 +329,7 @@ class Bench:
                 self.phase_d()
         finally:
             self.set_cap(False)
-        self.rec.summary(total_s=round(time.perf_counter() - self.t0, 1))
+        self.rec.set_summary(total_s=round(time.perf_counter() - self.t0, 1))
 
 
 def main(argv: list[str] | None = None) -> int:

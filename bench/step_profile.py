@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bench.decode import RANDOM_ARCHS
+from bench.harness import RANDOM_ARCHS
 from bench.ttft_probe import load_engine
 from llm_core.loading import library_versions
 

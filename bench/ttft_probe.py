@@ -30,23 +30,18 @@ from typing import Any
 import torch
 
 from bench.compare_bench import prompt_ids, prompt_text
-from bench.decode import RANDOM_ARCHS, make_random_checkpoint
+from bench.harness import RANDOM_ARCHS, make_random_checkpoint, sync
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, FastBackend
 from llm_core.fast import FastDecoder
 from llm_core.loading import library_versions
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def timed_prefill(decoder: FastDecoder, ids: torch.Tensor) -> float:
-    _sync(ids.device)
+    sync(ids.device)
     t0 = time.perf_counter()
     decoder.prefill_only(ids)
-    _sync(ids.device)
+    sync(ids.device)
     return time.perf_counter() - t0
 
 

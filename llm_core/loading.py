@@ -166,6 +166,16 @@ class LoadedModel:
     def context_length(self) -> int:
         return self.report.context_length
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The ids that end a reply: the generation config's (one or several), else the tokenizer's."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            return frozenset()
+        return frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
 
 def count_quantized_linears(model: Any) -> int:
     # By class name, without importing bitsandbytes here: its import logs a caught ImportError whose traceback

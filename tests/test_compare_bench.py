@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.decode import make_random_checkpoint
+from bench.harness import make_random_checkpoint
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import InputError

@@ -421,7 +421,8 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     so the test needs no download). Bound: relative L2 of the scores <= 1e-4 in fp32, 2e-2 in NF4 + bf16, in
     bf16 (the *-triton cases force llm_core.dense_gemv in the graphs; eager runs cuBLAS) and in
     int8 + fp16 (llm_core.dense_gemv with row scales in both)."""
-    from bench.decode import load, make_random_checkpoint
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     forced_opts = FastDecodeOptions(dense_gemv="triton") if quantization.endswith(
@@ -451,7 +452,8 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
 def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: str) -> None:
     """Padded prefill replayed from CUDA graphs vs the compiled prefill without graphs, teacher-forced on the same
     tokens, for prompt lengths below, at and past a 64-token bucket edge and past the option (plain path)."""
-    from bench.decode import load, make_random_checkpoint
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     loaded = load(str(folder), quantization, "cuda", tmp_path / "cache", "bfloat16")
@@ -491,7 +493,8 @@ def test_fused_projection_on_the_nf4_kernel_matches_the_reference_on_gpu(absmax:
 def test_fp32_reference_restores_the_model_and_calibrates_agreement(tmp_path: Any) -> None:
     """The bench's calibrated logit check: the same NF4 weights computing in fp32 are the reference; the model is
     put back exactly afterwards (same tensors, so storage shared with the fast path stays shared)."""
-    from bench.decode import agreement, fp32_compute, load, make_random_checkpoint
+    from bench.decode import agreement, fp32_compute, load
+    from bench.harness import make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cpu"), 256)
     loaded = load(str(folder), "nf4", "cpu", tmp_path / "cache", "bfloat16")

@@ -238,7 +238,8 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
 def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) -> None:
     """The decode step built on llm_core.nf4_gemv against the same step on bitsandbytes' kernel, teacher-forced
     (a random tiny llama, no download): scores agree within bf16 noise."""
-    from bench.decode import load, make_random_checkpoint
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 1024)
     loaded = load(str(folder), "nf4", "cuda", tmp_path / "cache", "bfloat16")

@@ -342,7 +342,7 @@ class ChatEngine:
         self.scheduler = BatchScheduler.for_model(
             loaded.model, max_batch_size=size,
             kv_budget_bytes=default_kv_budget_bytes(loaded, size, self.memory_budget.budget_bytes, self.memory_facts),
-            cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(_eos_ids(loaded)),
+            cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(loaded.eos_token_ids),
             cache_kwarg=cache_kwarg(loaded.model))
         self.backend = BatchedBackend(self.scheduler,
                                       f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
@@ -585,7 +585,7 @@ class ChatEngine:
         if loaded.device.type == "cuda":
             torch.cuda.synchronize(loaded.device)
         end_to_end_s = time.perf_counter() - clock.start_s
-        eos_ids = _eos_ids(loaded)
+        eos_ids = loaded.eos_token_ids
         if stop_event.is_set():
             reason = "stopped"
         elif clock.token_ids and clock.token_ids[-1] in eos_ids:
@@ -620,16 +620,9 @@ class ChatEngine:
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
 
 
-def _eos_ids(loaded: LoadedModel) -> set[int]:
-    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = loaded.tokenizer.eos_token_id
-    return set(eos) if isinstance(eos, (list, tuple)) else {eos} if eos is not None else set()
-
-
 def _pad_id(loaded: LoadedModel) -> int | None:
     pad = loaded.tokenizer.pad_token_id
     if pad is None:
-        eos = _eos_ids(loaded)
+        eos = loaded.eos_token_ids
         pad = min(eos) if eos else None
     return pad

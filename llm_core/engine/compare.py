@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 
 from ..config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
 from ..errors import InputError, LLMCoreError, ModelLoadError
-from ..loading import estimate_weights_bytes, resolve_device
+from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
 from ..metrics import ReplyStats, format_bytes
 from .chat import ChatEngine, ReplyUpdate
@@ -38,9 +38,6 @@ MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
     "int8": ("int8", None),
     "none": ("none", None),
 }
-
-Progress = Callable[[str], None]
-
 
 @dataclass(frozen=True)
 class CompareConfig:

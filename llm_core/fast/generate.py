@@ -1,25 +1,8 @@
-"""Fast decode path: a static KV cache and a compiled decode step replayed as CUDA graphs; knows nothing of chat.
+"""The fast path's runtime: FastDecoder owns the static KV cache, the compiled layer functions and their CUDA
+graphs, and runs prefill -> decode_step -> select -> stream for one reply at a time (the stages are described in
+llm_core/fast/__init__.py). It takes a LoadedModel and token ids, never text, settings files or the UI.
 
-It takes a `LoadedModel` and token ids, never text, settings files or the UI. The pipeline, named gpt-fast style:
-`pack_weights -> prefill -> decode_step -> select -> stream`.
-
-- pack_weights: the model's own tensors, read in place (no copy) from transformers modules; q/k/v and gate/up
-  are fused into one linear each by concatenating their rows. For bitsandbytes NF4 the packed 4-bit data is
-  concatenated exactly (blocks never straddle rows) and the transformers modules are re-pointed at views of the
-  fused storage, so the plain path keeps working on the same bytes and memory is not doubled. Double-quantized
-  absmax is kept exactly (per-256-block scale and offset) or, for bitsandbytes' kernel, requantized once.
-- prefill: one pass over the prompt (SDPA causal attention), writes K/V into the static cache; on CUDA each
-  layer is compiled with the prompt length dynamic (one compile for every length), eager if that fails.
-- decode_step: a hand-written llama-family layer (RMSNorm, RoPE, cache write, attention, SwiGLU) compiled once
-  with torch.compile(fullgraph=True), the attended length dynamic, then captured as one CUDA graph per length
-  bucket at warm-up. Attention is a Triton split-K kernel that reads cache rows up to the live position only.
-  Replaying a graph launches every kernel of all layers with no Python and no host sync.
-- select: repetition penalty, min-new-tokens and greedy argmax run inside the graph; sampling (temperature, top-k,
-  top-p, multinomial) runs eagerly on the device right after the replay, with a per-request generator.
-- stream: each new token is copied into pinned host memory with an event; the host reads token i after it has
-  queued step i+1 (a one-step lag), so the GPU never waits for Python and Stop halts after at most one step.
-
-On CPU the same code runs eagerly (no compile, no graphs): that is what the token-equality test exercises.
+On CPU the same code runs eagerly (no compile, no graphs): that is what the token-equality tests exercise.
 """
 
 from __future__ import annotations
@@ -639,14 +622,6 @@ class FastDecoder:
             raise GenerationError("The prompt is empty.")
         return ids.to(self.device)
 
-    def _eos_ids(self) -> list[int]:
-        eos = getattr(self.loaded.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.loaded.tokenizer, "eos_token_id", None)
-        if eos is None:
-            return []
-        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                   streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int
                   ) -> list[int]:
@@ -665,7 +640,7 @@ class FastDecoder:
             self._allocate(_round_up(need, 16))
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        eos = set(self._eos_ids())
+        eos = self.loaded.eos_token_ids
         self._seen.zero_()
         self._penalty.fill_(float(gen.repetition_penalty))
         self._eos_bias.zero_()
