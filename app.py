@@ -393,8 +393,7 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description="Local LLM demo: 4-bit chat with per-reply cost numbers.")
     parser.add_argument("--env-file", default=".env", help="dotenv file with settings (default: .env)")
     for spec in SPECS:
-        is_bool = spec.parser.__name__ in ("_parse_bool", "_parse_opt_bool")
-        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if is_bool else {}
+        extra: dict[str, Any] = {"nargs": "?", "const": "true"} if spec.is_switch else {}
         parser.add_argument(spec.flag, dest=spec.name, default=None, help=spec.help, **extra)
     return vars(parser.parse_args(argv))
 

@@ -380,6 +380,11 @@ class SettingSpec:
     def flag(self) -> str:
         return "--" + self.name.lower().replace("_", "-")
 
+    @property
+    def is_switch(self) -> bool:
+        """A true/false setting: its flag may stand alone (`--share` means `--share true`)."""
+        return self.parser in (_parse_bool, _parse_opt_bool)
+
     def default(self) -> Any:
         default = next(f.default for f in dataclasses.fields(_SECTIONS[self.section]) if f.name == self.attr)
         return ",".join(default) if isinstance(default, tuple) else default

@@ -456,8 +456,8 @@ def test_peak_meter_on_cpu_sees_a_temporary_allocation(high_water_mark: bool, mo
     from llm_core.memory import device as memory
 
     if not high_water_mark:
-        monkeypatch.setattr(memory, "_reset_rss_high_water_mark", lambda: False)
-    elif not memory._reset_rss_high_water_mark():
+        monkeypatch.setattr(memory, "reset_rss_high_water_mark", lambda: False)
+    elif not memory.reset_rss_high_water_mark():
         pytest.skip("this kernel does not let a process reset its RSS high-water mark")
     with PeakMeter("cpu", interval_s=0.001) as meter:
         # Fresh anonymous pages, all touched: a tensor could reuse heap pages that are already resident.

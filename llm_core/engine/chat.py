@@ -99,7 +99,9 @@ class _TimedStreamer(TextIteratorStreamer):
 class WorkerThreads:
     """Long-lived daemon threads that run generation work, one reply each at a time. Threads are kept rather than
     started per reply because CUDA libraries keep per-thread state (cuBLAS handles and workspaces, the current
-    device) that a fresh thread sets up again before its first token. Started on first use."""
+    device) that a fresh thread sets up again before its first token. Started on first use. Not a
+    ThreadPoolExecutor: its threads are joined at interpreter exit, so one stalled reply would block shutdown; these
+    are daemon threads, and `running` counts busy ones for the UI."""
 
     def __init__(self, size: int, name: str = "generate") -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

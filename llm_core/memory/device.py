@@ -69,7 +69,7 @@ class PeakMeter:
             self._start = torch.cuda.memory_allocated(self.device)
             return self
         self._start = self._peak_rss = _rss_bytes()
-        self._hwm_reset = _reset_rss_high_water_mark()
+        self._hwm_reset = reset_rss_high_water_mark()
         if not self._hwm_reset:
             def sample() -> None:
                 while not self._stop.is_set():
@@ -106,16 +106,15 @@ class PeakMeter:
 
 
 def _rss_bytes() -> int:
-    rss = _read_status_bytes("VmRSS")
-    if rss is not None:
-        return rss
     import psutil
 
     return int(psutil.Process().memory_info().rss)
 
 
-def _reset_rss_high_water_mark() -> bool:
-    """Linux: writing 5 to /proc/self/clear_refs resets VmHWM (peak RSS) to the current RSS."""
+def reset_rss_high_water_mark() -> bool:
+    """Linux: writing 5 to /proc/self/clear_refs resets VmHWM (peak RSS) to the current RSS. Read from /proc
+    because psutil can neither reset nor read that high-water mark; False where the kernel refuses (then the
+    peak is sampled)."""
     try:
         with open("/proc/self/clear_refs", "w") as fh:
             fh.write("5")
