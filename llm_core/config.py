@@ -25,8 +25,8 @@ DECODE_PATHS = ("auto", "fast", "plain")
 # 512 tokens: TTFT 10.8 ms bf16 / 18.4 ms NF4 with no spread, against 17-28 / 21-46 ms compiled and launched per
 # reply; the graphs' pool holds 180 / 260 MB at 704 tokens: bench/results/2026-11-30-h200-prefill-probe.json)
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
-COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.compare
-KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.kv_cache
+COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
+KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.memory.kv_cache
 
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)

@@ -328,7 +328,7 @@ class ChatEngine:
         return self.loaded.context_length
 
     def _configure_decode(self) -> None:
-        """Batched decoding (llm_core.batching) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
+        """Batched decoding (llm_core.engine.serving) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
         reply at a time on the plain or fast path."""
         from .serving import BatchedBackend, batching_support, default_kv_budget_bytes, resolve_max_batch_size
 

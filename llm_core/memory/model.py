@@ -68,7 +68,7 @@ def dtype_bytes(dtype: torch.dtype | str) -> int:
 
 @dataclass(frozen=True)
 class QuantizedKVSpec:
-    """Layout of the quantized KV cache (llm_core.kv_cache's builtin backend, KIVI-style).
+    """Layout of the quantized KV cache (llm_core.memory.kv_cache's builtin backend, KIVI-style).
 
     Keys: per channel, one (scale, zero) pair per `group_size` tokens. Values: per token, one pair per `group_size`
     channels (or per head when head_dim is smaller). The newest tokens of an incomplete group stay in full precision
@@ -502,7 +502,7 @@ def predict_peak_bytes(
 ) -> PeakPrediction:
     """Predicted peak device bytes of a reply: prompt of `prompt_tokens`, up to `max_new_tokens` new tokens.
 
-    `prefill_chunk_tokens`: prefill in passes of at most that many tokens (llm_core.kv_cache.prefill_in_chunks);
+    `prefill_chunk_tokens`: prefill in passes of at most that many tokens (llm_core.memory.kv_cache.prefill_in_chunks);
     None = one pass over the whole prompt (plain generate). The cache is counted for prompt + new tokens.
     """
     f = model_facts
