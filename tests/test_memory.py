@@ -541,8 +541,12 @@ def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_l
         assert plain.kv_bytes == kv_bytes(growing, prompt + 128 if plain.phase == "decode" else prompt,
                                           growing.cache_dtype)
         assert fast.peak_allocated_bytes > plain.peak_allocated_bytes
-    # quantized and offloaded caches run on the plain path: the static block does not apply to them
-    assert predict_peak_bytes(static, 512, 128, "quantized") == predict_peak_bytes(growing, 512, 128, "quantized")
+    # quantized and offloaded caches run on the plain path beside the static block, which stays resident: their
+    # prediction is the plain one plus exactly that block (issue 17: it was left out)
+    for mode in ("quantized", "offload"):
+        beside, alone = predict_peak_bytes(static, 512, 128, mode), predict_peak_bytes(growing, 512, 128, mode)
+        assert beside.total_bytes - alone.total_bytes == block
+        assert beside.kv_bytes == alone.kv_bytes and beside.reserve_bytes == alone.reserve_bytes
 
 
 def test_what_the_fast_path_holds_beyond_weights_and_cache_is_measured_once_and_counted_in_every_peak() -> None:
