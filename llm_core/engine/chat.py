@@ -23,7 +23,14 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from ..config import GenerationSettings, Settings
-from ..errors import GenerationError, InputError, LLMCoreError, OutOfMemoryError, SettingsError
+from ..errors import (
+    ContextBudgetError,
+    GenerationError,
+    InputError,
+    LLMCoreError,
+    OutOfMemoryError,
+    SettingsError,
+)
 from ..history import FittedHistory, Turn, build_messages, clean_text, fit_history
 from ..loading import LoadedModel, Progress, load_model
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
@@ -224,8 +231,21 @@ class ChatEngine:
                 raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
-        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
-        decoder = fast.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
+        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens,
+                                         prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                         kv_cache=self._fast_kv_format)
+        plain_facts = self.memory_facts
+        try:
+            cache_tokens = self._fast_cache_tokens()
+        except ContextBudgetError as exc:  # weights fit, but not beside a useful static cache: plain generate
+            if mode == "fast":
+                raise
+            self.memory_facts = plain_facts
+            self.backend = self._plain_backend(f"no room for the fast path's KV cache: {exc}")
+            return
+        decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options)
+        if self._fast_kv_format == "int8":
+            reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
             nf4 = quantization == "nf4"
@@ -250,15 +270,34 @@ class ChatEngine:
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
-                                    fused_dequant=decoder.options.fuse)
+                                    static_kv_format=self._fast_kv_format,
+                                    resident_extra_bytes=self._cache_plan.resident_extra_bytes)
 
-    def _fast_cache_tokens(self) -> int:
-        """The fast path's static KV cache is allocated once at warm-up: size it to what the memory budget allows
-        for a prompt plus the default reply length, never beyond the model's context."""
-        max_new = self.settings.generation.max_new_tokens
-        fits = max_context_tokens(self.memory_facts, self.memory_budget.budget_bytes, max_new, "dynamic",
-                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None)
-        return max(256, min(self.loaded.context_length, fits + max_new))
+    @property
+    def _fast_kv_format(self) -> str:
+        """The fast path's static cache: int8 when KV_CACHE=quantized (so quantized chats keep the graphed step),
+        else the compute dtype."""
+        return "int8" if self.settings.generation.kv_cache == "quantized" else "bf16"
+
+    def _fast_serves(self, kv_cache: str) -> bool:
+        """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
+        fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
+        return self.backend.name == "fast" and kv_cache == fast_mode
+
+    def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
+        """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
+        it (prompt + the default reply length) fits the budget beside the weights, the largest prefill chunk, the
+        graph pools and the allocator reserve (llm_core.memory.plan); never beyond the model's context."""
+        from ..memory.plan import require_cache, static_cache_plan
+
+        self.memory_facts = replace(self.memory_facts, fused_dequant=True)  # the fast path fuses gate/up
+        plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
+                                 max_new_tokens=self.settings.generation.max_new_tokens,
+                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
+                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        self._cache_plan = require_cache(plan, self.memory_facts)
+        return plan.tokens
 
     @property
     def context_limit(self) -> int:
@@ -311,10 +350,16 @@ class ChatEngine:
         decoder = getattr(self, "_fast_decoder", None)
         if decoder is not None:
             decoder.warmup()
-            after = device_allocated_bytes(self.loaded.device)
-            if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
-                self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
-                    self.memory_facts, self._allocated_before_decode, after, decoder.graph_pool_idle_bytes()))
+            self._measure_fast_resident(decoder)
+            planned = decoder.cache_len
+            tokens = self._fast_cache_tokens(self.memory_facts.resident_extra_bytes) if (
+                self.loaded.device.type == "cuda") else planned
+            if tokens < planned:  # measured more than estimated: re-plan the split, recapture (no compile)
+                say(f"Re-sizing the KV cache to {tokens:,} tokens for the measured graph memory…")
+                decoder.max_cache_len = tokens
+                decoder.resize_cache(tokens)
+                self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
+                self._measure_fast_resident(decoder)
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
@@ -323,6 +368,12 @@ class ChatEngine:
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _measure_fast_resident(self, decoder: Any) -> None:
+        after = device_allocated_bytes(self.loaded.device)
+        if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
+            self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
+                self.memory_facts, self._allocated_before_decode, after, decoder.graph_pool_idle_bytes()))
 
     @property
     def report(self) -> Any:
@@ -378,7 +429,8 @@ class ChatEngine:
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
-        context = self.context_limit if gen.kv_cache == "dynamic" else self.loaded.context_length
+        fast = self._fast_serves(gen.kv_cache)
+        context = self.context_limit if fast else self.loaded.context_length
         budget_tokens = context - gen.max_new_tokens
         if budget_tokens <= 0:
             raise InputError(f"max_new_tokens ({gen.max_new_tokens:,}) leaves no room for a prompt in the "
@@ -390,8 +442,9 @@ class ChatEngine:
         chunk = self.settings.memory.prefill_chunk_tokens or None
         newest_only = self.count_tokens(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
+        plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
         plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                      gen.max_new_tokens, gen.kv_cache, min_prompt_tokens=newest_only,
+                                      gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
                                       prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
@@ -399,7 +452,7 @@ class ChatEngine:
         encoded = self._encode(fitted.messages)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
+        fit_tokens = self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
                               plan.allowed_new_tokens, notes, gen.kv_cache, plan.predicted,
                               min(fit_tokens, budget_tokens))
@@ -461,7 +514,7 @@ class ChatEngine:
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMeter(loaded.device)
         report = loaded.report
-        backend = self.backend if prepared.kv_cache == "dynamic" else self._plain
+        backend = self.backend if self._fast_serves(prepared.kv_cache) else self._plain
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
             double_quant=report.double_quant, kv_cache=prepared.kv_cache,
