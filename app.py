@@ -401,8 +401,10 @@ def build_fit_tab(settings: Settings) -> None:
                                    elem_id="fit-new")
         button = gr.Button("Will it fit?", elem_id="fit-run")
         answer = gr.Markdown(elem_id="fit-answer")
-        button.click(lambda *a: fit_answer(*a, cache_dir=settings.model.cache_dir),
-                     [model, card, quantization, kv_cache, new_tokens], answer, api_name="fit")
+        def answer_fit(choice: str | None, card_gib: float, quant: str, kv: str, new: float) -> str:
+            return fit_answer(choice, card_gib, quant, kv, new, cache_dir=settings.model.cache_dir)
+
+        button.click(answer_fit, [model, card, quantization, kv_cache, new_tokens], answer, api_name="fit")
 
 
 def _default_sides(settings: Settings) -> list[tuple[str | None, str]]:

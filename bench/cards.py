@@ -66,11 +66,11 @@ PLAN = [
     Case("llama-2-7b", 32768, 8, "ours", "dynamic"),
     Case("llama-2-7b", 32768, 8, "seed"),
     Case("llama-2-7b", 32768, 8, "ours", "quantized"),
+    Case("llama-2-7b", 32768, 24, "ours", "dynamic"),
     Case("llama-3-8b", 131072, 8, "ours", "quantized"),
     Case("llama-3-8b", 131072, 8, "seed"),
     Case("llama-2-7b", 32768, 12, "ours", "dynamic"),
     Case("llama-2-7b", 32768, 16, "ours", "dynamic"),
-    Case("llama-2-7b", 32768, 24, "ours", "dynamic"),
     Case("llama-3-8b", 131072, 8, "ours", "dynamic"),
     Case("llama-2-7b", 4096, 8, "ours", "dynamic"),
 ]
@@ -136,10 +136,13 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
         env.update(DEVICE="cpu", DECODE_PATH="fast", COMPUTE_DTYPE="float32", PREFILL_CHUNK_TOKENS="64",
                    PREFILL_GRAPH_TOKENS="64")
     t0 = time.perf_counter()
+    failure = ""
     try:
         engine = ChatEngine.load(Settings.from_env(environ=env, env_file=None))
     except Exception as exc:  # noqa: BLE001 - a start-up failure is a result
-        rec.add(**base, what="startup", outcome="startup_failed", error=f"{type(exc).__name__}: {exc}"[:400])
+        failure = f"{type(exc).__name__}: {exc}"[:400]
+    if failure:  # outside the except block: its traceback's frames hold the failed engine's tensors until then
+        rec.add(**base, what="startup", outcome="startup_failed", error=failure)
         release()
         return
     decoder = getattr(engine, "_fast_decoder", None)
@@ -251,6 +254,8 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                                                      device_map=SCALE.device, attn_implementation="sdpa").eval()
     except Exception as exc:  # noqa: BLE001
         rec.add(**base, what="startup", outcome="startup_failed", error=f"{type(exc).__name__}: {exc}"[:400])
+        model = None
+    if model is None:
         release()
         return
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -267,6 +272,7 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                       predicted_peak_vram_bytes=predict_peak_bytes(facts, int(ids.shape[1]), SCALE.new_tokens)
                       .peak_allocated_bytes)
         clock = _FirstTokenClock()
+        crashed = False
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         try:
@@ -283,6 +289,8 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                     peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
         except torch.OutOfMemoryError:
             rec.add(**record, outcome="crashed", error="CUDA out of memory")
+            crashed = True
+        if crashed:
             release()
             break  # the conversation only grows: every later turn would crash too
     del model
@@ -324,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         base = dict(recipe=case.recipe, card_gib=case.card_gib, model=case.model, max_positions=case.positions,
                     quantization=case.quantization, kv_cache=case.kv_cache if case.recipe == "ours" else "dynamic",
                     device=meta["device"], versions=meta["versions"], command=meta["command"], case=case.name)
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > deadline - 60:  # a case's start-up alone takes ~20-75 s
             rec.add(**base, what="skipped", outcome="skipped", reason="device-time budget of this run spent")
             continue
         folder = args.ckpt_dir / f"{case.model}-{case.positions}"
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - record and go on with the next case
             rec.add(**base, what="error", outcome="crashed", error=f"{type(exc).__name__}: {exc}"[:600],
                     trace=traceback.format_exc()[-1500:])
-            release()
+        release()  # after the except block, whose traceback holds the case's frames
     rec.add(what="done", seconds=round(time.perf_counter() - start, 1))
     return 0
 

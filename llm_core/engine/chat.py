@@ -350,6 +350,8 @@ class ChatEngine:
         decoder = getattr(self, "_fast_decoder", None)
         if decoder is not None:
             decoder.warmup()
+            if self.loaded.device.type == "cuda":  # compile/autotune/capture temporaries: give their blocks back
+                torch.cuda.empty_cache()
             self._measure_fast_resident(decoder)
             planned = decoder.cache_len
             tokens = self._fast_cache_tokens(self.memory_facts.resident_extra_bytes) if (
@@ -540,6 +542,7 @@ class ChatEngine:
                 errors.append(exc)
                 streamer.end()
 
+        cached_free = _cached_free_bytes(loaded.device)
         peak.start()
         worker_done = self._workers.submit(work)
         reply = ""
@@ -561,7 +564,8 @@ class ChatEngine:
             if errors:
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
-            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend)
+            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend,
+                                          cached_free)
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
@@ -575,7 +579,7 @@ class ChatEngine:
 
     def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMeter, cache: Any,
                      stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel,
-                     backend: DecodeBackend) -> ReplyStats:
+                     backend: DecodeBackend, cached_free: int = 0) -> ReplyStats:
         timing = clock.snapshot()
         count, rate = timing["new_tokens"], timing["decode_tokens_per_s"]
         if loaded.device.type == "cuda":
@@ -595,7 +599,10 @@ class ChatEngine:
         measured = peak.stop().reply_fields()
         reserved = measured.get("peak_vram_reserved_bytes")
         if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
-            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved)
+            # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
+            # the reserved peak without being this reply's doing, and the allocator frees them before it would
+            # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).
+            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - cached_free)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,
             kv_cache_bytes=kv, finish_reason=reason,
@@ -640,6 +647,13 @@ class ChatEngine:
                 "lower max new tokens or the history length and try again."
             )
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _cached_free_bytes(device: torch.device) -> int:
+    """CUDA: bytes the caching allocator holds free (reserved - allocated) right now; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def _eos_ids(loaded: LoadedModel) -> set[int]:

@@ -456,6 +456,8 @@ class FastDecoder:
         Lengths are small: the classes are symbolic in the length, so any later length reuses them."""
         if not (self.compile and self._prefill_compiled_ok):
             return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         first = max(4, min(self.options.prefill_graph_tokens + PREFILL_BUCKET_TOKENS + 7, (self._cache_len - 2) // 3))
         start = 0
         for length in (first, first - 1, first - 2):
@@ -526,6 +528,7 @@ class FastDecoder:
                 self._warm_step(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._sync()
+        torch.cuda.empty_cache()  # the side stream's warm-up blocks: free, but only that stream could reuse them
         for bucket in self._buckets:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
@@ -554,6 +557,7 @@ class FastDecoder:
                 self._padded_prefill(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._sync()
+        torch.cuda.empty_cache()  # as in _capture_all: the capture's pool must not compete with idle side blocks
         for bucket in buckets:
             graph = torch.cuda.CUDAGraph()
             try:
