@@ -284,6 +284,13 @@ class ChatEngine:
         fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
         return self.backend.name == "fast" and kv_cache == fast_mode
 
+    def _backend_for(self, kv_cache: str) -> DecodeBackend:
+        """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
+        (plain, batched) serve the dynamic cache themselves."""
+        if self.backend.name == "fast":
+            return self.backend if self._fast_serves(kv_cache) else self._plain
+        return self.backend if kv_cache == "dynamic" else self._plain
+
     def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
         it (prompt + the default reply length) fits the budget beside the weights, the largest prefill chunk, the
@@ -516,7 +523,7 @@ class ChatEngine:
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMeter(loaded.device)
         report = loaded.report
-        backend = self.backend if self._fast_serves(prepared.kv_cache) else self._plain
+        backend = self._backend_for(prepared.kv_cache)
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
             double_quant=report.double_quant, kv_cache=prepared.kv_cache,
