@@ -203,6 +203,28 @@ def test_a_long_chat_on_a_small_budget_trims_old_turns_instead_of_failing(small_
     assert any(n.startswith(f"Left out the {dropped[-1]} oldest turn") for n in last.stats.notes), last.stats.notes
 
 
+def test_a_learned_reserve_shrinks_the_cache_instead_of_refusing_messages() -> None:
+    """Issue 17's GPU run: the allocator's reserve learned after warm-up (~1 GiB on an 8 GiB card) made every
+    message 'not fit' beside a cache sized before it was known. Now the next request re-plans the split: the cache
+    shrinks (a recapture, no compile) to what the budget holds with that reserve, and the message is answered."""
+    settings = _fast_settings()
+    loaded = load_model(settings.model)
+    engine = ChatEngine(loaded, _fast_settings(_budget_for_cache(loaded, 512, "bf16")))
+    engine.warmup()
+    assert engine._fast_decoder.cache_len == 512
+    block = engine.memory_facts.static_kv_tokens * static_kv_bytes(engine.memory_facts, 1)
+    engine.memory_facts = replace(engine.memory_facts,
+                                  reserve_fixed_bytes=engine.memory_facts.reserve_fixed_bytes + block // 2)
+    last = None
+    for update in engine.stream_chat("Write a haiku about the sea.", []):
+        last = update
+    assert last is not None and last.done and last.stats.decode_path == "fast"
+    shrunk = engine._fast_decoder.cache_len
+    assert 16 < shrunk <= 512 - 256 + 16 and engine.memory_facts.static_kv_tokens == shrunk
+    pred = predict_peak_bytes(engine.memory_facts, shrunk - 16, 16, prefill_chunk_tokens=96)
+    assert pred.total_bytes <= engine.memory_budget.budget_bytes
+
+
 def test_weights_that_fit_but_leave_no_cache_fall_back_to_plain_generate() -> None:
     """DECODE_PATH=auto is the default; here the fast path is forced off CPU's eager loop only when it fits: with
     a budget just above the weights, DECODE_PATH=fast says why, with the numbers, instead of failing in warm-up."""

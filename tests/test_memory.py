@@ -429,12 +429,20 @@ def test_plan_on_the_embedded_model_trims_under_an_artificial_budget(loaded: Loa
     assert plan.fits and plan.allowed_prompt_tokens == 600 and plan.allowed_new_tokens == 64
 
 
-def test_refit_reserve_only_raises_the_fraction(facts_7b: ModelMemoryFacts) -> None:
+def test_refit_reserve_learns_the_uncovered_bytes_as_a_fixed_term(facts_7b: ModelMemoryFacts) -> None:
+    """A reply that reserved 2 GiB above its predicted peak: the next plan of the same reply covers it (with 10%
+    headroom), and a short reply's plan grows by the same bytes, not by a multiple of its small activations
+    (issue 17: learned as a fraction from the 2-token warm-up reply it refused every 2k-token message)."""
     pred = predict_peak_bytes(facts_7b, 4096, 128)
     higher = refit_reserve(facts_7b, pred, pred.peak_allocated_bytes + 2 * GiB)
-    assert higher.reserve_fraction > facts_7b.reserve_fraction
+    assert higher.reserve_fraction == facts_7b.reserve_fraction
+    uncovered = pred.peak_allocated_bytes + 2 * GiB - pred.total_bytes
+    assert higher.reserve_fixed_bytes == facts_7b.reserve_fixed_bytes + int(1.1 * uncovered)
     assert predict_peak_bytes(higher, 4096, 128).total_bytes >= pred.peak_allocated_bytes + 2 * GiB
+    short_before, short_after = predict_peak_bytes(facts_7b, 16, 2), predict_peak_bytes(higher, 16, 2)
+    assert short_after.total_bytes - short_before.total_bytes == int(1.1 * uncovered)
     assert refit_reserve(facts_7b, pred, pred.peak_allocated_bytes) == facts_7b
+    assert refit_reserve(facts_7b, pred, pred.total_bytes) == facts_7b  # covered: nothing to learn
 
 
 def test_budget_from_the_cpu_is_positive_and_validated() -> None:

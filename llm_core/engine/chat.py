@@ -47,6 +47,8 @@ from ..memory.model import (
 from ..metrics import ReplyStats, TokenClock
 from .serving import BatchScheduler, ReplySlots, RowKV, SessionSlots
 
+log = logging.getLogger(__name__)
+
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
 _ENCODINGS_KEPT = 16  # message lists whose encoding ChatEngine._encode keeps
@@ -357,21 +359,14 @@ class ChatEngine:
         decoder = getattr(self, "_fast_decoder", None)
         if decoder is not None:
             decoder.warmup()
-            if self.loaded.device.type == "cuda":  # compile/autotune/capture temporaries: give their blocks back
-                torch.cuda.empty_cache()
             self._measure_fast_resident(decoder)
-            planned = decoder.cache_len
-            tokens = self._fast_cache_tokens(self.memory_facts.resident_extra_bytes) if (
-                self.loaded.device.type == "cuda") else planned
-            if tokens < planned:  # measured more than estimated: re-plan the split, recapture (no compile)
-                say(f"Re-sizing the KV cache to {tokens:,} tokens for the measured graph memory…")
-                decoder.max_cache_len = tokens
-                decoder.resize_cache(tokens)
-                self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
-                self._measure_fast_resident(decoder)
+            self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
+        if decoder is not None:  # what the warm-up reply taught the reserve: re-plan now, not in a user's reply
+            self._measure_fast_resident(decoder)
+            self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
@@ -379,10 +374,48 @@ class ChatEngine:
         return warmup_s
 
     def _measure_fast_resident(self, decoder: Any) -> None:
+        """What the fast path holds beyond weights and cache, after giving back every cached block the allocator
+        can: its buffers and graph pools, plus the fragments that empty_cache cannot return (free blocks inside
+        segments still in use; ~1 GiB after warm-up under an 8 GiB cap on the H200, bench/results/
+        2026-12-01-h200-cards.json): no reply can count on them, so they are planned as held."""
+        if self.loaded.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
         after = device_allocated_bytes(self.loaded.device)
-        if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
+        if after is not None and self._allocated_before_decode is not None:
+            pools = decoder.graph_pool_idle_bytes()
+            fragments = max(0, _cached_free_bytes(self.loaded.device) - pools)
+            self._held_free_bytes = pools + fragments  # planned as resident: see _final_stats
             self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
-                self.memory_facts, self._allocated_before_decode, after, decoder.graph_pool_idle_bytes()))
+                self.memory_facts, self._allocated_before_decode, after, pools + fragments))
+
+    def _fit_fast_cache(self, max_new_tokens: int, say: Callable[[str], None] | None = None) -> None:
+        """Re-plan the static cache with the facts as they are now (measured resident bytes, learned reserve) and
+        shrink it when a reply filling it would no longer fit the budget: a recapture of its graphs, never a
+        compile. Memoized on the facts: costs a dict lookup when nothing changed."""
+        decoder = getattr(self, "_fast_decoder", None)
+        if decoder is None or self.backend.name != "fast":
+            return
+        key = (self.memory_facts, max_new_tokens)
+        if getattr(self, "_cache_fitted_for", None) == key:
+            return
+        from ..memory.plan import static_cache_plan
+
+        plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
+                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 kv_format=self._fast_kv_format,
+                                 resident_extra_bytes=self.memory_facts.resident_extra_bytes,
+                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply
+        if tokens < decoder.cache_len:
+            if say is not None:
+                say(f"Re-sizing the KV cache from {decoder.cache_len:,} to {tokens:,} tokens for the measured memory…")
+            log.info("fast path KV cache re-planned: %d -> %d tokens", decoder.cache_len, tokens)
+            decoder.max_cache_len = tokens
+            decoder.resize_cache(tokens)
+            self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
+            self._measure_fast_resident(decoder)
+        self._cache_fitted_for = (self.memory_facts, max_new_tokens)
 
     @property
     def report(self) -> Any:
@@ -439,6 +472,8 @@ class ChatEngine:
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
         fast = self._fast_serves(gen.kv_cache)
+        if fast:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan the split first
+            self._fit_fast_cache(self.settings.generation.max_new_tokens)
         context = self.context_limit if fast else self.loaded.context_length
         budget_tokens = context - gen.max_new_tokens
         if budget_tokens <= 0:
@@ -609,7 +644,8 @@ class ChatEngine:
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
             # the reserved peak without being this reply's doing, and the allocator frees them before it would
             # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).
-            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - cached_free)
+            releasable = max(0, cached_free - getattr(self, "_held_free_bytes", 0))  # pools, fragments: counted
+            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,
             kv_cache_bytes=kv, finish_reason=reason,

@@ -748,15 +748,20 @@ def require_fit(plan: ReplyPlan) -> ReplyPlan:
 
 def refit_reserve(facts: ModelMemoryFacts, predicted: PeakPrediction, measured_reserved_bytes: int,
                   headroom: float = 1.10) -> ModelMemoryFacts:
-    """Facts whose reserve fraction covers a measured peak of reserved bytes (never lowered): after each reply the
-    engine can feed back torch.cuda.max_memory_reserved so the next plans account for this allocator's reality."""
-    variable = predicted.reserve_base_bytes or (
-        predicted.kv_bytes + predicted.activation_bytes + (predicted.workspace_bytes - facts.workspace_bytes))
-    excess = measured_reserved_bytes - predicted.peak_allocated_bytes - facts.reserve_fixed_bytes
-    if variable <= 0 or excess <= 0:
+    """Facts whose reserve covers a measured peak of reserved bytes (never lowered): after each reply the engine
+    feeds back torch.cuda.max_memory_reserved (less the blocks already cached free when it started) so the next
+    plans account for this allocator's reality.
+
+    What the prediction's reserve did not cover is learned as a fixed number of bytes (reserve_fixed_bytes), not
+    as a larger fraction: on the H200 under 8-24 GiB caps (bench/results/2026-12-01-h200-cards.json) reserved
+    minus allocated stayed at ~1.0-1.4 GiB whatever the prompt length (2.9k to 32.7k tokens), i.e. fragments of
+    start-up and graph pools, not a share of each reply's activations. Learned as a fraction from the 2-token
+    warm-up reply, the same bytes had been multiplied onto every 2k-token chunk's activations (fraction 4.0) and
+    had every message of an 8 GiB card refused."""
+    excess = int(measured_reserved_bytes) - predicted.total_bytes
+    if excess <= 0:
         return facts
-    needed = headroom * excess / variable
-    return replace(facts, reserve_fraction=max(facts.reserve_fraction, min(needed, 4.0)))
+    return replace(facts, reserve_fixed_bytes=facts.reserve_fixed_bytes + int(headroom * excess))
 
 
 def _gib(n: int) -> str:
