@@ -203,6 +203,33 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
                      decode_path_reason=reason, longest_prompt_tokens=longest, static_cache_tokens=0, **common)
 
 
+def check_weights_fit(settings: Any) -> None:
+    """Before any weight is loaded: ModelLoadError when the weights alone (estimated from config.json) exceed
+    VRAM_BUDGET. Skipped without VRAM_BUDGET (a derived budget is known only once loaded), with MAX_MEMORY (offload
+    places the weights itself) and when the config cannot be read here (the loader reports that). Estimated in the
+    smaller compute dtype where it is "auto", so an estimate never refuses a model that fits."""
+    budget = settings.memory.budget_bytes
+    if budget is None or settings.model.max_memory:
+        return
+    model = settings.model.model_id or ""
+    try:
+        config = load_config(model, cache_dir=settings.model.cache_dir,
+                             trust_remote_code=settings.model.trust_remote_code)
+        dtype = settings.model.compute_dtype if settings.model.compute_dtype != "auto" else "bfloat16"
+        weights = estimate_weights_bytes(config, settings.model.quantization, dtype,
+                                         double_quant=settings.model.double_quant is not False)
+    except (LLMCoreError, AttributeError, KeyError, TypeError):  # not llama-shaped or unreadable: load decides
+        return
+    if weights > budget:
+        quant = settings.model.quantization
+        offload = weights - budget + GiB
+        raise ModelLoadError(
+            f"{model or 'The embedded model'} does not fit: its weights alone need about {_gib(weights)} with "
+            f"QUANTIZATION={quant}, more than VRAM_BUDGET={_gib(budget)}. Use QUANTIZATION=nf4, a smaller model or a "
+            f"larger budget; MAX_MEMORY offload would move about {_gib(offload)} over PCIe every token (about "
+            f"{OFFLOAD_BYTES_PER_S / offload:.1f} tokens/s at best). `python -m llm_core.fit` says what fits.")
+
+
 def load_config(model: str, *, cache_dir: str | None = None, trust_remote_code: bool = False) -> Any:
     """config.json of a local folder, a hub id (network), or the embedded model ('' ) without loading weights."""
     from pathlib import Path

@@ -104,3 +104,26 @@ def test_app_fit_panel_answers_in_markdown() -> None:
 
     text = fit_answer(None, 8, "nf4", "quantized", 256, cache_dir=str(MODEL_CACHE))
     assert "Fast-path KV cache" in text and "Longest prompt" in text and torch is not None
+
+
+def test_the_engine_says_weights_do_not_fit_before_loading_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """VRAM_BUDGET below the weights: ChatEngine.load refuses from config.json alone, never calling the loader;
+    with a budget that holds them it goes on to load."""
+    from llm_core.engine import chat
+    from llm_core.errors import ModelLoadError
+
+    class Loaded(Exception):
+        pass
+
+    def loader(*args: object, **kwargs: object) -> None:
+        raise Loaded
+
+    monkeypatch.setattr(chat, "load_model", loader)
+    config = load_config("", cache_dir=str(MODEL_CACHE))
+    weights = estimate_weights_bytes(config, "nf4")
+    with pytest.raises(ModelLoadError, match=r"does not fit: its weights alone need about \d+ MiB"):
+        chat.ChatEngine.load(make_settings(VRAM_BUDGET=str(weights // 2)))
+    with pytest.raises(Loaded):
+        chat.ChatEngine.load(make_settings(VRAM_BUDGET=str(weights * 4)))
+    with pytest.raises(Loaded):  # offload places the weights itself: no refusal
+        chat.ChatEngine.load(make_settings(VRAM_BUDGET=str(weights // 2), MAX_MEMORY="0=1GiB,cpu=8GiB"))

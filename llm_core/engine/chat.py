@@ -199,6 +199,9 @@ class ChatEngine:
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def load(cls, settings: Settings, progress: Progress | None = None, *, warmup: bool = True) -> ChatEngine:
+        from ..fit import check_weights_fit
+
+        check_weights_fit(settings)  # weights that cannot fit the budget: said before anything is loaded
         engine = cls(load_model(settings.model, progress), settings)
         if warmup:
             engine.warmup(progress)
