@@ -369,7 +369,9 @@ class ChatEngine:
             pass
         if decoder is not None:  # what the warm-up reply taught the reserve: re-plan now, not in a user's reply
             self._measure_fast_resident(decoder)
-            self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
+            for _ in range(3):  # a recapture leaves its own fragments: re-plan until the split holds
+                if not self._fit_fast_cache(self.settings.generation.max_new_tokens, say):
+                    break
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
@@ -392,16 +394,16 @@ class ChatEngine:
             self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
                 self.memory_facts, self._allocated_before_decode, after, pools + fragments))
 
-    def _fit_fast_cache(self, max_new_tokens: int, say: Callable[[str], None] | None = None) -> None:
+    def _fit_fast_cache(self, max_new_tokens: int, say: Callable[[str], None] | None = None) -> bool:
         """Re-plan the static cache with the facts as they are now (measured resident bytes, learned reserve) and
         shrink it when a reply filling it would no longer fit the budget: a recapture of its graphs, never a
         compile. Memoized on the facts: costs a dict lookup when nothing changed."""
         decoder = getattr(self, "_fast_decoder", None)
         if decoder is None or self.backend.name != "fast":
-            return
+            return False
         key = (self.memory_facts, max_new_tokens)
         if getattr(self, "_cache_fitted_for", None) == key:
-            return
+            return False
         from ..memory.plan import static_cache_plan
 
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
@@ -410,7 +412,8 @@ class ChatEngine:
                                  resident_extra_bytes=self.memory_facts.resident_extra_bytes,
                                  prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
         tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply
-        if tokens < decoder.cache_len:
+        resized = tokens < decoder.cache_len
+        if resized:
             if say is not None:
                 say(f"Re-sizing the KV cache from {decoder.cache_len:,} to {tokens:,} tokens for the measured memory…")
             log.info("fast path KV cache re-planned: %d -> %d tokens", decoder.cache_len, tokens)
@@ -419,6 +422,7 @@ class ChatEngine:
             self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
             self._measure_fast_resident(decoder)
         self._cache_fitted_for = (self.memory_facts, max_new_tokens)
+        return resized
 
     @property
     def report(self) -> Any:
