@@ -78,7 +78,8 @@ PLAN = [
 
 class Recorder:
     def __init__(self, path: Path, meta: dict[str, Any]) -> None:
-        self.path, self.meta, self.records = path, meta, []
+        self.path, self.meta = path, meta
+        self.records: list[dict[str, Any]] = []
 
     def add(self, **record: Any) -> None:
         record = {**record, "t": time.strftime("%H:%M:%S")}
@@ -167,6 +168,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             last = None
             for update in engine.stream_chat(text, history, gen=gen):
                 last = update
+            assert last is not None
             s = last.stats
             rec.add(**record, outcome="ok", prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
                     dropped_turns=s.dropped_turns, ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
@@ -191,6 +193,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
         last = None
         for update in engine.stream_chat(message(again), sent[again], gen=gen):
             last = update
+        assert last is not None
         first = next(r for r in rec.records if r.get("what") == "turn" and r.get("turn") == again
                      and r.get("recipe") == "ours" and r.get("kv_cache") == case.kv_cache
                      and r.get("card_gib") == case.card_gib and r.get("model") == case.model)
@@ -266,8 +269,9 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     for turn, (text, history) in enumerate(conversations.get((case.model, case.positions), [])):
         if time.perf_counter() > deadline:
             break
-        ids = tok.apply_chat_template(build_messages(system, history, text), add_generation_prompt=True,
-                                      return_dict=True, return_tensors="pt")["input_ids"].to(SCALE.device)
+        encoded: Any = tok.apply_chat_template(build_messages(system, history, text), add_generation_prompt=True,
+                                               return_dict=True, return_tensors="pt")
+        ids = encoded["input_ids"].to(SCALE.device)
         record = dict(base, what="turn", turn=turn, prompt_tokens=int(ids.shape[1]), dropped_turns=0,
                       predicted_peak_vram_bytes=predict_peak_bytes(facts, int(ids.shape[1]), SCALE.new_tokens)
                       .peak_allocated_bytes)
@@ -283,7 +287,8 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                                streamer=clock)
                 if cuda:
                     torch.cuda.synchronize()
-            rate = (clock.count - 1) / (clock.last - clock.first) if clock.count > 1 and clock.first else None
+            rate = (clock.count - 1) / (clock.last - clock.first) if (
+                clock.count > 1 and clock.first and clock.last) else None
             rec.add(**record, outcome="ok", new_tokens=clock.count, ttft_s=(clock.first or start) - start,
                     decode_tokens_per_s=rate, peak_vram_bytes=torch.cuda.max_memory_allocated() if cuda else None,
                     peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
