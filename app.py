@@ -316,6 +316,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 compare_plot = gr.BarPlot(x="configuration", y="decode_tokens_per_s", elem_id="compare-plot",
                                           label="Decode tokens/s", x_label_angle=-20)
             compare_json = gr.JSON(visible=False)
+        build_fit_tab(settings)
         with gr.Tab("Session stats", id="history-tab"):
             gr.Markdown("Every reply of this browser session (chat and compare), with what produced it.")
             history_table = gr.Dataframe(elem_id="history-table", interactive=False)
@@ -358,6 +359,52 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
 
 NO_SIDE = "— none —"
 MAX_COMPARE_SIDES = 3
+
+
+FIT_CARDS_GIB = (8, 12, 16, 24, 48, 80)
+
+
+def fit_answer(choice: str | None, card_gib: float, quantization: str, kv_cache: str, max_new_tokens: float,
+               cache_dir: str | None = None) -> str:
+    """The "Will it fit?" panel's answer (Markdown) for a model of the served/Compare list or a typed one."""
+    from llm_core.fit import fit_config, load_config
+
+    model = _model_id(choice) or ""
+    try:
+        config = load_config(model, cache_dir=cache_dir)
+        report = fit_config(config, int(float(card_gib) * 2**30), model=choice or "embedded model",
+                            quantization=quantization, kv_cache=kv_cache, max_new_tokens=int(max_new_tokens))
+    except LLMCoreError as exc:
+        raise _user_error(exc) from None
+    return report.to_markdown()
+
+
+def build_fit_tab(settings: Settings) -> None:
+    """A self-contained tab: will a model fit a card, from its config.json alone (llm_core.fit), before loading."""
+    from llm_core.config import QUANTIZATION_MODES
+
+    with gr.Tab("Will it fit?", id="fit-tab"):
+        gr.Markdown("From a model's config alone: weights, KV cache per token, the decode path and the longest "
+                    "prompt that fits a card, with the prefill, CUDA graphs and allocator reserve counted "
+                    "(`python -m llm_core.fit MODEL --gpu 8GiB` does the same).")
+        with gr.Row():
+            model = gr.Dropdown([_model_choice(m) for m in allowed_models(settings)],
+                                value=_model_choice(settings.model.model_id or None), label="Model",
+                                allow_custom_value=settings.compare.allow_custom_models, elem_id="fit-model")
+            card = gr.Dropdown(list(FIT_CARDS_GIB), value=8, label="Card (GiB)", allow_custom_value=True,
+                               elem_id="fit-card")
+            quantization = gr.Dropdown(list(QUANTIZATION_MODES), value=settings.model.quantization,
+                                       label="Quantization", elem_id="fit-quantization")
+            kv_cache = gr.Dropdown(list(KV_CACHE_MODES), value=settings.generation.kv_cache, label="KV cache",
+                                   elem_id="fit-kv")
+            new_tokens = gr.Number(value=settings.generation.max_new_tokens, precision=0, label="Max new tokens",
+                                   elem_id="fit-new")
+        button = gr.Button("Will it fit?", elem_id="fit-run")
+        answer = gr.Markdown(elem_id="fit-answer")
+        def answer_fit(choice: str | None, card_gib: float, quant: str, kv: str, new: float) -> str:
+            return fit_answer(choice, card_gib, quant, kv, new, cache_dir=settings.model.cache_dir)
+
+        button.click(answer_fit, [model, card, quantization, kv_cache, new_tokens], answer, api_name="fit")
 
 
 def _default_sides(settings: Settings) -> list[tuple[str | None, str]]:

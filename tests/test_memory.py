@@ -429,12 +429,20 @@ def test_plan_on_the_embedded_model_trims_under_an_artificial_budget(loaded: Loa
     assert plan.fits and plan.allowed_prompt_tokens == 600 and plan.allowed_new_tokens == 64
 
 
-def test_refit_reserve_only_raises_the_fraction(facts_7b: ModelMemoryFacts) -> None:
+def test_refit_reserve_learns_the_uncovered_bytes_as_a_fixed_term(facts_7b: ModelMemoryFacts) -> None:
+    """A reply that reserved 2 GiB above its predicted peak: the next plan of the same reply covers it (with 10%
+    headroom), and a short reply's plan grows by the same bytes, not by a multiple of its small activations
+    (issue 17: learned as a fraction from the 2-token warm-up reply it refused every 2k-token message)."""
     pred = predict_peak_bytes(facts_7b, 4096, 128)
     higher = refit_reserve(facts_7b, pred, pred.peak_allocated_bytes + 2 * GiB)
-    assert higher.reserve_fraction > facts_7b.reserve_fraction
+    assert higher.reserve_fraction == facts_7b.reserve_fraction
+    uncovered = pred.peak_allocated_bytes + 2 * GiB - pred.total_bytes
+    assert higher.reserve_fixed_bytes == facts_7b.reserve_fixed_bytes + int(1.1 * uncovered)
     assert predict_peak_bytes(higher, 4096, 128).total_bytes >= pred.peak_allocated_bytes + 2 * GiB
+    short_before, short_after = predict_peak_bytes(facts_7b, 16, 2), predict_peak_bytes(higher, 16, 2)
+    assert short_after.total_bytes - short_before.total_bytes == int(1.1 * uncovered)
     assert refit_reserve(facts_7b, pred, pred.peak_allocated_bytes) == facts_7b
+    assert refit_reserve(facts_7b, pred, pred.total_bytes) == facts_7b  # covered: nothing to learn
 
 
 def test_budget_from_the_cpu_is_positive_and_validated() -> None:
@@ -541,8 +549,12 @@ def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_l
         assert plain.kv_bytes == kv_bytes(growing, prompt + 128 if plain.phase == "decode" else prompt,
                                           growing.cache_dtype)
         assert fast.peak_allocated_bytes > plain.peak_allocated_bytes
-    # quantized and offloaded caches run on the plain path: the static block does not apply to them
-    assert predict_peak_bytes(static, 512, 128, "quantized") == predict_peak_bytes(growing, 512, 128, "quantized")
+    # quantized and offloaded caches run on the plain path beside the static block, which stays resident: their
+    # prediction is the plain one plus exactly that block (issue 17: it was left out)
+    for mode in ("quantized", "offload"):
+        beside, alone = predict_peak_bytes(static, 512, 128, mode), predict_peak_bytes(growing, 512, 128, mode)
+        assert beside.total_bytes - alone.total_bytes == block
+        assert beside.kv_bytes == alone.kv_bytes and beside.reserve_bytes == alone.reserve_bytes
 
 
 def test_what_the_fast_path_holds_beyond_weights_and_cache_is_measured_once_and_counted_in_every_peak() -> None:

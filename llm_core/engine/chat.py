@@ -23,7 +23,14 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
 from ..config import GenerationSettings, Settings
-from ..errors import GenerationError, InputError, LLMCoreError, OutOfMemoryError, SettingsError
+from ..errors import (
+    ContextBudgetError,
+    GenerationError,
+    InputError,
+    LLMCoreError,
+    OutOfMemoryError,
+    SettingsError,
+)
 from ..history import FittedHistory, Turn, build_messages, clean_text, fit_history
 from ..loading import LoadedModel, Progress, load_model
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
@@ -39,6 +46,8 @@ from ..memory.model import (
 )
 from ..metrics import ReplyStats, TokenClock
 from .serving import BatchScheduler, ReplySlots, RowKV, SessionSlots
+
+log = logging.getLogger(__name__)
 
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
@@ -256,6 +265,9 @@ class ChatEngine:
     # --- construction --------------------------------------------------------------------------
     @classmethod
     def load(cls, settings: Settings, progress: Progress | None = None, *, warmup: bool = True) -> ChatEngine:
+        from ..fit import check_weights_fit
+
+        check_weights_fit(settings)  # weights that cannot fit the budget: said before anything is loaded
         engine = cls(load_model(settings.model, progress), settings)
         if warmup:
             engine.warmup(progress)
@@ -287,8 +299,21 @@ class ChatEngine:
                 raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
-        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
-        decoder = fast.FastDecoder(self.loaded, max_cache_len=self._fast_cache_tokens(), options=options)
+        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens,
+                                         prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                         kv_cache=self._fast_kv_format)
+        plain_facts = self.memory_facts
+        try:
+            cache_tokens = self._fast_cache_tokens()
+        except ContextBudgetError as exc:  # weights fit, but not beside a useful static cache: plain generate
+            if mode == "fast":
+                raise
+            self.memory_facts = plain_facts
+            self.backend = self._plain_backend(f"no room for the fast path's KV cache: {exc}")
+            return
+        decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options)
+        if self._fast_kv_format == "int8":
+            reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
             nf4 = quantization == "nf4"
@@ -304,15 +329,41 @@ class ChatEngine:
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
-                                    fused_dequant=decoder.options.fuse)
+                                    static_kv_format=self._fast_kv_format,
+                                    resident_extra_bytes=self._cache_plan.resident_extra_bytes)
 
-    def _fast_cache_tokens(self) -> int:
-        """The fast path's static KV cache is allocated once at warm-up: size it to what the memory budget allows
-        for a prompt plus the default reply length, never beyond the model's context."""
-        max_new = self.settings.generation.max_new_tokens
-        fits = max_context_tokens(self.memory_facts, self.memory_budget.budget_bytes, max_new, "dynamic",
-                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None)
-        return max(256, min(self.loaded.context_length, fits + max_new))
+    @property
+    def _fast_kv_format(self) -> str:
+        """The fast path's static cache: int8 when KV_CACHE=quantized (so quantized chats keep the graphed step),
+        else the compute dtype."""
+        return "int8" if self.settings.generation.kv_cache == "quantized" else "bf16"
+
+    def _fast_serves(self, kv_cache: str) -> bool:
+        """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
+        fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
+        return self.backend.name == "fast" and kv_cache == fast_mode
+
+    def _backend_for(self, kv_cache: str) -> DecodeBackend:
+        """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
+        (plain, batched) serve the dynamic cache themselves."""
+        if self.backend.name == "fast":
+            return self.backend if self._fast_serves(kv_cache) else self._plain
+        return self.backend if kv_cache == "dynamic" else self._plain
+
+    def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
+        """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
+        it (prompt + the default reply length) fits the budget beside the weights, the largest prefill chunk, the
+        graph pools and the allocator reserve (llm_core.memory.plan); never beyond the model's context."""
+        from ..memory.plan import require_cache, static_cache_plan
+
+        self.memory_facts = replace(self.memory_facts, fused_dequant=True)  # the fast path fuses gate/up
+        plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
+                                 max_new_tokens=self.settings.generation.max_new_tokens,
+                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
+                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        self._cache_plan = require_cache(plan, self.memory_facts)
+        return plan.tokens
 
     @property
     def fast_decoder(self) -> Any | None:
@@ -328,8 +379,8 @@ class ChatEngine:
         return self.loaded.context_length
 
     def _configure_decode(self) -> None:
-        """Batched decoding (llm_core.engine.serving) when MAX_BATCH_SIZE resolves above 1 and the model allows it; else one
-        reply at a time on the plain or fast path."""
+        """Batched decoding (llm_core.engine.serving) when MAX_BATCH_SIZE resolves above 1 and the model allows it;
+        else one reply at a time on the plain or fast path."""
         from .serving import BatchedBackend, batching_support, default_kv_budget_bytes, resolve_max_batch_size
 
         loaded = self.loaded
@@ -369,18 +420,67 @@ class ChatEngine:
         decoder = self.fast_decoder
         if decoder is not None:
             decoder.warmup()
-            after = device_allocated_bytes(self.loaded.device)
-            if after is not None and self._allocated_before_decode is not None:  # CUDA: what the fast path holds
-                self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
-                    self.memory_facts, self._allocated_before_decode, after, decoder.graph_pool_idle_bytes()))
+            self._measure_fast_resident(decoder)
+            self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
+        if decoder is not None:  # what the warm-up reply taught the reserve: re-plan now, not in a user's reply
+            self._measure_fast_resident(decoder)
+            for _ in range(3):  # a recapture leaves its own fragments: re-plan until the split holds
+                if not self._fit_fast_cache(self.settings.generation.max_new_tokens, say):
+                    break
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _measure_fast_resident(self, decoder: Any) -> None:
+        """What the fast path holds beyond weights and cache, after giving back every cached block the allocator
+        can: its buffers and graph pools, plus the fragments that empty_cache cannot return (free blocks inside
+        segments still in use; ~1 GiB after warm-up under an 8 GiB cap on the H200, bench/results/
+        2026-12-01-h200-cards.json): no reply can count on them, so they are planned as held."""
+        if self.loaded.device.type != "cuda":
+            return
+        torch.cuda.empty_cache()
+        after = device_allocated_bytes(self.loaded.device)
+        if after is not None and self._allocated_before_decode is not None:
+            pools = decoder.graph_pool_idle_bytes()
+            fragments = max(0, _cached_free_bytes(self.loaded.device) - pools)
+            self._held_free_bytes = pools + fragments  # planned as resident: see _final_stats
+            self.memory_facts = replace(self.memory_facts, resident_extra_bytes=resident_extra_bytes(
+                self.memory_facts, self._allocated_before_decode, after, pools + fragments))
+
+    def _fit_fast_cache(self, max_new_tokens: int, say: Callable[[str], None] | None = None) -> bool:
+        """Re-plan the static cache with the facts as they are now (measured resident bytes, learned reserve) and
+        shrink it when a reply filling it would no longer fit the budget: a recapture of its graphs, never a
+        compile. Memoized on the facts: costs a dict lookup when nothing changed."""
+        decoder = self.fast_decoder
+        if decoder is None:
+            return False
+        key = (self.memory_facts, max_new_tokens)
+        if getattr(self, "_cache_fitted_for", None) == key:
+            return False
+        from ..memory.plan import static_cache_plan
+
+        plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
+                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 kv_format=self._fast_kv_format,
+                                 resident_extra_bytes=self.memory_facts.resident_extra_bytes,
+                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+        tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply
+        resized = tokens < decoder.cache_len
+        if resized:
+            if say is not None:
+                say(f"Re-sizing the KV cache from {decoder.cache_len:,} to {tokens:,} tokens for the measured memory…")
+            log.info("fast path KV cache re-planned: %d -> %d tokens", decoder.cache_len, tokens)
+            decoder.max_cache_len = tokens
+            decoder.resize_cache(tokens)
+            self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
+            self._measure_fast_resident(decoder)
+        self._cache_fitted_for = (self.memory_facts, max_new_tokens)
+        return resized
 
     @property
     def report(self) -> Any:
@@ -436,7 +536,10 @@ class ChatEngine:
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
-        context = self.context_limit if gen.kv_cache == "dynamic" else self.loaded.context_length
+        fast = self._fast_serves(gen.kv_cache)
+        if fast:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan the split first
+            self._fit_fast_cache(self.settings.generation.max_new_tokens)
+        context = self.context_limit if fast else self.loaded.context_length
         budget_tokens = context - gen.max_new_tokens
         if budget_tokens <= 0:
             raise InputError(f"max_new_tokens ({gen.max_new_tokens:,}) leaves no room for a prompt in the "
@@ -448,8 +551,9 @@ class ChatEngine:
         chunk = self.settings.memory.prefill_chunk_tokens or None
         newest_only = self.count_tokens(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
+        plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
         plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                      gen.max_new_tokens, gen.kv_cache, min_prompt_tokens=newest_only,
+                                      gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
                                       prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
@@ -457,7 +561,7 @@ class ChatEngine:
         encoded = self._encode(fitted.messages)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
+        fit_tokens = self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
         allowed = plan.allowed_new_tokens
         resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
@@ -520,7 +624,7 @@ class ChatEngine:
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMeter(loaded.device)
         report = loaded.report
-        backend = self.backend if prepared.kv_cache == "dynamic" else self._plain
+        backend = self._backend_for(prepared.kv_cache)
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
             double_quant=report.double_quant, kv_cache=prepared.kv_cache,
@@ -546,6 +650,7 @@ class ChatEngine:
                 errors.append(exc)
                 streamer.end()
 
+        cached_free = _cached_free_bytes(loaded.device)
         peak.start()
         worker_done = self._workers.submit(work)
         reply = ""
@@ -567,7 +672,8 @@ class ChatEngine:
             if errors:
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
-            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend)
+            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend,
+                                          cached_free)
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
@@ -581,7 +687,7 @@ class ChatEngine:
 
     def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMeter, cache: Any,
                      stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel,
-                     backend: DecodeBackend) -> ReplyStats:
+                     backend: DecodeBackend, cached_free: int = 0) -> ReplyStats:
         timing = clock.snapshot()
         count, rate = timing["new_tokens"], timing["decode_tokens_per_s"]
         if loaded.device.type == "cuda":
@@ -601,7 +707,11 @@ class ChatEngine:
         measured = peak.stop().reply_fields()
         reserved = measured.get("peak_vram_reserved_bytes")
         if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
-            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved)
+            # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
+            # the reserved peak without being this reply's doing, and the allocator frees them before it would
+            # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).
+            releasable = max(0, cached_free - getattr(self, "_held_free_bytes", 0))  # pools, fragments: counted
+            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,
             kv_cache_bytes=kv, finish_reason=reason,
@@ -620,6 +730,13 @@ class ChatEngine:
                 "lower max new tokens or the history length and try again."
             )
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _cached_free_bytes(device: torch.device) -> int:
+    """CUDA: bytes the caching allocator holds free (reserved - allocated) right now; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def _pad_id(loaded: LoadedModel) -> int | None:

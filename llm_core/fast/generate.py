@@ -27,6 +27,7 @@ from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..loading import LoadedModel
 from ..sampling import sample_from_scores
+from . import kvquant
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .layer import (
     HeadSpec,
@@ -283,6 +284,8 @@ class FastDecoder:
 
     def kv_bytes_per_token(self) -> int:
         a = self._arch
+        if self.options.kv_cache == "int8":
+            return 2 * len(a.layers) * a.n_kv_heads * kvquant.row_bytes(a.head_dim)
         return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
 
     @property
@@ -331,16 +334,13 @@ class FastDecoder:
             self._allocate(tokens)
 
     def _allocate(self, tokens: int) -> None:
-        a = self._arch
         self._graphs.clear()
         self._pf_graphs.clear()  # their pool goes with them: freed before the new cache is allocated
         self._pf_pool = None
         self._k = self._v = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
-        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._k, self._v = self._cache_tensors(tokens)
         self._cache_len = tokens
         self._buckets = bucket_list(tokens)
         if self.device.type == "cuda":
@@ -362,6 +362,16 @@ class FastDecoder:
                 self._pf_ids = None
                 self.sync()
             self.capture_s = round(time.perf_counter() - t0, 3)
+
+    def _cache_tensors(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V blocks (layers, tokens, KV heads, row): row = head_dim values, or int8 rows (kvquant)."""
+        a = self._arch
+        int8 = self.options.kv_cache == "int8"
+        row = kvquant.row_bytes(a.head_dim) if int8 else a.head_dim
+        shape = (len(a.layers), tokens, a.n_kv_heads, row)
+        dtype = torch.int8 if int8 else self.dtype
+        return (torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device))
 
     def warmup(self, cache_tokens: int | None = None) -> float:
         """Compile and capture everything a first reply needs: the cache for `cache_tokens` (default
@@ -386,11 +396,9 @@ class FastDecoder:
         return self.warmup_s
 
     def _allocate_plain(self, tokens: int) -> None:
-        a = self._arch
-        shape = (len(a.layers), tokens, a.n_kv_heads, a.head_dim)
         self._graphs.clear()
-        self._k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._k = self._v = None
+        self._k, self._v = self._cache_tensors(tokens)
         self._cache_len = tokens
         self._buckets = bucket_list(tokens)
 
@@ -407,9 +415,30 @@ class FastDecoder:
             self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
             self._prefill_compiled_ok = False
             scores, _ = self._prefill(ids)
+        self._warm_prefill_shapes()
         self.prefill_warm_s = round(time.perf_counter() - t0, 3)
         sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
                            torch.Generator(device=self.device))
+        self.sync()
+
+    def _warm_prefill_shapes(self) -> None:
+        """Compile every shape class of the compiled prefill here, never inside a reply (issue 17: the first prompt
+        beyond the padded graphs compiled in the user's reply). Classes: one pass from position 0 (a prompt past
+        PREFILL_GRAPH_TOKENS, or a long prompt's first chunk), and chunks after cached history (start > 0), run
+        at two different starts and lengths so that dynamo's automatic dynamic shapes make both symbolic (it
+        specializes an int on first sight and generalizes it at the second value). One-token passes run eagerly.
+        Lengths are small: the classes are symbolic in the length, so any later length reuses them."""
+        if not (self.compile and self._prefill_compiled_ok):
+            return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        first = max(4, min(self.options.prefill_graph_tokens + PREFILL_BUCKET_TOKENS + 7, (self._cache_len - 2) // 3))
+        start = 0
+        for length in (first, first - 1, first - 2):
+            ids = (torch.arange(length, device=self.device) * 7 + 3) % self._arch.vocab
+            with _prefill_attention_scope(self.options.prefill_attention, self.device):
+                self._prefill_pass(ids, torch.arange(start, start + length, device=self.device), start)
+            start += length
         self.sync()
 
     def _compile_cache_file(self) -> Path | None:
@@ -474,6 +503,7 @@ class FastDecoder:
                 self._warm_step(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.sync()
+        torch.cuda.empty_cache()  # the side stream's warm-up blocks: free, but only that stream could reuse them
         for bucket in self._buckets:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
@@ -502,6 +532,7 @@ class FastDecoder:
                 self._padded_prefill(bucket)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.sync()
+        torch.cuda.empty_cache()  # as in _capture_all: the capture's pool must not compete with idle side blocks
         for bucket in buckets:
             graph = torch.cuda.CUDAGraph()
             try:
@@ -565,7 +596,10 @@ class FastDecoder:
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel(), device=self.device)
             hn = self._prefill_pass(part, pos, start)
-            hn_last = hn[:, -1].clone()  # (1, H) contiguous: the same input layout as the decode step
+            # (1, H) with strides (H, 1), as the decode step and the padded prefill hand the head: hn[:, -1].clone()
+            # kept the stride S*H, which failed the compiled head's stride guard and recompiled it inside the first
+            # reply past PREFILL_GRAPH_TOKENS (issue 17)
+            hn_last = hn[0, -1:].clone()
         assert hn_last is not None
         return hn_last
 

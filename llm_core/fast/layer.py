@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .kvquant import from_cache, is_quantized, to_cache
 from .pack import LinSpec, absmax_2d, bias_of, code_of
 
 
@@ -150,9 +151,11 @@ def decode_attention(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_
 
     Compiled form: broadcast products and reductions in fp32 (no repeat_kv copy, no fp32 copy of the cache) that
     inductor fuses into a few kernels. Eager form (CPU): the same math as two batched matmuls."""
-    if spec.attention == "triton":
+    if spec.attention == "triton":  # reads bf16 or int8 rows (dequantized in registers)
         out = torch.ops.llm_core.decode_attention(q, k_cache, v_cache, pos, spec.scale)
         return out.reshape(1, spec.n_heads * spec.head_dim)
+    if is_quantized(k_cache):  # the torch forms: int8 rows dequantized first (the Triton kernel's reference)
+        k_cache, v_cache = from_cache(k_cache, q.dtype), from_cache(v_cache, q.dtype)
     groups = spec.n_heads // spec.n_kv_heads
     length = k_cache.shape[0]
     valid = torch.arange(length, device=q.device) <= pos  # (L,)
@@ -186,8 +189,8 @@ def layer_decode(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.
         q, k = rms_norm(q, rest[2], spec.qk_norm_eps), rms_norm(k, rest[3], spec.qk_norm_eps)
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
-    k_cache.index_copy_(0, pos, k[None])
-    v_cache.index_copy_(0, pos, v[None])
+    k_cache.index_copy_(0, pos, to_cache(k[None], k_cache))
+    v_cache.index_copy_(0, pos, to_cache(v[None], v_cache))
     attn = decode_attention(spec, q, k_cache, v_cache, pos)
     h = h + linear_decode(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_decode)
@@ -212,15 +215,15 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     c, s = cos[:, None], sin[:, None]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    k_cache[start:start + seq].copy_(k[0].transpose(0, 1))
-    v_cache[start:start + seq].copy_(v[0].transpose(0, 1))
+    k_cache[start:start + seq].copy_(to_cache(k[0].transpose(0, 1), k_cache))
+    v_cache[start:start + seq].copy_(to_cache(v[0].transpose(0, 1), v_cache))
     groups = spec.n_heads // spec.n_kv_heads
     if start == 0:
         keys, values, mask, causal = k, v, None, True
     else:  # a later chunk attends to everything cached so far (bottom-right aligned causal mask)
         end = start + seq
-        keys = k_cache[:end].transpose(0, 1)[None]
-        values = v_cache[:end].transpose(0, 1)[None]
+        keys = from_cache(k_cache[:end], q.dtype).transpose(0, 1)[None]
+        values = from_cache(v_cache[:end], q.dtype).transpose(0, 1)[None]
         mask = (torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
         causal = False
     if groups > 1 and h.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)

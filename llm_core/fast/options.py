@@ -55,6 +55,9 @@ class FastDecodeOptions:
     # one inside the reply) | "auto" = PyTorch's own choice. PyTorch 2.11 already picks flash attention here
     # (bench/results/2026-11-30-h200-ttft-probe.json); "flash" keeps it so whatever a later version prefers.
     prefill_attention: str = "flash"
+    # The static KV cache: bf16 (the compute dtype) | int8 (per token and KV head, llm_core.fast.kvquant; 1.78x the
+    # tokens per byte at head_dim 128), read by the decode attention kernel
+    kv_cache: str = "bf16"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
@@ -64,6 +67,8 @@ class FastDecodeOptions:
                                   f"{', '.join(DENSE_GEMV_KERNELS)}.")
         if self.prefill_attention not in ("flash", "auto"):
             raise GenerationError(f"Unknown prefill attention {self.prefill_attention!r}; choose flash or auto.")
+        if self.kv_cache not in ("bf16", "int8"):
+            raise GenerationError(f"Unknown fast-path KV cache {self.kv_cache!r}; choose bf16 or int8.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())

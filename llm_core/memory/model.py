@@ -51,6 +51,8 @@ DEFAULT_CUDA_MARGIN_BYTES = 512 * MiB  # other processes, CUDA graphs, a second 
 DEFAULT_CPU_MARGIN_BYTES = 1 * GiB
 BNB_4BIT_BLOCK = 64  # bitsandbytes NF4/FP4 block size: one absmax per 64 weights
 DEQUANT_CHUNK_TOKENS = 8192  # the quantized KV cache dequantizes at most this many tokens per kernel batch
+STATIC_KV_FORMATS = ("bf16", "int8")
+STATIC_INT8_ROW_PAD = 16  # bytes after each int8 row of head_dim codes: its scale byte, padded to 16-byte rows
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -120,6 +122,9 @@ class ModelMemoryFacts:
     # The fast decode path's KV cache: allocated once (at warm-up) for this many tokens, so a reply's cache is
     # that whole block whatever its length. 0 = the cache grows with the reply (plain generate).
     static_kv_tokens: int = 0
+    # How the fast path stores that block: "bf16" = the cache dtype; "int8" = int8 codes per (token, KV head) row of
+    # head_dim plus STATIC_INT8_ROW_PAD bytes that hold the row's scale (llm_core.fast.kvquant).
+    static_kv_format: str = "bf16"
     # Measured after the decode path's warm-up: device memory it holds beyond the weights and that KV block (the
     # fast path's buffers and its CUDA graphs' memory pool). Held through every reply, so part of every peak.
     resident_extra_bytes: int = 0
@@ -394,6 +399,18 @@ def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_mode: str, quant: 
     return total
 
 
+def static_kv_bytes(facts: ModelMemoryFacts, tokens: int | None = None, kv_format: str | None = None) -> int:
+    """Bytes of the fast path's static KV block for `tokens` (default facts.static_kv_tokens): K and V tensors of
+    (layers, tokens, KV heads, row) where a row is head_dim elements of the cache dtype (bf16 format) or head_dim int8
+    codes + STATIC_INT8_ROW_PAD bytes (int8 format)."""
+    fmt = facts.static_kv_format if kv_format is None else kv_format
+    if fmt not in STATIC_KV_FORMATS:
+        raise SettingsError(f"Unknown static KV format {fmt!r}; choose one of {', '.join(STATIC_KV_FORMATS)}.")
+    t = facts.static_kv_tokens if tokens is None else int(tokens)
+    row = facts.head_dim + STATIC_INT8_ROW_PAD if fmt == "int8" else facts.head_dim * facts.cache_bytes_per_element
+    return 2 * facts.num_layers * max(0, t) * facts.num_kv_heads * row
+
+
 # --- activations -----------------------------------------------------------------------------------------------
 
 
@@ -419,7 +436,10 @@ def forward_activation_bytes(facts: ModelMemoryFacts, new_tokens: int, cached_to
         attn += q * kv_len * (1 + 2 * b)  # bool mask + additive mask in the compute dtype (+ alignment copy)
         if facts.num_kv_heads < facts.num_attention_heads:
             attn += 2 * kv_len * facts.q_dim * b  # repeat_kv: SDPA gets full-head K and V when a mask is passed
-        if kv_mode in ("dynamic", "offload"):
+        if facts.static_kv_tokens and kv_mode == "dynamic":  # the fast path writes its static block in place
+            if facts.static_kv_format == "int8":  # ... and dequantizes the history it attends to (K and V)
+                attn += 2 * kv_len * facts.kv_dim * b
+        elif kv_mode in ("dynamic", "offload"):
             attn += cached_tokens * facts.kv_dim * facts.cache_bytes_per_element  # torch.cat keeps old + new
     per_pass = q * (2 * facts.head_dim * b + 8)  # cos/sin tables + int64 position ids
     return max(mlp, mlp_dq, attn) + per_pass
@@ -431,7 +451,7 @@ def decode_transient_bytes(facts: ModelMemoryFacts, context_tokens: int, kv_mode
     b = facts.cache_bytes_per_element
     t = int(context_tokens)
     transient = 0
-    if kv_mode in ("dynamic", "offload"):
+    if kv_mode in ("dynamic", "offload") and not (facts.static_kv_tokens and kv_mode == "dynamic"):
         transient = t * facts.kv_dim * b  # torch.cat: one layer's old K (or V) and the new one coexist
     step = 16 * facts.hidden_size * facts.compute_bytes + facts.intermediate_size * 3 * facts.compute_bytes
     if facts.num_kv_heads < facts.num_attention_heads:
@@ -470,6 +490,7 @@ class PeakPrediction:
     new_tokens: int = 0
     kv_mode: str = "dynamic"
     prefill_chunk_tokens: int | None = None
+    reserve_base_bytes: int = 0  # what reserve_fraction multiplies (KV that grows per reply, activations, scratch)
 
     @property
     def peak_allocated_bytes(self) -> int:
@@ -487,7 +508,7 @@ def resident_extra_bytes(facts: ModelMemoryFacts, allocated_before: int, allocat
     bytes allocated after its warm-up less those before it was built (the weights, and any other engine's memory,
     are in both), less that block, plus `held_idle`: bytes held for it that memory_allocated does not show (CUDA
     graph pools between replays). Never negative."""
-    static_kv = _kv_device_bytes(facts, facts.static_kv_tokens, "dynamic", None) if facts.static_kv_tokens else 0
+    static_kv = static_kv_bytes(facts) if facts.static_kv_tokens else 0
     return max(0, int(allocated_after) - int(allocated_before) - static_kv) + max(0, int(held_idle))
 
 
@@ -520,8 +541,9 @@ def predict_peak_bytes(
     # The quantized cache is preallocated for the whole reply; the others grow to `p` during the prefill.
     kv_at_prefill = _kv_device_bytes(f, end if kv_mode == "quantized" else p, kv_mode, quant, chunk)
     kv_at_end = _kv_device_bytes(f, end, kv_mode, quant)
-    if kv_mode == "dynamic" and f.static_kv_tokens:  # the fast path: one preallocated block, held throughout
-        kv_at_prefill = kv_at_end = _kv_device_bytes(f, f.static_kv_tokens, kv_mode, quant)
+    static = static_kv_bytes(f) if f.static_kv_tokens else 0
+    if kv_mode == "dynamic" and static:  # the fast path: one preallocated block, held throughout
+        kv_at_prefill = kv_at_end = static
     ws_prefill = kv_workspace_bytes(f, end if kv_mode == "quantized" else p, f.cache_dtype, kv_mode)
     ws_end = kv_workspace_bytes(f, end, f.cache_dtype, kv_mode)
     decode_t = decode_transient_bytes(f, end, kv_mode) if n else 0
@@ -532,12 +554,18 @@ def predict_peak_bytes(
     else:
         phase, kv_peak, ws_peak, act_peak = "decode", kv_at_end, ws_end, decode_t
     logits = logits_bytes(f, 1 if f.logits_to_keep else max(chunk, 1))
-    reserve = int(f.reserve_fraction * (kv_peak + ws_peak + act_peak)) + f.reserve_fixed_bytes
+    # The allocator's reserve grows with what is allocated and freed per reply; the static block is one allocation
+    # made at start-up (no fragmentation around it), so it is not part of the base.
+    reserve_base = (kv_peak - (static if kv_mode == "dynamic" else 0)) + ws_peak + act_peak
+    reserve = int(f.reserve_fraction * reserve_base) + f.reserve_fixed_bytes
     workspace = f.workspace_bytes + ws_peak
-    total = f.weights_bytes + f.resident_extra_bytes + workspace + kv_peak + act_peak + logits + reserve
+    # A plain-path reply (quantized/offloaded cache) runs beside the fast path's static block, which stays resident.
+    resident = f.resident_extra_bytes + (static if kv_mode != "dynamic" else 0)
+    total = f.weights_bytes + resident + workspace + kv_peak + act_peak + logits + reserve
     return PeakPrediction(
         weights_bytes=f.weights_bytes,
-        resident_extra_bytes=f.resident_extra_bytes,
+        resident_extra_bytes=resident,
+        reserve_base_bytes=reserve_base,
         kv_bytes=kv_peak,
         prefill_activation_bytes=prefill_act,
         logits_bytes=logits,
@@ -720,14 +748,20 @@ def require_fit(plan: ReplyPlan) -> ReplyPlan:
 
 def refit_reserve(facts: ModelMemoryFacts, predicted: PeakPrediction, measured_reserved_bytes: int,
                   headroom: float = 1.10) -> ModelMemoryFacts:
-    """Facts whose reserve fraction covers a measured peak of reserved bytes (never lowered): after each reply the
-    engine can feed back torch.cuda.max_memory_reserved so the next plans account for this allocator's reality."""
-    variable = predicted.kv_bytes + predicted.activation_bytes + (predicted.workspace_bytes - facts.workspace_bytes)
-    excess = measured_reserved_bytes - predicted.peak_allocated_bytes - facts.reserve_fixed_bytes
-    if variable <= 0 or excess <= 0:
+    """Facts whose reserve covers a measured peak of reserved bytes (never lowered): after each reply the engine
+    feeds back torch.cuda.max_memory_reserved (less the blocks already cached free when it started) so the next
+    plans account for this allocator's reality.
+
+    What the prediction's reserve did not cover is learned as a fixed number of bytes (reserve_fixed_bytes), not
+    as a larger fraction: on the H200 under 8-24 GiB caps (bench/results/2026-12-01-h200-cards.json) reserved
+    minus allocated stayed at ~1.0-1.4 GiB whatever the prompt length (2.9k to 32.7k tokens), i.e. fragments of
+    start-up and graph pools, not a share of each reply's activations. Learned as a fraction from the 2-token
+    warm-up reply, the same bytes had been multiplied onto every 2k-token chunk's activations (fraction 4.0) and
+    had every message of an 8 GiB card refused."""
+    excess = int(measured_reserved_bytes) - predicted.total_bytes
+    if excess <= 0:
         return facts
-    needed = headroom * excess / variable
-    return replace(facts, reserve_fraction=max(facts.reserve_fraction, min(needed, 4.0)))
+    return replace(facts, reserve_fixed_bytes=facts.reserve_fixed_bytes + int(headroom * excess))
 
 
 def _gib(n: int) -> str:

@@ -19,10 +19,11 @@ if triton is not None:
     @triton.jit
     def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_l, stride_h,
                            HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr):
+                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr):
         """Flash-decoding, step 1: program (kv head h, split s) attends the G query heads of h to cache rows
         [s*chunk, min((s+1)*chunk, pos+1)); writes unnormalized output, running max and sum. Rows after pos are
-        never read, whatever the captured bucket length."""
+        never read, whatever the captured bucket length. INT8: each row is D int8 codes and, at byte D, the
+        exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); rows are dequantized in registers."""
         h = tl.program_id(0)
         sp = tl.program_id(1)
         length = tl.load(pos_ptr).to(tl.int32) + 1
@@ -40,6 +41,10 @@ if triton is not None:
             lmask = li < end
             kv = li[:, None] * stride_l + h * stride_h + d[None, :]
             k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
+            if INT8:
+                srow = li * stride_l + h * stride_h + D
+                k_scale = tl.exp2(tl.load(k_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -50,6 +55,9 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
+            if INT8:
+                v_scale = tl.exp2(tl.load(v_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -81,6 +89,9 @@ if triton is not None:
     def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
                              scale: float) -> torch.Tensor:
         length, hkv, dim = k.shape
+        int8 = k.dtype == torch.int8
+        if int8:  # rows of head_dim codes + the scale byte + padding (llm_core.fast.kvquant)
+            dim = q.shape[1]
         hq = q.shape[0]
         chunk, nsplit = _attention_splits(length, hkv, k.device)
         o = torch.empty(nsplit, hq, dim, dtype=torch.float32, device=q.device)
@@ -92,7 +103,7 @@ if triton is not None:
         _attn_split_kernel[(hkv, nsplit)](q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1),
                                           HKV=hkv, G=groups,
                                           GP=max(16, triton.next_power_of_2(groups)), D=dim,
-                                          BLOCK_L=ATTENTION_BLOCK, IEEE=q.dtype == torch.float32)
+                                          BLOCK_L=ATTENTION_BLOCK, IEEE=q.dtype == torch.float32, INT8=int8)
         out = torch.empty(hq, dim, dtype=q.dtype, device=q.device)
         _attn_combine_kernel[(hq,)](o, m, lsum, out, nsplit, HQ=hq, D=dim, SP=triton.next_power_of_2(nsplit))
         return out

@@ -1,0 +1,346 @@
+"""Small cards (issue 17): the demo's own path (ChatEngine, default settings) and the seed recipe (plain generate,
+no guard) on emulated 8/12/16/24 GiB cards, a chat growing by ~2k tokens a turn to 32k tokens of history.
+
+A card is emulated with torch.cuda.set_per_process_memory_fraction(cap) and VRAM_BUDGET = cap - 0.5 GiB (what the
+demo derives on a real card). Random-weight checkpoints of real shapes (bench.harness.make_random_checkpoint). Per
+turn one JSON record with: recipe ("ours"/"seed"), card_gib, model, max_positions, quantization, kv_cache, turn,
+prompt_tokens, dropped_turns, ttft_s, decode_tokens_per_s, predicted_peak_vram_bytes, peak_vram_bytes,
+peak_reserved_bytes, outcome (ok/refused/crashed/startup_failed), device, versions, command. Both recipes get the
+same conversation: ours runs first and its message lists (untrimmed) are replayed to the seed. After the chat the
+engine answers two of its turns again: `repeat` records give the TTFT of a second reply at the same length (the
+first at a new length is the turn itself). The JSON file is rewritten after every record, so a run cut short keeps
+what it measured.
+
+    python -m bench.cards --out "$OUT/cards.json" [--budget-s 500] [--only SUBSTRING]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch._dynamo
+
+from bench.harness import Recorder, make_random_checkpoint
+
+GiB = 2**30
+
+
+@dataclass
+class Scale:
+    """Sizes of one run: the GPU run, or --cpu-smoke (a tiny random llama on the CPU, no cap, fast path eager)."""
+
+    words_per_turn: int = 2000  # the word-level tokenizer of the random checkpoints: one token per word
+    new_tokens: int = 64
+    history_limit_tokens: int = 32768
+    device: str = "cuda"
+
+
+SCALE = Scale()
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # bench.harness.RANDOM_ARCHS key
+    positions: int
+    card_gib: int
+    recipe: str  # ours | seed
+    kv_cache: str = "dynamic"  # ours: dynamic (bf16 static cache) | quantized (int8 static cache)
+    quantization: str = "nf4"
+
+    @property
+    def name(self) -> str:
+        return f"{self.recipe}-{self.model}-{self.positions}-{self.card_gib}gib-{self.quantization}-{self.kv_cache}"
+
+
+# In order of importance: the run stops starting cases when --budget-s is spent. Seed cases replay the
+# conversation of the ours case before them with the same model and positions.
+PLAN = [
+    Case("llama-2-7b", 32768, 8, "ours", "dynamic"),
+    Case("llama-2-7b", 32768, 8, "seed"),
+    Case("llama-2-7b", 32768, 8, "ours", "quantized"),
+    Case("llama-2-7b", 32768, 24, "ours", "dynamic"),
+    Case("llama-3-8b", 131072, 8, "ours", "quantized"),
+    Case("llama-3-8b", 131072, 8, "seed"),
+    Case("llama-2-7b", 32768, 12, "ours", "dynamic"),
+    Case("llama-2-7b", 32768, 16, "ours", "dynamic"),
+    Case("llama-3-8b", 131072, 8, "ours", "dynamic"),
+    Case("llama-2-7b", 4096, 8, "ours", "dynamic"),
+]
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    out = {"torch": torch.__version__, "transformers": transformers.__version__}
+    for name in ("bitsandbytes", "triton"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - recorded as missing
+            out[name] = "missing"
+    return out
+
+
+def cap_card(card_gib: int) -> None:
+    if SCALE.device != "cuda":
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, card_gib * GiB / total))
+
+
+def release() -> None:
+    gc.collect()
+    if SCALE.device != "cuda":
+        return
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def message(turn: int) -> str:
+    return " ".join(f"t{(i * 7919 + turn * 104729) % 500 + 3}" for i in range(SCALE.words_per_turn))
+
+
+def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
+             conversations: dict[tuple[str, int], list[Any]], deadline: float) -> None:
+    from llm_core.config import Settings
+    from llm_core.engine.chat import ChatEngine
+    from llm_core.errors import ContextBudgetError, OutOfMemoryError
+    from llm_core.history import Turn
+
+    cap_card(case.card_gib)
+    env = {"MODEL_ID": str(folder), "QUANTIZATION": case.quantization, "VRAM_BUDGET": f"{case.card_gib - 0.5}GiB",
+           "KV_CACHE": case.kv_cache, "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens),
+           "CACHE_DIR": "/tmp/llm_core_cache"}
+    if SCALE.device != "cuda":  # smoke: the same engine path on the CPU (fast path eager, fp32)
+        env.update(DEVICE="cpu", DECODE_PATH="fast", COMPUTE_DTYPE="float32", PREFILL_CHUNK_TOKENS="64",
+                   PREFILL_GRAPH_TOKENS="64")
+    t0 = time.perf_counter()
+    failure = ""
+    try:
+        engine = ChatEngine.load(Settings.from_env(environ=env, env_file=None))
+    except Exception as exc:  # noqa: BLE001 - a start-up failure is a result
+        failure = f"{type(exc).__name__}: {exc}"[:400]
+    if failure:  # outside the except block: its traceback's frames hold the failed engine's tensors until then
+        rec.add(**base, what="startup", outcome="startup_failed", error=failure)
+        release()
+        return
+    decoder = engine.fast_decoder
+    rec.add(**base, what="startup", outcome="ok", load_s=round(time.perf_counter() - t0, 1),
+            decode_path=engine.backend.name, reason=engine.backend.reason[:300],
+            static_cache_tokens=decoder.cache_len if decoder else None,
+            warmup_s=engine.report.warmup_s, resident_extra_bytes=engine.memory_facts.resident_extra_bytes,
+            memory_budget_bytes=engine.memory_budget.budget_bytes,
+            allocated_after_startup_bytes=torch.cuda.memory_allocated() if SCALE.device == "cuda" else None,
+            reserved_after_startup_bytes=torch.cuda.memory_reserved() if SCALE.device == "cuda" else None)
+    history: list[Any] = []
+    sent: list[list[Any]] = []  # the (untrimmed) conversation before each turn, for the seed
+    gen = engine.request_options(max_new_tokens=SCALE.new_tokens, min_new_tokens=SCALE.new_tokens)
+    per_turn = SCALE.words_per_turn + SCALE.new_tokens
+    turn = 0
+    replies: dict[int, Any] = {}
+    while turn * per_turn < SCALE.history_limit_tokens and time.perf_counter() < deadline:
+        text = message(turn)
+        sent.append(list(history))
+        record = dict(base, what="turn", turn=turn, history_tokens=turn * per_turn + SCALE.words_per_turn)
+        try:
+            last = None
+            for update in engine.stream_chat(text, history, gen=gen):
+                last = update
+            assert last is not None
+            s = last.stats
+            rec.add(**record, outcome="ok", prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
+                    dropped_turns=s.dropped_turns, ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
+                    predicted_peak_vram_bytes=s.predicted_peak_bytes, peak_vram_bytes=s.peak_vram_allocated_bytes,
+                    peak_reserved_bytes=s.peak_vram_reserved_bytes, decode_path=s.decode_path,
+                    kv_cache_bytes=s.kv_cache_bytes, context_fit_tokens=s.context_fit_tokens, notes=s.notes,
+                    **_prefill_timing(engine))
+            replies[turn] = last.text
+            history = history + [Turn(text, last.text)]
+        except ContextBudgetError as exc:
+            rec.add(**record, outcome="refused", error=str(exc)[:400])
+            history = history + [Turn(text, "ok")]
+        except OutOfMemoryError as exc:
+            rec.add(**record, outcome="crashed", error=str(exc)[:400])
+            history = history + [Turn(text, "ok")]
+        turn += 1
+    conversations[(case.model, case.positions)] = [(message(i), sent[i]) for i in range(len(sent))]
+    # A second reply at the length of two turns already answered: TTFT of first vs second at that length.
+    for again in sorted({1, turn - 1} & set(replies)):
+        if time.perf_counter() > deadline:
+            break
+        last = None
+        for update in engine.stream_chat(message(again), sent[again], gen=gen):
+            last = update
+        assert last is not None
+        first = next(r for r in rec.records if r.get("what") == "turn" and r.get("turn") == again
+                     and r.get("recipe") == "ours" and r.get("kv_cache") == case.kv_cache
+                     and r.get("card_gib") == case.card_gib and r.get("model") == case.model)
+        rec.add(**base, what="repeat", turn=again, outcome="ok", prompt_tokens=last.stats.prompt_tokens,
+                ttft_s=last.stats.ttft_s, first_ttft_s=first.get("ttft_s"),
+                first_over_second=(first.get("ttft_s") or 0) / max(last.stats.ttft_s or 1e-9, 1e-9),
+                decode_tokens_per_s=last.stats.decode_tokens_per_s, **_prefill_timing(engine),
+                first_first_token_s=first.get("first_token_s"))
+    del engine, decoder
+    release()
+
+
+def _prefill_timing(engine: Any) -> dict[str, Any]:
+    """The fast decoder's own clock of the last reply (generate() entered -> token 0 on the host; the prefill's
+    device time): TTFT without the chat's tokenization, so a compile inside the reply shows alone."""
+    decoder = engine.fast_decoder
+    if decoder is None or engine.backend.name != "fast":
+        return {}
+    timing = decoder.prefill_timing()
+    return {"first_token_s": timing.get("first_token_s"), "prefill_gpu_s": timing.get("prefill_gpu_s")}
+
+
+class _FirstTokenClock:
+    """A streamer for generate: stamps the first generated token and the last one."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first: float | None = None
+        self.last: float | None = None
+        self.count = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 1:  # the prompt
+            return
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        self.count += int(value.numel())
+
+    def end(self) -> None:
+        pass
+
+
+def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
+             conversations: dict[tuple[str, int], list[Any]], deadline: float) -> None:
+    """The seed recipe: from_pretrained with NF4 + double quant + bf16 compute + sdpa, plain generate on the whole
+    conversation (no trimming, no guard), under the same cap."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from llm_core.history import build_messages
+    from llm_core.memory.model import ModelMemoryFacts, model_weights_bytes, predict_peak_bytes
+
+    cap_card(case.card_gib)
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.bfloat16)
+    cuda = SCALE.device == "cuda"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), quantization_config=q if cuda else None,
+                                                     dtype=torch.bfloat16 if cuda else torch.float32,
+                                                     device_map=SCALE.device, attn_implementation="sdpa").eval()
+    except Exception as exc:  # noqa: BLE001
+        rec.add(**base, what="startup", outcome="startup_failed", error=f"{type(exc).__name__}: {exc}"[:400])
+        model = None
+    if model is None:
+        release()
+        return
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    facts = ModelMemoryFacts.from_config(model.config, model_weights_bytes(model, SCALE.device), torch.bfloat16,
+                                         device_type=SCALE.device)
+    rec.add(**base, what="startup", outcome="ok", weights_bytes=facts.weights_bytes)
+    system = "You are a helpful assistant."
+    for turn, (text, history) in enumerate(conversations.get((case.model, case.positions), [])):
+        if time.perf_counter() > deadline:
+            break
+        encoded: Any = tok.apply_chat_template(build_messages(system, history, text), add_generation_prompt=True,
+                                               return_dict=True, return_tensors="pt")
+        ids = encoded["input_ids"].to(SCALE.device)
+        record = dict(base, what="turn", turn=turn, prompt_tokens=int(ids.shape[1]), dropped_turns=0,
+                      predicted_peak_vram_bytes=predict_peak_bytes(facts, int(ids.shape[1]), SCALE.new_tokens)
+                      .peak_allocated_bytes)
+        clock = _FirstTokenClock()
+        crashed = False
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.inference_mode():
+                start = time.perf_counter()
+                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=SCALE.new_tokens,
+                               min_new_tokens=SCALE.new_tokens, do_sample=False, use_cache=True, pad_token_id=0,
+                               streamer=clock)
+                if cuda:
+                    torch.cuda.synchronize()
+            rate = (clock.count - 1) / (clock.last - clock.first) if (
+                clock.count > 1 and clock.first and clock.last) else None
+            rec.add(**record, outcome="ok", new_tokens=clock.count, ttft_s=(clock.first or start) - start,
+                    decode_tokens_per_s=rate, peak_vram_bytes=torch.cuda.max_memory_allocated() if cuda else None,
+                    peak_reserved_bytes=torch.cuda.max_memory_reserved() if cuda else None)
+        except torch.OutOfMemoryError:
+            rec.add(**record, outcome="crashed", error="CUDA out of memory")
+            crashed = True
+        if crashed:
+            release()
+            break  # the conversation only grows: every later turn would crash too
+    del model
+    release()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cases after this")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/cards-ckpt"))
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny random llama on the CPU: checks the harness")
+    args = parser.parse_args(argv)
+    plan = PLAN
+    if args.cpu_smoke:
+        SCALE.words_per_turn, SCALE.new_tokens, SCALE.history_limit_tokens, SCALE.device = 100, 8, 700, "cpu"
+        plan = [Case("tiny", 512, 8, "ours", "dynamic"), Case("tiny", 512, 8, "seed"),
+                Case("tiny", 512, 8, "ours", "quantized")]
+
+    # Several engines (models, KV formats) in one process: each FastDecoder's compiled layer shares its code object
+    # with the others', and dynamo's default limit of 8 entries per code object would silently leave the later
+    # engines' prefill eager. One engine per process (the demo) never gets near it.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    start = time.perf_counter()
+    deadline = start + args.budget_s
+    meta = {"bench": "cards", "command": " ".join(["python -m bench.cards", *(argv or sys.argv[1:])]),
+            "device": torch.cuda.get_device_name(0) if SCALE.device == "cuda" else "cpu", "versions": versions(),
+            "new_tokens_per_turn": SCALE.new_tokens, "words_per_turn": SCALE.words_per_turn,
+            "cap": "set_per_process_memory_fraction(card); VRAM_BUDGET=card-0.5GiB"}
+    rec = Recorder(args.out, {}, head=meta)
+    conversations: dict[tuple[str, int], list[Any]] = {}
+    for case in plan:
+        if args.only and args.only not in case.name:
+            continue
+        base = dict(recipe=case.recipe, card_gib=case.card_gib, model=case.model, max_positions=case.positions,
+                    quantization=case.quantization, kv_cache=case.kv_cache if case.recipe == "ours" else "dynamic",
+                    device=meta["device"], versions=meta["versions"], command=meta["command"], case=case.name)
+        if time.perf_counter() > deadline - 60:  # a case's start-up alone takes ~20-75 s
+            rec.add(**base, what="skipped", outcome="skipped", reason="device-time budget of this run spent")
+            continue
+        folder = args.ckpt_dir / f"{case.model}-{case.positions}"
+        try:
+            if not (folder / "config.json").is_file():
+                t = time.perf_counter()
+                make_random_checkpoint(case.model, folder, torch.device(SCALE.device), case.positions)
+                rec.add(what="checkpoint", model=case.model, positions=case.positions,
+                        seconds=round(time.perf_counter() - t, 1))
+            (run_ours if case.recipe == "ours" else run_seed)(case, folder, rec, base, conversations, deadline)
+        except Exception as exc:  # noqa: BLE001 - record and go on with the next case
+            rec.add(**base, what="error", outcome="crashed", error=f"{type(exc).__name__}: {exc}"[:600],
+                    trace=traceback.format_exc()[-1500:])
+        release()  # after the except block, whose traceback holds the case's frames
+    rec.add(what="done", seconds=round(time.perf_counter() - start, 1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""Will it fit? From a model's config.json alone (no weights), a quantization, a KV cache mode and a card size:
+the weights' bytes, KV bytes per token, the decode path that would run and the longest prompt that fits, with the
+KV cache, the prefill's working memory, the fast path's graphs and the allocator reserve counted (the same
+arithmetic the engine plans every reply with: llm_core.memory.model and llm_core.memory.plan).
+
+    python -m llm_core.fit MODEL --gpu 8GiB [--quantization nf4] [--kv-cache dynamic] [--max-new-tokens 256]
+
+MODEL: a local folder with config.json, a Hugging Face id (needs the network once), or empty for the embedded
+model. Knows nothing about Gradio; app.py shows `FitReport.to_markdown()` in its panel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .config import (
+    DEFAULT_PREFILL_GRAPH_TOKENS,
+    KV_CACHE_MODES,
+    QUANTIZATION_MODES,
+    SettingsError,
+    parse_bytes,
+)
+from .errors import LLMCoreError, ModelLoadError
+from .memory.model import (
+    BNB_4BIT_BLOCK,
+    DEFAULT_CUDA_MARGIN_BYTES,
+    GiB,
+    ModelMemoryFacts,
+    _gib,
+    kv_bytes_per_token,
+    max_context_tokens,
+    static_kv_bytes,
+)
+from .memory.plan import MIN_FAST_CACHE_TOKENS, static_cache_plan
+
+# Host-to-device bandwidth an offloaded weight crosses every token (PCIe 4.0 x16, practical): what offload costs.
+OFFLOAD_BYTES_PER_S = 25e9
+
+
+def estimate_weights_bytes(config: Any, quantization: str = "nf4", compute_dtype: str = "bfloat16",
+                           double_quant: bool = True) -> int:
+    """Device bytes of a llama-family model's weights as bitsandbytes/transformers hold them, from the config.
+
+    The decoder's linears (q, k, v, o, gate, up, down) are quantized; embeddings, norms and the lm_head stay in the
+    compute dtype (transformers keeps the output layer unquantized). NF4/FP4: half a byte per weight plus one absmax
+    per 64 weights (uint8 with double quant, plus one fp32 per 256 of them; fp32 without). int8: a byte per weight
+    plus an fp32 scale per row. Checked against the H200 recordings (Llama-2-7B 3.61 GiB, Llama-3-8B 5.35 GiB) and
+    the embedded model loaded on CPU (tests/test_fit.py)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    h = int(text.hidden_size)
+    heads = int(text.num_attention_heads)
+    kvh = int(getattr(text, "num_key_value_heads", None) or heads)
+    hd = int(getattr(text, "head_dim", None) or h // heads)
+    inter = int(getattr(text, "intermediate_size", None) or 4 * h)
+    layers = int(text.num_hidden_layers)
+    vocab = int(text.vocab_size)
+    b = {"float32": 4, "float16": 2, "bfloat16": 2}[compute_dtype]
+    q_dim, kv_dim = heads * hd, kvh * hd
+    shapes = [(q_dim, h), (kv_dim, h), (kv_dim, h), (h, q_dim), (inter, h), (inter, h), (h, inter)]  # (rows, cols)
+    linear = sum(r * c for r, c in shapes) * layers
+    rows = sum(r for r, _ in shapes) * layers
+    if quantization in ("nf4", "fp4"):
+        blocks = linear // BNB_4BIT_BLOCK
+        absmax = blocks + (blocks // 256) * 4 if double_quant else blocks * 4
+        quantized = linear // 2 + absmax
+    elif quantization == "int8":
+        quantized = linear + rows * 4
+    else:
+        quantized = linear * b
+    bias = (q_dim + 2 * kv_dim) * layers * b if getattr(text, "attention_bias", False) else 0
+    tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
+    embeddings = vocab * h * b * (1 if tied else 2)
+    norms = (2 * layers + 1) * h * b + (2 * layers * hd * b if getattr(text, "model_type", "") == "qwen3" else 0)
+    return quantized + bias + embeddings + norms
+
+
+def config_fast_path_support(config: Any, quantization: str) -> tuple[bool, str]:
+    """Whether the fast path would run this model on a CUDA card (the config-level checks of fast.support)."""
+    from .fast.support import SUPPORTED_MODEL_TYPES, UNSUPPORTED_ROPE_TYPES
+
+    model_type = getattr(config, "model_type", None)
+    if quantization not in ("nf4", "int8", "none"):
+        return False, f"QUANTIZATION={quantization} runs on plain generate (the fast path takes nf4, int8, none)"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, (f"model type {model_type!r} runs on plain generate "
+                       f"(fast path: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
+                                                                  model_type == "mistral")
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or sliding:
+        return False, "sliding-window attention runs on plain generate"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in UNSUPPORTED_ROPE_TYPES:
+        return False, f"RoPE type {rope_type!r} runs on plain generate"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False, f"activation {config.hidden_act!r} runs on plain generate"
+    return True, "fast path: static KV cache, compiled decode step replayed as CUDA graphs"
+
+
+@dataclass(frozen=True)
+class FitReport:
+    """What `fit` predicts for one model on one card (bytes, tokens)."""
+
+    model: str
+    card_bytes: int
+    budget_bytes: int
+    quantization: str
+    kv_cache: str
+    weights_bytes: int
+    kv_bytes_per_token: int
+    decode_path: str  # "fast", "plain" or "none" (the weights do not fit)
+    decode_path_reason: str
+    context_length: int
+    longest_prompt_tokens: int  # with max_new_tokens of reply, on the path that runs
+    max_new_tokens: int
+    static_cache_tokens: int  # the fast path's cache (0 on the plain path)
+    seed_prompt_tokens: int  # plain generate, no guard, whole card, one-pass prefill: what the seed recipe holds
+    offload_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.decode_path != "none"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"fits": self.fits}
+
+    def summary(self) -> str:
+        card = _gib(self.card_bytes)
+        if not self.fits:
+            return (f"{self.model} does not fit a {card} card with {self.quantization} weights: the weights alone "
+                    f"need {_gib(self.weights_bytes)} of the {_gib(self.budget_bytes)} budget. {self.offload_note}")
+        lines = [
+            f"{self.model} on a {card} card ({self.quantization} weights, KV cache {self.kv_cache}):",
+            f"  weights            {_gib(self.weights_bytes)}",
+            f"  KV cache per token {self.kv_bytes_per_token:,} B",
+            f"  decode path        {self.decode_path} ({self.decode_path_reason})",
+            f"  longest prompt     {self.longest_prompt_tokens:,} tokens with {self.max_new_tokens:,} new "
+            f"(model context {self.context_length:,})",
+        ]
+        if self.static_cache_tokens:
+            lines.append(f"  static KV cache    {self.static_cache_tokens:,} tokens")
+        lines.append(f"  seed recipe        {self.seed_prompt_tokens:,} prompt tokens (plain generate, no guard)")
+        return "\n".join(lines)
+
+    def to_markdown(self) -> str:
+        if not self.fits:
+            return f"**Does not fit.** {self.summary()}"
+        rows = [("Weights", _gib(self.weights_bytes)), ("KV cache per token", f"{self.kv_bytes_per_token:,} B"),
+                ("Decode path", f"{self.decode_path}: {self.decode_path_reason}"),
+                ("Longest prompt", f"{self.longest_prompt_tokens:,} tokens (+{self.max_new_tokens:,} new) of "
+                 f"{self.context_length:,}"),
+                ("Seed recipe (plain generate)", f"{self.seed_prompt_tokens:,} tokens")]
+        if self.static_cache_tokens:
+            rows.insert(3, ("Fast-path KV cache", f"{self.static_cache_tokens:,} tokens"))
+        head = f"**{self.model}** on a {_gib(self.card_bytes)} card, {self.quantization}, KV cache {self.kv_cache}\n\n"
+        return head + "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
+
+
+def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
+               kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
+               prefill_chunk_tokens: int | None = 2048, prefill_graph_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS,
+               compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
+    """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there)."""
+    if quantization not in QUANTIZATION_MODES:
+        raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
+    if kv_cache not in KV_CACHE_MODES:
+        raise SettingsError(f"KV cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_MODES)}.")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    weights = estimate_weights_bytes(config, quantization, compute_dtype) if weights_bytes is None else weights_bytes
+    margin = DEFAULT_CUDA_MARGIN_BYTES if margin_bytes is None else int(margin_bytes)
+    budget = max(0, int(card_bytes) - margin)
+    facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
+    n = int(max_new_tokens)
+    # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
+    seed = max_context_tokens(facts, int(card_bytes), n, "dynamic")
+    common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
+                                  quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
+                                  context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed)
+    if weights + facts.workspace_bytes >= budget:
+        offload = weights - budget + GiB  # leave ~1 GiB for the KV cache and the prefill
+        note = (f"With MAX_MEMORY offload about {_gib(max(offload, 0))} of weights would cross PCIe every token: "
+                f"about {OFFLOAD_BYTES_PER_S / max(offload, 1):.1f} tokens/s at best (a last resort).")
+        return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype), decode_path="none",
+                         decode_path_reason="the weights alone exceed the budget", longest_prompt_tokens=0,
+                         static_cache_tokens=0, offload_note=note, **common)
+    fast_ok, reason = config_fast_path_support(text, quantization)
+    if fast_ok and kv_cache != "offload":
+        kv_format = "int8" if kv_cache == "quantized" else "bf16"
+        plan = static_cache_plan(replace(facts, fused_dequant=True), budget, max_new_tokens=n,
+                                 prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format,
+                                 prefill_graph_tokens=prefill_graph_tokens)
+        if plan.tokens >= MIN_FAST_CACHE_TOKENS or plan.tokens == facts.context_length:
+            per_token = static_kv_bytes(replace(facts, static_kv_format=kv_format), 1)
+            return FitReport(kv_bytes_per_token=per_token, decode_path="fast", decode_path_reason=reason,
+                             longest_prompt_tokens=plan.max_prompt_tokens, static_cache_tokens=plan.tokens, **common)
+        reason = f"no room for a {MIN_FAST_CACHE_TOKENS}-token fast-path cache; plain generate"
+    longest = max_context_tokens(facts, budget, n, kv_cache, prefill_chunk_tokens=prefill_chunk_tokens)
+    return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype, kv_cache), decode_path="plain",
+                     decode_path_reason=reason, longest_prompt_tokens=longest, static_cache_tokens=0, **common)
+
+
+def check_weights_fit(settings: Any) -> None:
+    """Before any weight is loaded: ModelLoadError when the weights alone (estimated from config.json) exceed
+    VRAM_BUDGET. Skipped without VRAM_BUDGET (a derived budget is known only once loaded), with MAX_MEMORY (offload
+    places the weights itself) and when the config cannot be read here (the loader reports that). Estimated in the
+    smaller compute dtype where it is "auto", so an estimate never refuses a model that fits."""
+    budget = settings.memory.budget_bytes
+    if budget is None or settings.model.max_memory:
+        return
+    model = settings.model.model_id or ""
+    try:
+        config = load_config(model, cache_dir=settings.model.cache_dir,
+                             trust_remote_code=settings.model.trust_remote_code)
+        dtype = settings.model.compute_dtype if settings.model.compute_dtype != "auto" else "bfloat16"
+        weights = estimate_weights_bytes(config, settings.model.quantization, dtype,
+                                         double_quant=settings.model.double_quant is not False)
+    except (LLMCoreError, AttributeError, KeyError, TypeError):  # not llama-shaped or unreadable: load decides
+        return
+    if weights > budget:
+        quant = settings.model.quantization
+        offload = weights - budget + GiB
+        raise ModelLoadError(
+            f"{model or 'The embedded model'} does not fit: its weights alone need about {_gib(weights)} with "
+            f"QUANTIZATION={quant}, more than VRAM_BUDGET={_gib(budget)}. Use QUANTIZATION=nf4, a smaller model or a "
+            f"larger budget; MAX_MEMORY offload would move about {_gib(offload)} over PCIe every token (about "
+            f"{OFFLOAD_BYTES_PER_S / offload:.1f} tokens/s at best). `python -m llm_core.fit` says what fits.")
+
+
+def load_config(model: str, *, cache_dir: str | None = None, trust_remote_code: bool = False) -> Any:
+    """config.json of a local folder, a hub id (network), or the embedded model ('' ) without loading weights."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    try:
+        if not model:
+            from .config import ModelSettings
+            from .models import default_cache_dir, ensure_embedded_converted
+
+            folder = ensure_embedded_converted(default_cache_dir(ModelSettings(cache_dir=cache_dir)))
+            return AutoConfig.from_pretrained(str(folder))
+        path = Path(model).expanduser()
+        source = str(path) if path.exists() else model
+        return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"Could not read the config of {model!r}: {exc}") from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llm_core.fit", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default="", help="local folder, hub id, or empty for the embedded model")
+    parser.add_argument("--gpu", required=True, help="card size, e.g. 8GiB, 12GiB, 24GB")
+    parser.add_argument("--quantization", default="nf4", choices=QUANTIZATION_MODES)
+    parser.add_argument("--kv-cache", default="dynamic", choices=KV_CACHE_MODES)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--margin", default="", help="kept free on the card (default 512MiB)")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    try:
+        card = parse_bytes("--gpu", args.gpu)
+        if card is None:
+            raise SettingsError("--gpu needs a size, e.g. --gpu 8GiB.")
+        report = fit_config(load_config(args.model, cache_dir=args.cache_dir), card,
+                            model=args.model or "embedded SmolLM2-135M-Instruct", quantization=args.quantization,
+                            kv_cache=args.kv_cache, max_new_tokens=args.max_new_tokens,
+                            margin_bytes=parse_bytes("--margin", args.margin),
+                            prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                            prefill_graph_tokens=args.prefill_graph_tokens)
+    except LLMCoreError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
+    return 0 if report.fits else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Sizing the fast path's static KV cache from a memory budget: pure arithmetic over llm_core.memory.model.
+
+The fast path allocates its KV cache once, for T tokens, before any reply. T is the largest number of tokens such
+that a reply filling the whole cache (prompt T - n, n new tokens) is predicted to fit the budget with everything
+else that is resident or transient at its peak:
+
+    budget >= weights + resident (buffers, decode and prefill CUDA-graph pools) + cuBLAS workspace
+              + static block(T) + the largest prefill chunk's activations over T - n tokens of history
+              + logits + allocator reserve (on the activations, not on the one-time static block)
+
+so every reply the cache can hold fits the budget, and the block is counted once (issue 17: it used to be sized
+from the whole budget for a prompt, then counted again on top of that prompt's prefill). T never exceeds the
+model's context. The resident term is estimated before warm-up (`fast_resident_estimate`) and measured after it;
+the engine re-plans with the measured value and shrinks the cache if needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..errors import ContextBudgetError
+from .model import (
+    MiB,
+    ModelMemoryFacts,
+    _gib,
+    forward_activation_bytes,
+    logits_bytes,
+    predict_peak_bytes,
+    static_kv_bytes,
+)
+
+CACHE_ROUND_TOKENS = 16  # FastDecoder rounds its cache to multiples of 16 tokens
+MIN_FAST_CACHE_TOKENS = 256  # below this the fast path is not worth its graphs: the engine says so and stops
+PREFILL_BUCKET_TOKENS = 64  # llm_core.fast.options.PREFILL_BUCKET_TOKENS (kept here: this module imports no torch)
+# The fast path's small buffers (token, position, seen-token mask, scores, penalties) and its decode graphs' pool
+# (one step's temporaries, split-K attention partials): measured 0.05 GB on the H200 for Llama-2-7B beside the
+# prefill graphs' pool (bench/results/2026-11-30-h200-prefill-probe.json: 315 MB resident, 260 MB of it prefill).
+FAST_FIXED_RESIDENT_BYTES = 64 * MiB
+
+
+def fast_resident_estimate(facts: ModelMemoryFacts, prefill_graph_tokens: int, cache_tokens: int) -> int:
+    """Device bytes the fast path holds beyond the weights and its KV block, before it is measured: the padded
+    prefill graphs' pool (the largest bucket's activations and its head's logits), the decode graphs and buffers."""
+    top = min(int(prefill_graph_tokens), int(cache_tokens)) // PREFILL_BUCKET_TOKENS * PREFILL_BUCKET_TOKENS
+    pool = forward_activation_bytes(facts, top) + logits_bytes(facts, 1) if top > 0 else 0
+    return pool + FAST_FIXED_RESIDENT_BYTES + facts.vocab_size * (1 + 4 + 4 + 4)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The fast path's static cache for a budget: `tokens` of capacity (prompt + reply), and what it was planned on."""
+
+    tokens: int
+    static_bytes: int
+    budget_bytes: int
+    max_new_tokens: int
+    resident_extra_bytes: int
+    peak_bytes: int  # predicted peak of a reply that fills the cache (<= budget_bytes when tokens > 0)
+    capped_by_context: bool
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        return max(0, self.tokens - self.max_new_tokens)
+
+
+def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tokens: int,
+                      prefill_chunk_tokens: int | None, kv_format: str = "bf16",
+                      resident_extra_bytes: int | None = None, prefill_graph_tokens: int = 0) -> CachePlan:
+    """The largest static cache (multiple of 16 tokens, at most the model's context) whose fullest reply fits.
+
+    `resident_extra_bytes`: what the fast path holds besides weights and cache (measured after warm-up); None =
+    `fast_resident_estimate` for `prefill_graph_tokens`. tokens = 0 when not even MIN_FAST_CACHE_TOKENS fit."""
+    n = max(1, int(max_new_tokens))
+    base = replace(facts, static_kv_format=kv_format)
+
+    def facts_for(t: int) -> ModelMemoryFacts:
+        extra = resident_extra_bytes if resident_extra_bytes is not None else fast_resident_estimate(
+            base, prefill_graph_tokens, t)
+        return replace(base, static_kv_tokens=t, resident_extra_bytes=extra)
+
+    def peak(t: int) -> int:
+        reply_new = min(n, t - 1)
+        return predict_peak_bytes(facts_for(t), t - reply_new, reply_new, "dynamic",
+                                  prefill_chunk_tokens=prefill_chunk_tokens).total_bytes
+
+    r = CACHE_ROUND_TOKENS
+    ceiling = max(0, int(facts.context_length)) // r * r or int(facts.context_length)
+    capped = peak(ceiling) <= budget_bytes if ceiling > 0 else False
+    if capped:
+        best = ceiling
+    else:
+        lo, hi = 0, ceiling // r  # in units of r tokens; peak() is non-decreasing in t
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if peak(mid * r) <= budget_bytes:
+                lo = mid
+            else:
+                hi = mid - 1
+        best = lo * r
+    if best < min(MIN_FAST_CACHE_TOKENS, ceiling):
+        best = 0
+    used = facts_for(best) if best else facts_for(0)
+    return CachePlan(tokens=best, static_bytes=static_kv_bytes(used, best), budget_bytes=int(budget_bytes),
+                     max_new_tokens=n, resident_extra_bytes=used.resident_extra_bytes,
+                     peak_bytes=peak(best) if best else 0, capped_by_context=capped)
+
+
+def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
+    """The plan itself when the fast path gets a usable cache; ContextBudgetError that says why otherwise."""
+    if plan.tokens:
+        return plan
+    raise ContextBudgetError(
+        f"The model's weights ({_gib(facts.weights_bytes)}) leave no room in the memory budget "
+        f"({_gib(plan.budget_bytes)}) for a KV cache of {MIN_FAST_CACHE_TOKENS} tokens with the fast path's "
+        f"prefill and graphs ({_gib(plan.resident_extra_bytes)}). Use a smaller model, QUANTIZATION=nf4, "
+        "KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
