@@ -360,7 +360,10 @@ class FastDecoder:
                 self.notes.append(f"prefill graphs off ({type(exc).__name__})")
                 self._pf_graphs.clear()
                 self._pf_ids = None
-                self.sync()
+                self._pf_pool = None  # the failed capture's pool: released, not left as reserved fragments that
+                self.sync()  # the engine would then count as held memory (seen at 8 GiB: ~0.9 GiB)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
             self.capture_s = round(time.perf_counter() - t0, 3)
 
     def _cache_tensors(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
