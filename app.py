@@ -16,7 +16,6 @@ from typing import Any
 
 import gradio as gr
 
-from llm_core.batching import check_history_size
 from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
@@ -32,7 +31,7 @@ from llm_core.config import (
 )
 from llm_core.errors import LLMCoreError
 from llm_core.generation import ChatEngine
-from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
+from llm_core.history import ERROR_TITLE, clean_chat_input, content_to_text
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
 
 log = logging.getLogger("llm_demo")
@@ -166,18 +165,19 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON)."""
         try:
+            # One cleaning and size check of every text input before anything is tokenized; what is echoed back is
+            # the cleaned text (a lone surrogate sent back would break this client's stream).
+            chat_input = clean_chat_input(message, history, system_prompt, settings.chat)
             chat_engine = pool.primary()
             gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
                                kv_cache)
-            check_history_size(history, max_messages=settings.chat.max_history_messages,
-                               max_chars=settings.chat.max_history_chars)
-            turns = turns_from_messages(history)
-            stream = chat_engine.stream_chat(message, turns, gen=gen, history_turns=_whole(history_turns),
-                                             system_prompt=system_prompt, request_id=_session(request))
-            first = next(stream)  # validation, trimming and the first token happen here
+            stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
+                                             history_turns=_whole(history_turns),
+                                             system_prompt=chat_input.system_prompt, request_id=_session(request))
+            first = next(stream)  # admission, trimming, the fair turn and the first token happen here
         except LLMCoreError as exc:
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
-        shown: ChatHistory = [*history, {"role": "user", "content": message},
+        shown: ChatHistory = [*chat_input.history, {"role": "user", "content": chat_input.message},
                               {"role": "assistant", "content": first.text}]
         update = first
         try:
