@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app import EMBEDDED_CHOICE as EMBEDDED
-from app import NO_SIDE, build_demo
+from app import NO_SIDE, build_demo, launch
 from llm_core.generation import ChatEngine
 
 CHROMIUM = "/usr/bin/chromium"
@@ -31,7 +31,7 @@ def free_port() -> int:
 def app_url(nf4_engine: ChatEngine) -> Iterator[str]:
     demo = build_demo(nf4_engine, nf4_engine.settings)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    launch(demo, nf4_engine.settings.replace(server={"port": port}), prevent_thread_lock=True, quiet=True)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from app import build_demo
+from app import launch as launch_app
 from llm_core.batching import BatchScheduler, ReplySlots, SamplingOptions, check_history_size, resolve_max_batch_size
 from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, SettingsError
 from llm_core.generation import ChatEngine, ReplyUpdate
@@ -47,11 +48,11 @@ def batched_nf4(nf4_engine: ChatEngine) -> Iterator[ChatEngine]:
     engine.scheduler.close()
 
 
-def launch(engine: ChatEngine, auth: list[tuple[str, str]] | None = None) -> tuple[Any, str]:
+def launch(engine: ChatEngine, auth: str | None = None) -> tuple[Any, str]:
     demo = build_demo(engine, engine.settings)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, auth=auth,
-                show_error=True)  # as app.main launches it
+    launch_app(demo, engine.settings.replace(server={"port": port, "auth": auth}), prevent_thread_lock=True,
+               quiet=True)  # as app.main launches it
     return demo, f"http://127.0.0.1:{port}/"
 
 
@@ -491,7 +492,7 @@ PASSWORD = "correct-horse-battery"
 
 @pytest.fixture(scope="module")
 def auth_url(nf4_engine: ChatEngine) -> Iterator[str]:
-    demo, url = launch(nf4_engine, auth=[("alice", PASSWORD)])
+    demo, url = launch(nf4_engine, auth=f"alice:{PASSWORD}")
     try:
         yield url
     finally:
