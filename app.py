@@ -125,6 +125,8 @@ def _history_checked_by_llm_core(chatbot: gr.Chatbot, chat: ChatSettings) -> gr.
     return chatbot
 
 
+_PROGRESS = gr.Progress()  # Gradio's marker default: it passes each call its own tracker
+
 EMBEDDED_CHOICE = "(embedded default)"
 
 
@@ -204,9 +206,14 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
                 repetition_penalty: float, kv_cache: str, rows: list[dict[str, Any]],
-                request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                request: gr.Request, progress: gr.Progress = _PROGRESS) -> Iterator[tuple[Any, ...]]:
         """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON, session stats rows); the
-        rows (a gr.State, never sent by the client) get the finished reply's stats."""
+        rows (a gr.State, never sent by the client) get the finished reply's stats. While the request waits for its
+        turn in the engine, the progress overlay says how many go first."""
+
+        def waiting(ahead: int) -> None:
+            progress(None, desc=f"Waiting for a free slot: {ahead} request{'s' if ahead != 1 else ''} ahead")
+
         try:
             # One cleaning and size check of every text input before anything is tokenized; what is echoed back is
             # the cleaned text (a lone surrogate sent back would break this client's stream).
@@ -216,7 +223,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                                kv_cache)
             stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
                                              history_turns=_whole(history_turns),
-                                             system_prompt=chat_input.system_prompt, request_id=_session(request))
+                                             system_prompt=chat_input.system_prompt, request_id=_session(request),
+                                             on_wait=waiting)
             first = next(stream)  # admission, trimming, the fair turn and the first token happen here
         except LLMCoreError as exc:
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
@@ -240,7 +248,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
 
     def regenerate(history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
                    do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,
-                   kv_cache: str, rows: list[dict[str, Any]], request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                   kv_cache: str, rows: list[dict[str, Any]], request: gr.Request,
+                   progress: gr.Progress = _PROGRESS) -> Iterator[tuple[Any, ...]]:
         """Answer the last user message again, replacing the reply(ies) after it."""
         values = (system_prompt, max_new_tokens, history_turns, do_sample, temperature, top_p, top_k,
                   repetition_penalty, kv_cache, rows)
@@ -253,7 +262,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
             message = content_to_text(messages[last_user].get("content"))
         except LLMCoreError as exc:
             raise _user_error(exc) from None
-        for out in respond(message, messages[:last_user], *values, request):
+        for out in respond(message, messages[:last_user], *values, request, progress):
             yield out[1:]
 
     def stop(request: gr.Request) -> None:

@@ -102,9 +102,10 @@ class _Ticket:
         self.ready = False  # waiting for a slot (False while the request is still being tokenized)
         self.running = False
 
-    def wait(self) -> None:
-        """Block until this request's fair turn, then hold a slot. Raises ReplyStopped if Stop comes first."""
-        self.slots._wait_turn(self)
+    def wait(self, on_wait: Callable[[int], None] | None = None) -> None:
+        """Block until this request's fair turn, then hold a slot. Raises ReplyStopped if Stop comes first.
+        `on_wait(ahead)` is called whenever the number of requests that go before this one changes."""
+        self.slots._wait_turn(self, on_wait)
 
 
 class ReplySlots:
@@ -208,9 +209,10 @@ class ReplySlots:
                     self._last_start.pop(session_id, None)
                 self._cond.notify_all()
 
-    def _wait_turn(self, ticket: _Ticket) -> None:
+    def _wait_turn(self, ticket: _Ticket, on_wait: Callable[[int], None] | None = None) -> None:
         from .errors import ReplyStopped
 
+        shown = -1
         with self._cond:
             ticket.ready = True
             self._cond.notify_all()
@@ -218,13 +220,27 @@ class ReplySlots:
                 if ticket.cancel is not None and ticket.cancel.is_set():
                     raise ReplyStopped("Stopped before it started: the request was still waiting for its turn, so "
                                        "nothing was generated. The conversation is unchanged.")
-                self._cond.wait(0.05 if ticket.cancel is not None else None)  # Stop sets an Event: poll it
+                ahead = self._ahead(ticket)
+                if on_wait is not None and ahead != shown:
+                    shown = ahead
+                    on_wait(ahead)
+                self._cond.wait(0.05 if ticket.cancel is not None or on_wait else None)  # Stop sets an Event
             self._waiting.remove(ticket)
             ticket.running = True
             self._free -= 1
             self._running[ticket.session_id] += 1
             self._last_start[ticket.session_id] = next(self._starts)
             self._cond.notify_all()
+
+    def _ahead(self, ticket: _Ticket) -> int:
+        """Requests that will take a slot before `ticket`: the replies running now count as one ahead per slot
+        when all slots are busy, then waiting requests that go first."""
+        def key(t: _Ticket) -> tuple[int, int]:
+            return self._last_start.get(t.session_id, -1), t.arrival
+
+        mine = key(ticket)
+        before = sum(1 for t in self._waiting if t is not ticket and t.ready and key(t) < mine)
+        return before + (1 if self._free <= 0 or self._running[ticket.session_id] else 0)
 
     def _is_next(self, ticket: _Ticket) -> bool:
         if self._free <= 0 or self._exclusive_waiting:

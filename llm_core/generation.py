@@ -442,12 +442,14 @@ class ChatEngine:
 
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
-                    request_id: str | None = None) -> Iterator[ReplyUpdate]:
+                    request_id: str | None = None,
+                    on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply to `message` after `history`. Yields ReplyUpdate; the last one has done=True.
 
         Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
         of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn
-        -> the reply. Stop while waiting ends it with ReplyStopped."""
+        (`on_wait(ahead)` told how many requests go first while it waits) -> the reply. Stop while waiting ends it
+        with ReplyStopped."""
         start_s = time.perf_counter()
         gen = gen or self.settings.generation
         chat = self.settings.chat
@@ -472,7 +474,7 @@ class ChatEngine:
                     if not is_oom_error(exc):
                         raise
                     raise self._translate(exc) from exc
-                ticket.wait()
+                ticket.wait(on_wait)
                 yield from self._stream(prepared, gen, stop_event, start_s)
         finally:
             with self._stops_lock:

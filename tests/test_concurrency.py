@@ -6,6 +6,7 @@ Every wait is bounded (deadlines, `job.result(timeout=...)`), every server binds
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -546,23 +547,23 @@ def test_auth_secret_is_not_in_the_settings_repr() -> None:
 
 
 def test_queue_shows_each_waiting_user_a_position(auth_url: str) -> None:
-    """With every reply slot busy (one on this serial engine), Gradio's queue reports rank and size to the client;
-    the UI shows them, with Gradio's time estimate once a reply has completed, in the chat's progress overlay."""
+    """With every reply slot busy (one on this serial engine), a request waiting for its turn in the engine's fair
+    queue tells its client how many requests go first, in Gradio's progress overlay (status PROGRESS, desc)."""
     from gradio_client.utils import Status
 
     clients = [new_client(auth_url, auth=("alice", PASSWORD)) for _ in range(3)]
     jobs = [submit_chat(c, f"Tell me about {topic}.", max_new_tokens=12) for c, topic in
             zip(clients, ("salt", "wind", "iron"), strict=True)]
-    seen: list[tuple[int | None, int | None]] = []
+    seen: list[str] = []
 
-    def ranked() -> bool:  # whichever jobs Gradio queued behind the running one
+    def ranked() -> bool:  # whichever jobs wait behind the running one
         for job in jobs:
             status = job.status()
-            if status.code == Status.IN_QUEUE and status.rank is not None:
-                seen.append((status.rank, status.queue_size))
+            if status.code == Status.PROGRESS and status.progress_data:
+                seen.extend(str(unit.desc) for unit in status.progress_data if unit.desc)
         return bool(seen) or all(job.done() for job in jobs)
 
-    wait_until(ranked, 120, "a waiting job to report its queue position")
+    wait_until(ranked, 120, "a waiting job to report its position")
     for job in jobs:
         final_output(job)
-    assert seen and seen[0][1] is not None and seen[0][1] >= 1, seen
+    assert seen and all(re.fullmatch(r"Waiting for a free slot: [12] requests? ahead", d) for d in seen), seen
