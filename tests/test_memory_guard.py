@@ -101,7 +101,7 @@ def test_quantized_kv_cache_reply_uses_less_cache_memory(engine: ChatEngine) -> 
 
 
 def test_injected_oom_frees_the_replys_memory_even_while_the_error_is_held(engine: ChatEngine) -> None:
-    """After an OOM in the first decode step of a ~3,000-token prompt (its KV cache ~140 MB in fp32, its prefill
+    """After an OOM in the first decode step of a ~2,000-token prompt (its KV cache ~90 MB in fp32, its prefill
     scratch several times that), RSS is back near where it was before the reply, although the caller still holds
     the error (as pytest.raises and Gradio do): the failed step's frames were cleared and the memory returned."""
     import gc
@@ -111,7 +111,7 @@ def test_injected_oom_frees_the_replys_memory_even_while_the_error_is_held(engin
     from llm_core.memory import free_memory, kv_bytes_per_token
 
     process = psutil.Process()
-    prompt = "Explain photosynthesis in detail, step by step. " * 300
+    prompt = "Explain photosynthesis in detail, step by step. " * 200
     gen = engine.request_options(max_new_tokens=8)
     free_memory(engine.loaded.device)
     gc.collect()
@@ -121,5 +121,5 @@ def test_injected_oom_frees_the_replys_memory_even_while_the_error_is_held(engin
     prompt_tokens = engine.count_tokens([{"role": "user", "content": prompt}])
     kv_bytes = prompt_tokens * kv_bytes_per_token(engine.loaded.model.config, engine.loaded.compute_dtype)
     grown = process.memory_info().rss - before
-    assert held.value is not None and prompt_tokens > 2_500
+    assert held.value is not None and prompt_tokens > 1_600
     assert grown < 0.4 * kv_bytes, (grown, kv_bytes)

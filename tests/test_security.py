@@ -208,7 +208,7 @@ def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(se
     assert all("already has a reply being written and 1 waiting" in message for _, message in refused)
     accepted = [name for name in flood if name not in dict(refused)]
     second = max(accepted, key=lambda name: seen[name]["first"])  # the hog's waiting request
-    assert seen["other"]["done"] < seen[second]["first"]  # the other user went before it
+    assert seen["other"]["done"] <= seen[second]["first"]  # the other user went before it (10 ms polls)
     assert jobs["other"].outputs()[-1][3]["new_tokens"] > 0
 
 
