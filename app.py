@@ -9,12 +9,13 @@ import argparse
 import json
 import logging
 import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio.components.chatbot import ChatbotDataMessages
+from gradio.data_classes import GradioRootModel
+from pydantic import ValidationError
 
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
@@ -25,15 +26,16 @@ from llm_core.config import (
     TEMPERATURE_RANGE,
     TOP_K_RANGE,
     TOP_P_RANGE,
+    ChatSettings,
     Settings,
     parse_auth,
 )
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import CompareConfig, Comparison, EnginePool, allowed_models
-from llm_core.engine.serving import check_history_size
 from llm_core.errors import LLMCoreError
-from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
+from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
+from llm_core.security import ExportFiles, check_exposure
 
 log = logging.getLogger("llm_demo")
 
@@ -85,6 +87,45 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
 def _stats_json(stats: ReplyStats | None) -> dict[str, Any]:
     return stats.as_dict() if stats is not None else {}
 
+
+class _AnyHistory(GradioRootModel):
+    root: Any = None
+
+
+def _history_checked_by_llm_core(chatbot: gr.Chatbot, chat: ChatSettings) -> gr.Chatbot:
+    """Make `chatbot`'s input from the API go through llm_core's checks before Gradio's schema: a malformed history
+    gets the library's sentence ("History message 1 is malformed: ...") instead of a pydantic validation dump.
+    Done on the instance (Gradio reads `data_model` and calls `preprocess` on it); the API still documents
+    Gradio's message schema."""
+    schema = ChatbotDataMessages.model_json_schema()
+    schema["additional_description"] = schema.pop("description", None)
+    chatbot._api_info_cache = schema  # type: ignore[assignment]
+    gradio_preprocess = chatbot.preprocess
+
+    def preprocess(payload: Any) -> Any:
+        raw = payload.root if isinstance(payload, _AnyHistory) else payload
+        if raw is None:
+            return []
+        try:
+            check_history_size(raw, max_messages=chat.max_history_messages, max_chars=chat.max_history_chars)
+            turns_from_messages(raw)  # role, content and parts, named by the library
+            raw = [{**m, "content": [{"type": "text", "text": m["content"]}]} if isinstance(m.get("content"), str)
+                   else m for m in raw]
+            checked = ChatbotDataMessages.model_validate(raw, context={"validate_meta": True})
+        except LLMCoreError as exc:
+            raise _user_error(exc) from None
+        except ValidationError as exc:
+            where = ", ".join(".".join(str(p) for p in e.get("loc", ())) or "history" for e in exc.errors()[:3])
+            raise gr.Error(f"The history is malformed (at {where}); send a list of messages with 'role' and "
+                           "'content'.", title="Input error") from None
+        return gradio_preprocess(checked)
+
+    chatbot.data_model = _AnyHistory  # type: ignore[assignment]
+    chatbot.preprocess = preprocess  # type: ignore[method-assign]
+    return chatbot
+
+
+_PROGRESS = gr.Progress()  # Gradio's marker default: it passes each call its own tracker
 
 EMBEDDED_CHOICE = "(embedded default)"
 
@@ -157,52 +198,71 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     """The whole UI: Chat, Compare and Session stats tabs. Conversation state lives in each browser session."""
     pool = pool or EnginePool(settings, primary=engine)
     comparison = Comparison(pool, settings)
+    exports = ExportFiles(settings.server.export_ttl_s)
     report = engine.report
     concurrency = engine.max_concurrent_replies  # chat events served at once (batched decoding when above 1)
     del engine  # handlers reach the served model through the pool, so a comparison may unload it if it must
 
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
-                repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
-        """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON)."""
+                repetition_penalty: float, kv_cache: str, rows: list[dict[str, Any]],
+                request: gr.Request, progress: gr.Progress = _PROGRESS) -> Iterator[tuple[Any, ...]]:
+        """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON, session stats rows); the
+        rows (a gr.State, never sent by the client) get the finished reply's stats. While the request waits for its
+        turn in the engine, the progress overlay says how many go first."""
+
+        def waiting(ahead: int) -> None:
+            progress(None, desc=f"Waiting for a free slot: {ahead} request{'s' if ahead != 1 else ''} ahead")
+
         try:
+            # One cleaning and size check of every text input before anything is tokenized; what is echoed back is
+            # the cleaned text (a lone surrogate sent back would break this client's stream).
+            chat_input = clean_chat_input(message, history, system_prompt, settings.chat)
             chat_engine = pool.primary()
             gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
                                kv_cache)
-            check_history_size(history, max_messages=settings.chat.max_history_messages,
-                               max_chars=settings.chat.max_history_chars)
-            turns = turns_from_messages(history)
-            stream = chat_engine.stream_chat(message, turns, gen=gen, history_turns=_whole(history_turns),
-                                             system_prompt=system_prompt, request_id=_session(request))
-            first = next(stream)  # validation, trimming and the first token happen here
+            stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
+                                             history_turns=_whole(history_turns),
+                                             system_prompt=chat_input.system_prompt, request_id=_session(request),
+                                             on_wait=waiting)
+            first = next(stream)  # admission, trimming, the fair turn and the first token happen here
         except LLMCoreError as exc:
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
-        shown: ChatHistory = [*history, {"role": "user", "content": message},
+        shown: ChatHistory = [*chat_input.history, {"role": "user", "content": chat_input.message},
                               {"role": "assistant", "content": first.text}]
         update = first
         try:
-            yield "", shown, format_stats(first.stats, live=True), gr.skip()
+            yield "", shown, format_stats(first.stats, live=True), gr.skip(), gr.skip()
             for update in stream:
                 shown[-1] = {"role": "assistant", "content": update.text}
-                yield gr.skip(), shown, format_stats(update.stats, live=not update.done), (
-                    _stats_json(update.stats) if update.done else gr.skip())
+                done = update.done
+                yield gr.skip(), shown, format_stats(update.stats, live=not done), (
+                    _stats_json(update.stats) if done else gr.skip()), (
+                    _add_rows(rows, [update.stats]) if done else gr.skip())
         except LLMCoreError as exc:
             note = {"role": "assistant", "content": str(exc), "metadata": {"title": ERROR_TITLE}}
             shown = [*shown[:-1], *([shown[-1]] if update.text else []), note]
-            yield gr.skip(), shown, format_stats(update.stats, live=False), _stats_json(update.stats)
+            yield gr.skip(), shown, format_stats(update.stats, live=False), _stats_json(update.stats), _add_rows(
+                rows, [update.stats])
             raise _user_error(exc) from None
 
     def regenerate(history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
                    do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,
-                   kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                   kv_cache: str, rows: list[dict[str, Any]], request: gr.Request,
+                   progress: gr.Progress = _PROGRESS) -> Iterator[tuple[Any, ...]]:
         """Answer the last user message again, replacing the reply(ies) after it."""
         values = (system_prompt, max_new_tokens, history_turns, do_sample, temperature, top_p, top_k,
-                  repetition_penalty, kv_cache)
-        last_user = next((i for i in range(len(history) - 1, -1, -1) if history[i].get("role") == "user"), None)
+                  repetition_penalty, kv_cache, rows)
+        messages = history if isinstance(history, list) else []
+        last_user = next((i for i in range(len(messages) - 1, -1, -1)
+                          if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
         if last_user is None:
             raise gr.Error("There is no message to regenerate yet.")
-        message = content_to_text(history[last_user]["content"])
-        for out in respond(message, history[:last_user], *values, request):
+        try:
+            message = content_to_text(messages[last_user].get("content"))
+        except LLMCoreError as exc:
+            raise _user_error(exc) from None
+        for out in respond(message, messages[:last_user], *values, request, progress):
             yield out[1:]
 
     def stop(request: gr.Request) -> None:
@@ -216,9 +276,10 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     def compare(prompt: str, model_0: str, mode_0: str, attn_0: str, kv_0: str, model_1: str, mode_1: str,
                 attn_1: str, kv_1: str, model_2: str, mode_2: str, attn_2: str, kv_2: str, system_prompt: str,
                 max_new_tokens: float, history_turns: float, do_sample: bool, temperature: float, top_p: float,
-                top_k: float, rep: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+                top_k: float, rep: float, kv_cache: str, rows: list[dict[str, Any]],
+                request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """Run the chosen configurations (MAX_COMPARE_SIDES sides of model, mode, attention, KV mode) on one
-        prompt; yields every Compare output each step."""
+        prompt; yields every Compare output each step, and the session's stats rows (a gr.State) at the end."""
         sides = [model_0, mode_0, attn_0, kv_0, model_1, mode_1, attn_1, kv_1, model_2, mode_2, attn_2, kv_2]
         try:
             configs = [CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
@@ -238,35 +299,47 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 summary = [r.summary_row() for r in step.results]
                 yield (*texts, *side_stats, _summary_frame(summary), _summary_plot(summary),
                        step.difference or "\n".join(f"*{n}*" for n in notes),
-                       [r.stats.as_dict() for r in step.results] if step.done else gr.skip())
+                       [r.stats.as_dict() for r in step.results] if step.done else gr.skip(),
+                       _add_rows(rows, [r.stats for r in step.results]) if step.done else gr.skip())
         except LLMCoreError as exc:
             raise _user_error(exc) from None
 
-    def record(history_rows: list[dict[str, Any]], new: Any) -> tuple[Any, ...]:
-        """Append finished replies (one stats dict or a list of them) to the session's stats history."""
-        items = new if isinstance(new, list) else [new]
-        seen = {row.get("reply_id") for row in history_rows}
-        rows = history_rows + [r for r in items if isinstance(r, dict) and r.get("reply_id") not in seen]
-        frame = _history_frame(rows)
-        return rows, frame, frame, frame
+    def show_history(history_rows: list[dict[str, Any]]) -> tuple[Any, ...]:
+        """The Session stats tab from the session's rows. Takes no client data: the rows are a gr.State, written
+        only by the chat and compare handlers from the engine's own stats."""
+        frame = _history_frame(history_rows)
+        return frame, frame, frame
 
-    def export(history_rows: list[dict[str, Any]], kind: str) -> str:
+    def export(history_rows: list[dict[str, Any]], kind: str, request: gr.Request) -> str:
         if not history_rows:
             raise gr.Error("No replies yet: chat or compare first, then export.")
-        folder = Path(tempfile.mkdtemp(prefix="llm-demo-stats-"))
+        folder = exports.new_folder(_session(request) or "")  # deleted at session end or after EXPORT_TTL_S
         if kind == "csv":
             return str(export_csv(history_rows, folder / "reply-stats.csv"))
         path = folder / "reply-stats.json"
         path.write_text(json.dumps(history_rows, indent=2, ensure_ascii=False), encoding="utf-8")
         return str(path)
 
-    with gr.Blocks(title="Local LLM demo", fill_height=True) as demo:
+    def export_csv_file(history_rows: list[dict[str, Any]], request: gr.Request) -> str:
+        return export(history_rows, "csv", request)
+
+    def export_json_file(history_rows: list[dict[str, Any]], request: gr.Request) -> str:
+        return export(history_rows, "json", request)
+
+    def end_session(request: gr.Request) -> None:
+        stop(request)
+        exports.release(_session(request) or "")
+
+    ttl_s = int(settings.server.export_ttl_s)
+    # Gradio keeps its own copy of each served file: delete_cache drops those after the same time.
+    with gr.Blocks(title="Local LLM demo", fill_height=True, delete_cache=(min(ttl_s, 600), ttl_s)) as demo:
         gr.Markdown(f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}")
         stats_history = gr.State([])
         with gr.Tab("Chat", id="chat-tab"):
             with gr.Row(equal_height=False):
                 with gr.Column(scale=3):
-                    chatbot = gr.Chatbot(elem_id="chatbot", label="Chat", height=520, buttons=["copy"])
+                    chatbot = _history_checked_by_llm_core(
+                        gr.Chatbot(elem_id="chatbot", label="Chat", height=520, buttons=["copy"]), settings.chat)
                     chat_input = gr.Textbox(elem_id="chat-input", show_label=False, lines=2, autofocus=True,
                                             placeholder="Type a message and press Enter (Shift+Enter: new line)")
                     with gr.Row():
@@ -330,29 +403,33 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 export_json_btn = gr.Button("Export JSON", elem_id="export-json")
             export_file = gr.File(label="Export", elem_id="export-file", interactive=False)
 
-        chat_inputs = [chat_input, chatbot, *options.components]
-        chat_outputs = [chat_input, chatbot, stats_md, stats_json]
-        history_outputs = [stats_history, history_table, speed_plot, memory_plot]
-        # One queue for every chat reply (concurrency_id), so Gradio's queue position and estimate are right.
-        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
+        chat_inputs = [chat_input, chatbot, *options.components, stats_history]
+        chat_outputs = [chat_input, chatbot, stats_md, stats_json, stats_history]
+        history_outputs = [history_table, speed_plot, memory_plot]
+        # One queue for every chat reply (concurrency_id). Chat events reach the engine beyond its reply slots: the
+        # engine admits at most one running and SESSION_MAX_WAITING waiting requests per session (refusing more at
+        # once) and gives a free slot to the session served least recently. Gradio's FIFO queue, with its position
+        # display, holds what exceeds this width, kept below Gradio's worker threads so Stop always finds one.
+        chat_width = min(_WORKER_THREADS - 8, concurrency + settings.server.queue_size)
+        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat",
+                                concurrency_limit=chat_width)
         submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private",
-                                         concurrency_id="chat")
-        regen_event = regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
-                                  api_name="regenerate", concurrency_id="chat")
-        for event in (send_event, submit_event, regen_event):
-            event.then(record, [stats_history, stats_json], history_outputs, api_visibility="private")
+                                         concurrency_id="chat", concurrency_limit=chat_width)
+        regen_event = regen.click(regenerate, [chatbot, *options.components, stats_history], chat_outputs[1:],
+                                  api_name="regenerate", concurrency_id="chat", concurrency_limit=chat_width)
         compare_event = compare_btn.click(
-            compare, [compare_input, *side_inputs, *options.components],
-            [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json],
-            api_name="compare", concurrency_limit=1)  # loads/unloads models: one comparison at a time
-        compare_event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
+            compare, [compare_input, *side_inputs, *options.components, stats_history],
+            [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json,
+             stats_history], api_name="compare", concurrency_limit=1)  # loads/unloads models: one at a time
+        for event in (send_event, submit_event, regen_event, compare_event):
+            event.then(show_history, stats_history, history_outputs, api_visibility="private")
         stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event, compare_event],
                        queue=False, api_name="stop")
         clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
                         cancels=[send_event, submit_event, regen_event], queue=False, api_name="clear")
-        export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
-        export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
-                              api_visibility="private")
+        export_csv_btn.click(export_csv_file, stats_history, export_file, api_visibility="private")
+        export_json_btn.click(export_json_file, stats_history, export_file, api_visibility="private")
+        demo.unload(end_session)
     demo.queue(default_concurrency_limit=concurrency, max_size=settings.server.queue_size)
     return demo
 
@@ -427,6 +504,16 @@ def _summary_plot(rows: list[dict[str, Any]]) -> Any:
     return frame.astype({"decode_tokens_per_s": "float64"})
 
 
+_WORKER_THREADS = 40  # gradio's default max_threads: the thread pool its sync handlers run on
+
+
+def _add_rows(rows: Any, stats: list[ReplyStats]) -> list[dict[str, Any]]:
+    """The session's stats rows with these finished replies appended (a new list: the State is replaced)."""
+    rows = rows if isinstance(rows, list) else []
+    seen = {row.get("reply_id") for row in rows if isinstance(row, dict)}
+    return rows + [s.as_dict() for s in stats if s.reply_id not in seen]
+
+
 def _whole(value: Any) -> Any:
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
@@ -445,21 +532,49 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return vars(parser.parse_args(argv))
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+def launch(demo: gr.Blocks, settings: Settings, **options: Any) -> Any:
+    """Serve the demo as settings say: AUTH -> parse_auth -> Gradio's login, with login throttling per address,
+    session-owner checks on the routes Gradio leaves open, unused routes closed, clean errors for malformed
+    payloads (llm_core.web.guard). `options` go to gr.Blocks.launch (tests: prevent_thread_lock, quiet)."""
+    from fastapi.exceptions import RequestValidationError
+    from starlette.middleware import Middleware
+
+    from llm_core.security import LoginThrottle, SessionOwners
+    from llm_core.web.guard import GuardMiddleware, validation_error_handler
+
+    server = settings.server
+    throttle = LoginThrottle(server.login_max_failures, server.login_window_s)
+    guard = Middleware(GuardMiddleware, throttle=throttle, owners=SessionOwners(), auth=server.auth is not None)
+    app_kwargs = {"middleware": [guard], "exception_handlers": {RequestValidationError: validation_error_handler}}
+    return demo.launch(server_name=server.host, server_port=server.port, share=server.share,
+                       auth=parse_auth(server.auth) if server.auth else None, show_error=True,
+                       max_threads=_WORKER_THREADS, app_kwargs=app_kwargs, **options)
+
+
+def start(argv: list[str] | None = None, **launch_options: Any) -> gr.Blocks:
+    """Parse settings, refuse an open host without AUTH (before loading anything), load, build and launch without
+    blocking. Raises LLMCoreError (SettingsError, ModelLoadError) with a message for the operator."""
     args = parse_args(argv)
     env_file = args.pop("env_file")
+    settings = Settings.from_env(env_file=env_file, overrides=args)
+    warning = check_exposure(settings.server)
+    if warning:
+        log.warning(warning)
+    engine = ChatEngine.load(settings, progress=log.info)
+    log.info("Load report: %s", json.dumps(engine.report.as_dict()))
+    demo = build_demo(engine, settings)
+    launch(demo, settings, prevent_thread_lock=True, **launch_options)
+    return demo
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     try:
-        settings = Settings.from_env(env_file=env_file, overrides=args)
-        engine = ChatEngine.load(settings, progress=log.info)
+        demo = start(argv)
     except LLMCoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    log.info("Load report: %s", json.dumps(engine.report.as_dict()))
-    demo = build_demo(engine, settings)
-    server = settings.server
-    demo.launch(server_name=server.host, server_port=server.port, share=server.share,
-                auth=parse_auth(server.auth) if server.auth else None, show_error=True)
+    demo.block_thread()
     return 0
 
 

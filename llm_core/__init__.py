@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "Turn": "history", "content_to_text": "history", "turns_from_messages": "history", "ERROR_TITLE": "history",
     # the engine
     "ChatEngine": "engine.chat", "ReplyUpdate": "engine.chat", "PreparedPrompt": "engine.chat",
-    "DecodeBackend": "engine.chat", "check_history_size": "engine.serving",
+    "DecodeBackend": "engine.chat", "check_history_size": "history",
     "CompareConfig": "engine.compare", "Comparison": "engine.compare", "EnginePool": "engine.compare",
     "allowed_models": "engine.compare",
     # what each reply cost
@@ -54,7 +54,6 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from .config import GenerationSettings, ModelSettings, Settings, parse_auth
     from .engine.chat import ChatEngine, DecodeBackend, PreparedPrompt, ReplyUpdate
     from .engine.compare import CompareConfig, Comparison, EnginePool, allowed_models
-    from .engine.serving import check_history_size
     from .errors import (
         ContextBudgetError,
         GenerationError,
@@ -64,5 +63,5 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
         OutOfMemoryError,
         SettingsError,
     )
-    from .history import ERROR_TITLE, Turn, content_to_text, turns_from_messages
+    from .history import ERROR_TITLE, Turn, check_history_size, content_to_text, turns_from_messages
     from .metrics import ReplyStats, export_csv, export_json, format_bytes

@@ -39,6 +39,11 @@ MAX_MESSAGE_CHARS_RANGE = (1, 1_000_000)
 MAX_HISTORY_MESSAGES_RANGE = (0, 100_000)
 MAX_HISTORY_CHARS_RANGE = (0, 100_000_000)
 MAX_BATCH_SIZE_RANGE = (1, 64)
+MAX_SYSTEM_PROMPT_CHARS_RANGE = (0, 1_000_000)
+SESSION_MAX_WAITING_RANGE = (0, 16)
+COMPARE_MAX_LOADED_RANGE = (1, 16)
+LOGIN_MAX_FAILURES_RANGE = (1, 1000)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,8 @@ class GenerationSettings:
 class ChatSettings:
     system_prompt: str = "You are a helpful assistant."
     history_turns: int = 8  # past user/assistant exchanges kept in the prompt
-    max_message_chars: int = 16_000
+    max_message_chars: int = 16_000  # also the Compare prompt's limit
+    max_system_prompt_chars: int = 8_000
     max_history_messages: int = 256  # messages accepted in one request's history (API limit)
     max_history_chars: int = 256_000  # characters of text in one request's history (API limit)
 
@@ -114,11 +120,21 @@ class ServerSettings:
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
     max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
+    session_max_waiting: int = 1  # requests one session may have waiting beside its running one; more are refused
+    allow_open_host: bool = False  # serve a non-loopback HOST or a SHARE link without AUTH (refused unless set)
+    login_max_failures: int = 5  # failed logins one client address may make per login_window_s
+    login_window_s: float = 60.0
+    export_ttl_s: float = 3600.0  # exported stats files are deleted after this long (and when the session ends)
 
     @property
     def is_shared(self) -> bool:
         """Reachable by others (public link, login, or bound beyond loopback): expect several users at once."""
-        return self.share or self.auth is not None or self.host not in ("127.0.0.1", "localhost", "::1")
+        return self.share or self.auth is not None or self.host not in LOOPBACK_HOSTS
+
+    @property
+    def is_open(self) -> bool:
+        """Reachable beyond this machine (a non-loopback HOST or a SHARE link) with no login in front."""
+        return self.auth is None and (self.share or self.host not in LOOPBACK_HOSTS)
 
 
 @dataclass(frozen=True)
@@ -132,7 +148,10 @@ class MemorySettings:
 class CompareSettings:
     models: tuple[str, ...] = ()  # models the Compare view may load besides the served one
     modes: tuple[str, ...] = COMPARE_MODES
-    allow_custom_models: bool = False  # let users type any model id/path in the Compare view
+    allow_custom_models: bool = False  # let users type model ids/paths in the Compare view (within model_dirs)
+    model_dirs: tuple[str, ...] = ()  # folders typed paths must lie in (resolved, symlinks followed)
+    allow_downloads: bool = False  # typed Hub ids may be downloaded (with HF_TOKEN if set)
+    max_loaded: int = 3  # engines (model + quantization + attention) the Compare pool keeps loaded at most
 
 
 @dataclass(frozen=True)
@@ -197,6 +216,14 @@ class Settings:
         _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
         _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
         _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)
+        _check_range("MAX_SYSTEM_PROMPT_CHARS", self.chat.max_system_prompt_chars, MAX_SYSTEM_PROMPT_CHARS_RANGE)
+        _check_range("SESSION_MAX_WAITING", self.server.session_max_waiting, SESSION_MAX_WAITING_RANGE)
+        _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
+        if not self.server.login_window_s > 0:
+            raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
+        if not self.server.export_ttl_s > 0:
+            raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
+        _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
         if self.server.max_batch_size is not None:
             _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
             if self.server.max_batch_size > 1 and m.decode_path == "fast":
@@ -443,6 +470,8 @@ SPECS: tuple[SettingSpec, ...] = (
                 "most messages accepted in a request's history (older turns are trimmed anyway)"),
     SettingSpec("MAX_HISTORY_CHARS", "chat", "max_history_chars", _parse_int,
                 "most characters of text accepted in a request's history"),
+    SettingSpec("MAX_SYSTEM_PROMPT_CHARS", "chat", "max_system_prompt_chars", _parse_int,
+                "longest accepted system prompt (checked before anything is tokenized)"),
     SettingSpec("HOST", "server", "host", _parse_str, "address to bind; 127.0.0.1 keeps the demo local"),
     SettingSpec("PORT", "server", "port", _parse_int, "port to serve on"),
     SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
@@ -452,12 +481,29 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
                 "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
+    SettingSpec("SESSION_MAX_WAITING", "server", "session_max_waiting", _parse_int,
+                "requests one session (tab / API client) may have waiting beside its running reply; more are "
+                "refused, and a free slot goes to the session served least recently"),
+    SettingSpec("ALLOW_OPEN_HOST", "server", "allow_open_host", _parse_bool,
+                "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)"),
+    SettingSpec("LOGIN_MAX_FAILURES", "server", "login_max_failures", _parse_int,
+                "failed logins one client address may make per LOGIN_WINDOW_S before it must wait"),
+    SettingSpec("LOGIN_WINDOW_S", "server", "login_window_s", _parse_float, "seconds the login failure count spans"),
+    SettingSpec("EXPORT_TTL_S", "server", "export_ttl_s", _parse_float,
+                "exported stats files are deleted after this many seconds, and when their session ends"),
     SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,
                 "comma-separated HF ids / folders the Compare view may load besides the served model"),
     SettingSpec("COMPARE_MODES", "compare", "modes", _parse_list,
                 "quantization presets offered in the Compare view: " + ", ".join(COMPARE_MODES)),
     SettingSpec("ALLOW_CUSTOM_MODELS", "compare", "allow_custom_models", _parse_bool,
-                "let users type any model id/path in the Compare view (off: only the configured list)"),
+                "let users type model folders (inside MODEL_DIRS) or Hub ids (with ALLOW_DOWNLOADS) in the Compare "
+                "view (off: only the configured list)"),
+    SettingSpec("MODEL_DIRS", "compare", "model_dirs", _parse_list,
+                "comma-separated folders a typed model path must lie in (ALLOW_CUSTOM_MODELS); empty = none"),
+    SettingSpec("ALLOW_DOWNLOADS", "compare", "allow_downloads", _parse_bool,
+                "let a typed Hub id be downloaded (ALLOW_CUSTOM_MODELS; uses HF_TOKEN if set)"),
+    SettingSpec("COMPARE_MAX_LOADED", "compare", "max_loaded", _parse_int,
+                "model configurations the Compare view keeps loaded at most (least recently used unloaded first)"),
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
 _SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,

@@ -32,3 +32,7 @@ class GenerationError(LLMCoreError):
 
 class OutOfMemoryError(GenerationError):
     """The device ran out of memory during a reply; memory was freed and the conversation kept."""
+
+
+class ReplyStopped(LLMCoreError):
+    """Stop was pressed while the request was still waiting for its turn: nothing was generated."""

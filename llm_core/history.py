@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .config import ChatSettings
 from .errors import ContextBudgetError, InputError
 
 Message = dict[str, str]
@@ -59,16 +60,93 @@ class FittedHistory:
 _CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
 
 
-def clean_text(text: Any, *, field: str = "message", max_chars: int | None = None) -> str:
-    """Validate user-supplied text: a str, control characters removed (newline and tab kept), not blank."""
+def scrub(text: str) -> str:
+    """`text` without control characters and lone surrogates (newline and tab kept); nothing else changes. A lone
+    surrogate cannot be encoded as UTF-8: echoed back to a client it breaks that client's stream."""
+    return _CONTROL_CHARS.sub("", text)
+
+
+def clean_text(text: Any, *, field: str = "message", max_chars: int | None = None, allow_empty: bool = False) -> str:
+    """Validate user-supplied text: a str, control characters and lone surrogates removed (newline and tab kept),
+    not blank (unless `allow_empty`), at most `max_chars` characters. Runs before anything is tokenized."""
     if not isinstance(text, str):
         raise InputError(f"The {field} must be text, got {type(text).__name__}.")
-    cleaned = _CONTROL_CHARS.sub("", text).strip()
-    if not cleaned:
+    cleaned = scrub(text).strip()
+    if not cleaned and not allow_empty:
         raise InputError(f"The {field} is empty. Type something first.")
     if max_chars is not None and len(cleaned) > max_chars:
         raise InputError(f"The {field} has {len(cleaned):,} characters; the limit is {max_chars:,}. Shorten it.")
     return cleaned
+
+
+def check_history_size(history: Any, *, max_messages: int, max_chars: int) -> None:
+    """Refuse a history (as it arrives through the API: a list of {"role", "content"} messages) that is longer than
+    `max_messages` messages or holds more than `max_chars` characters of text. Malformed entries are left to the
+    history parser, which names them; this only bounds the work a request can ask for."""
+    if not isinstance(history, (list, tuple)):
+        return
+    if len(history) > max_messages:
+        raise InputError(f"The history has {len(history):,} messages; the limit is {max_messages:,}. "
+                         "Clear the chat or start a new one.")
+    chars = 0
+    for message in history:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, (list, tuple)):
+            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") if isinstance(p, dict)
+                         and isinstance(p.get("text"), str) else 0 for p in content)
+        elif isinstance(content, dict) and isinstance(content.get("text"), str):
+            chars += len(content["text"])
+    if chars > max_chars:
+        raise InputError(f"The history holds {chars:,} characters; the limit is {max_chars:,}. "
+                         "Clear the chat or start a new one.")
+
+
+def _scrub_value(value: Any, depth: int = 0) -> Any:
+    """Every string inside a message (content, parts, metadata) scrubbed; other values kept as they are."""
+    if isinstance(value, str):
+        return scrub(value)
+    if depth > 4:
+        return value
+    if isinstance(value, dict):
+        return {k: _scrub_value(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrub_value(v, depth + 1) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """One chat request's text, cleaned and size-checked: what the model is given and what is echoed back."""
+
+    message: str
+    system_prompt: str
+    history: list[Any]  # the history as it arrived, every string scrubbed (safe to send back to the client)
+    turns: list[Turn]
+
+
+def clean_chat_input(message: Any, history: Any, system_prompt: Any, settings: ChatSettings) -> ChatInput:
+    """The one cleaning and size check of a chat request's text (message, system prompt, history), before any
+    tokenization: sizes first (cheap), then control characters and lone surrogates out, then the history parsed."""
+    check_history_size(history, max_messages=settings.max_history_messages, max_chars=settings.max_history_chars)
+    text = clean_text(message, max_chars=settings.max_message_chars)
+    system = clean_text("" if system_prompt is None else system_prompt, field="system prompt",
+                        max_chars=settings.max_system_prompt_chars, allow_empty=True)
+    cleaned = _scrub_value(list(history)) if isinstance(history, (list, tuple)) else history
+    return ChatInput(text, system, cleaned if isinstance(cleaned, list) else [], turns_from_messages(cleaned))
+
+
+def clean_turns(turns: Sequence[Turn], *, max_chars: int) -> list[Turn]:
+    """Turns given to the engine directly (library callers): scrubbed, and their text bounded like an API history."""
+    if not isinstance(turns, (list, tuple)) or not all(isinstance(t, Turn) for t in turns):
+        raise InputError("The history must be a list of turns (user message, assistant reply).")
+    chars = sum(len(t.user) + len(t.assistant) for t in turns if isinstance(t.user, str) and
+                isinstance(t.assistant, str))
+    if chars > max_chars:
+        raise InputError(f"The history holds {chars:,} characters; the limit is {max_chars:,}. "
+                         "Clear the chat or start a new one.")
+    return [Turn(scrub(str(t.user)), scrub(str(t.assistant))) for t in turns]
 
 
 def content_to_text(content: Any) -> str:
@@ -114,7 +192,7 @@ def turns_from_messages(history: Any) -> list[Turn]:
             raise InputError(f"History message {i + 1} has role {role!r}; use 'user' or 'assistant'.")
         if role == "system":
             continue  # the system prompt is a separate setting
-        text = content_to_text(msg["content"])
+        text = scrub(content_to_text(msg["content"]))
         metadata = msg.get("metadata") or {}
         if role == "user":
             pending_user = text  # a previous unanswered user message is superseded

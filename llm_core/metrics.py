@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .security import escape_csv_cell
+
 
 @dataclass
 class ReplyStats:
@@ -115,8 +117,10 @@ def flat_row(stats: ReplyStats | dict[str, Any]) -> dict[str, Any]:
     """One CSV/table row: nested fields flattened (versions -> "torch 2.13.0; ...", notes joined)."""
     row = dict(stats.as_dict() if isinstance(stats, ReplyStats) else stats)
     versions = row.pop("versions", {}) or {}
-    row["versions"] = "; ".join(f"{k} {v}" for k, v in versions.items())
-    row["notes"] = " ".join(row.get("notes") or [])
+    row["versions"] = "; ".join(f"{k} {v}" for k, v in versions.items()) if isinstance(versions, dict) else str(
+        versions)
+    notes = row.get("notes") or []
+    row["notes"] = " ".join(str(n) for n in notes) if isinstance(notes, (list, tuple)) else str(notes)
     return row
 
 
@@ -124,7 +128,7 @@ def export_csv(stats: list[ReplyStats] | list[dict[str, Any]], path: str | os.Pa
     import csv
 
     out = Path(path)
-    rows = [flat_row(s) for s in stats]
+    rows = [{k: escape_csv_cell(v) for k, v in flat_row(s).items()} for s in stats]  # no cell runs as a formula
     columns = [f.name for f in dataclasses.fields(ReplyStats)]
     with out.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=columns, extrasaction="ignore")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app import EMBEDDED_CHOICE as EMBEDDED
-from app import NO_SIDE, build_demo
+from app import NO_SIDE, build_demo, launch
 from llm_core.engine.chat import ChatEngine
 
 CHROMIUM = "/usr/bin/chromium"
@@ -31,7 +31,7 @@ def free_port() -> int:
 def app_url(nf4_engine: ChatEngine) -> Iterator[str]:
     demo = build_demo(nf4_engine, nf4_engine.settings)
     port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    launch(demo, nf4_engine.settings.replace(server={"port": port}), prevent_thread_lock=True, quiet=True)
     try:
         yield f"http://127.0.0.1:{port}/"
     finally:
@@ -76,16 +76,21 @@ def test_history_from_the_api_is_used_and_kept(client: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("message", "history", "max_new_tokens", "history_turns"),
-    [("", [], 16, 8), ("   \n", [], 16, 8), ("hi", [], 10**6, 8), ("hi", [], 0, 8), ("hi", [], 16, -3),
-     ("hi", [{"role": "alien", "content": "x"}], 16, 8), ("hi", [{"nonsense": True}], 16, 8),
-     ("1 " * 7999, [], 16, 8)],
+    ("message", "history", "max_new_tokens", "history_turns", "says"),
+    [("", [], 16, 8, "The message is empty."),  # llm_core
+     ("   \n", [], 16, 8, "The message is empty."),  # llm_core
+     ("hi", [], 10**6, 8, "Value 1000000 is greater than maximum value 4096."),  # Gradio's slider check
+     ("hi", [], 0, 8, "Value 0 is less than minimum value 1."),  # Gradio's slider check
+     ("hi", [], 16, -3, "Value -3 is less than minimum value 0."),  # Gradio's slider check
+     ("hi", [{"role": "alien", "content": "x"}], 16, 8, "History message 1 has role 'alien'"),  # llm_core
+     ("hi", [{"nonsense": True}], 16, 8, "History message 1 is malformed"),  # llm_core
+     ("1 " * 7999, [], 16, 8, "Your message needs")],  # llm_core: more tokens than fit the context
 )
 def test_bad_input_through_the_api_gets_an_error_and_the_server_keeps_serving(
-        client: Any, message: str, history: Any, max_new_tokens: int, history_turns: int) -> None:
+        client: Any, message: str, history: Any, max_new_tokens: int, history_turns: int, says: str) -> None:
     from gradio_client.exceptions import AppError
 
-    with pytest.raises(AppError):
+    with pytest.raises(AppError, match=re.escape(says)):
         client.predict(message, history, SYSTEM, max_new_tokens, history_turns, False, 0.7, 0.95, 50, 1.05,
                        "dynamic", api_name="/chat")
     assert chat(client, "Still there?", max_new_tokens=4)[-1][3]["new_tokens"] > 0

@@ -98,3 +98,29 @@ def test_quantized_kv_cache_reply_uses_less_cache_memory(engine: ChatEngine) -> 
     per_token_dense = dense.stats.kv_cache_bytes / (dense.stats.prompt_tokens + dense.stats.new_tokens - 1)
     per_token_quant = quant.stats.kv_cache_bytes / (quant.stats.prompt_tokens + quant.stats.new_tokens - 1)
     assert per_token_quant < 0.5 * per_token_dense
+
+
+def test_injected_oom_frees_the_replys_memory_even_while_the_error_is_held(engine: ChatEngine) -> None:
+    """After an OOM in the first decode step of a ~2,000-token prompt (its KV cache ~90 MB in fp32, its prefill
+    scratch several times that), RSS is back near where it was before the reply, although the caller still holds
+    the error (as pytest.raises and Gradio do): the failed step's frames were cleared and the memory returned."""
+    import gc
+
+    import psutil
+
+    from llm_core.memory.device import free_memory
+    from llm_core.memory.model import kv_bytes_per_token
+
+    process = psutil.Process()
+    prompt = "Explain photosynthesis in detail, step by step. " * 200
+    gen = engine.request_options(max_new_tokens=8)
+    free_memory(engine.loaded.device)
+    gc.collect()
+    before = process.memory_info().rss
+    with engine.oom_injector.armed_for("decode"), pytest.raises(OutOfMemoryError) as held:
+        last(engine.stream_chat(prompt, [], gen=gen))
+    prompt_tokens = engine.count_tokens([{"role": "user", "content": prompt}])
+    kv_bytes = prompt_tokens * kv_bytes_per_token(engine.loaded.model.config, engine.loaded.compute_dtype)
+    grown = process.memory_info().rss - before
+    assert held.value is not None and prompt_tokens > 1_600
+    assert grown < 0.4 * kv_bytes, (grown, kv_bytes)

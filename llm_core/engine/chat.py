@@ -31,7 +31,7 @@ from ..errors import (
     OutOfMemoryError,
     SettingsError,
 )
-from ..history import FittedHistory, Turn, build_messages, clean_text, fit_history
+from ..history import FittedHistory, Turn, build_messages, clean_text, clean_turns, fit_history
 from ..loading import LoadedModel, Progress, load_model
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
@@ -45,13 +45,12 @@ from ..memory.model import (
     resident_extra_bytes,
 )
 from ..metrics import ReplyStats, TokenClock
-from .serving import BatchScheduler, ReplySlots, RowKV, SessionSlots
+from .serving import BatchScheduler, ReplySlots, RowKV
 
 log = logging.getLogger(__name__)
 
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
-_ENCODINGS_KEPT = 16  # message lists whose encoding ChatEngine._encode keeps
 
 
 @dataclass(frozen=True)
@@ -184,7 +183,7 @@ class PlainBackend:
     loaded: LoadedModel
     reason: str
     prefill_chunk_tokens: int | None
-    oom_injector: OOMInjector
+    check_oom: Callable[[str], None]  # the engine's OOM injector, read at each call (tests swap it)
     name: str = "plain"
     cache_at_start: bool = True
 
@@ -193,11 +192,11 @@ class PlainBackend:
 
     def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
         model, gen = self.loaded.model, prepared.gen
-        self.oom_injector.check("prefill")
+        self.check_oom("prefill")
         chunk = self.prefill_chunk_tokens
         if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
             prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
-        stop = _StopOnEvent(stop_event, on_step=lambda: self.oom_injector.check("decode"))
+        stop = _StopOnEvent(stop_event, on_step=lambda: self.check_oom("decode"))
         kwargs: dict[str, Any] = dict(
             input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
             max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
@@ -241,14 +240,14 @@ class ChatEngine:
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        self._lock = ReplySlots(1)  # replies in the engine at once: 1 (serial), or MAX_BATCH_SIZE when batching
+        # Replies in the engine at once: 1 (serial), or MAX_BATCH_SIZE when batching; per session one running and
+        # SESSION_MAX_WAITING waiting, served least-recently-served session first.
+        self._lock = ReplySlots(1, session_max_waiting=settings.server.session_max_waiting)
         self._workers = WorkerThreads(1)
-        self._sessions = SessionSlots()  # one running reply per session (request_id)
         self._tokenizer_lock = threading.Lock()
-        self._encodings: dict[tuple[tuple[str, str], ...], Any] = {}  # _encode's memo (insertion order = age)
         self._fit_lock = threading.Lock()
         self._fit_cache: dict[tuple[ModelMemoryFacts, int, int, str, int | None], int] = {}
-        self._stops: dict[str, threading.Event] = {}
+        self._stops: dict[str, list[threading.Event]] = {}  # session -> stop events of its running/waiting requests
         self._stops_lock = threading.Lock()
         self.oom_injector = OOMInjector()  # tests arm it to prove OOM recovery; never fires otherwise
         self.backend: DecodeBackend = self._plain_backend(
@@ -274,7 +273,8 @@ class ChatEngine:
         return engine
 
     def _plain_backend(self, reason: str) -> PlainBackend:
-        return PlainBackend(self.loaded, reason, self.settings.memory.prefill_chunk_tokens or None, self.oom_injector)
+        return PlainBackend(self.loaded, reason, self.settings.memory.prefill_chunk_tokens or None,
+                            lambda point: self.oom_injector.check(point))
 
     def _select_backend(self) -> None:
         mode = self.settings.model.decode_path
@@ -399,7 +399,7 @@ class ChatEngine:
             cache_kwarg=cache_kwarg(loaded.model))
         self.backend = BatchedBackend(self.scheduler,
                                       f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
-        self._lock = ReplySlots(size)
+        self._lock = ReplySlots(size, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(size)
 
     @property
@@ -518,20 +518,20 @@ class ChatEngine:
     def count_tokens(self, messages: list[dict[str, str]]) -> int:
         return int(self._encode(messages)["input_ids"].shape[-1])
 
-    def _encode(self, messages: list[dict[str, str]]) -> Any:
-        """The chat template applied and tokenized, memoized for the last few message lists: fitting the history
-        counts the same lists that the prompt is then encoded from (one tokenization each, not two)."""
+    def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None) -> Any:
+        """The chat template applied and tokenized. `memo` is one request's: fitting the history counts the same
+        lists that the prompt is then encoded from (one tokenization each, not two). Nothing outlives the request,
+        so a refused prompt's encoding is never kept."""
         key = tuple((m["role"], m["content"]) for m in messages)
-        with self._tokenizer_lock:  # concurrent requests (batching) share one tokenizer
-            encoded = self._encodings.get(key)
-            if encoded is None:
+        encoded = memo.get(key) if memo is not None else None
+        if encoded is None:
+            with self._tokenizer_lock:  # concurrent requests share one tokenizer (not thread-safe)
                 encoded = self.loaded.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
                 )
-                if len(self._encodings) >= _ENCODINGS_KEPT:
-                    self._encodings.pop(next(iter(self._encodings)))  # the oldest
-                self._encodings[key] = encoded
-            return encoded
+            if memo is not None:
+                memo[key] = encoded
+        return encoded
 
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
@@ -544,12 +544,17 @@ class ChatEngine:
         if budget_tokens <= 0:
             raise InputError(f"max_new_tokens ({gen.max_new_tokens:,}) leaves no room for a prompt in the "
                              f"{context:,}-token context; lower it.")
+        memo: dict[Any, Any] = {}
+
+        def count(messages: list[dict[str, str]]) -> int:
+            return int(self._encode(messages, memo)["input_ids"].shape[-1])
+
         fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
-                             budget_tokens=budget_tokens, count_tokens=self.count_tokens)
+                             budget_tokens=budget_tokens, count_tokens=count)
         # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.
         self.oom_injector.check("plan")
         chunk = self.settings.memory.prefill_chunk_tokens or None
-        newest_only = self.count_tokens(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
+        newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
         plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
         plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
@@ -557,8 +562,8 @@ class ChatEngine:
                                       prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
-                                 budget_tokens=plan.allowed_prompt_tokens, count_tokens=self.count_tokens)
-        encoded = self._encode(fitted.messages)
+                                 budget_tokens=plan.allowed_prompt_tokens, count_tokens=count)
+        encoded = self._encode(fitted.messages, memo)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
         fit_tokens = self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
@@ -582,44 +587,67 @@ class ChatEngine:
             return self._fit_cache[key]
 
     def stop(self, request_id: str | None) -> bool:
-        """Halt the reply running for `request_id` (e.g. a browser session). True if one was running."""
+        """Halt the reply running for `request_id` (e.g. a browser session) and drop its requests still waiting for
+        their turn. True if there was one."""
         if request_id is None:
             return False
         with self._stops_lock:
-            event = self._stops.get(request_id)
-        if event is None:
-            return False
-        event.set()
-        return True
+            events = list(self._stops.get(request_id, ()))
+        for event in events:
+            event.set()
+        return bool(events)
+
+    def clean_message(self, message: Any) -> str:
+        """The user message as the model gets it: control characters and lone surrogates out, size checked."""
+        return clean_text(message, max_chars=self.settings.chat.max_message_chars)
 
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
-                    request_id: str | None = None) -> Iterator[ReplyUpdate]:
-        """Stream a reply to `message` after `history`. Yields ReplyUpdate; the last one has done=True."""
+                    request_id: str | None = None,
+                    on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
+        """Stream a reply to `message` after `history`. Yields ReplyUpdate; the last one has done=True.
+
+        Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
+        of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn
+        (`on_wait(ahead)` told how many requests go first while it waits) -> the reply. Stop while waiting ends it
+        with ReplyStopped."""
         start_s = time.perf_counter()
         gen = gen or self.settings.generation
-        history_turns = self.settings.chat.history_turns if history_turns is None else history_turns
-        if system_prompt == "":
-            system_prompt = self.settings.chat.system_prompt
-        text = clean_text(message, max_chars=self.settings.chat.max_message_chars)
+        chat = self.settings.chat
+        history_turns = chat.history_turns if history_turns is None else history_turns
+        text = self.clean_message(message)
+        if system_prompt is not None:
+            system_prompt = clean_text(system_prompt, field="system prompt", max_chars=chat.max_system_prompt_chars,
+                                       allow_empty=True) or chat.system_prompt
+        history = clean_turns(history, max_chars=chat.max_history_chars)
         if isinstance(history_turns, bool) or not isinstance(history_turns, int) or history_turns < 0:
             raise InputError(f"history_turns must be a whole number of 0 or more, got {history_turns!r}.")
         request_id = request_id or uuid.uuid4().hex
-        with self._sessions.hold(request_id), self._lock:  # a session's second request is refused, not queued
-            try:
-                prepared = self.prepare(text, history, gen=gen, history_turns=history_turns,
-                                        system_prompt=system_prompt)
-            except Exception as exc:  # OOM while tokenizing/planning: same recovery as in the worker
-                if not is_oom_error(exc):
-                    raise
-                raise self._translate(exc) from exc
-            yield from self._stream(prepared, request_id, start_s)
-
-    def _stream(self, prepared: PreparedPrompt, request_id: str, start_s: float) -> Iterator[ReplyUpdate]:
-        loaded, gen = self.loaded, prepared.gen
         stop_event = threading.Event()
         with self._stops_lock:
-            self._stops[request_id] = stop_event
+            self._stops.setdefault(request_id, []).append(stop_event)
+        try:
+            with self._lock.ticket(request_id, stop_event) as ticket:  # refused here when the session is full
+                try:
+                    prepared = self.prepare(text, history, gen=gen, history_turns=history_turns,
+                                            system_prompt=system_prompt)
+                except Exception as exc:  # OOM while tokenizing/planning: same recovery as in the worker
+                    if not is_oom_error(exc):
+                        raise
+                    raise self._translate(exc) from exc
+                ticket.wait(on_wait)
+                yield from self._stream(prepared, stop_event, start_s)
+        finally:
+            with self._stops_lock:
+                events = self._stops.get(request_id, [])
+                if stop_event in events:
+                    events.remove(stop_event)
+                if not events:
+                    self._stops.pop(request_id, None)
+
+    def _stream(self, prepared: PreparedPrompt, stop_event: threading.Event, start_s: float
+                ) -> Iterator[ReplyUpdate]:
+        loaded, gen = self.loaded, prepared.gen
         clock = TokenClock(start_s)
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMeter(loaded.device)
@@ -678,9 +706,6 @@ class ChatEngine:
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
             worker_done.wait(_JOIN_TIMEOUT_S)
-            with self._stops_lock:
-                if self._stops.get(request_id) is stop_event:
-                    del self._stops[request_id]
 
     def _live_stats(self, stats: ReplyStats, clock: TokenClock) -> ReplyStats:
         return replace(stats, **clock.snapshot())

@@ -1,8 +1,10 @@
 """Comparisons: one prompt through several model configurations, one after another, each with its own numbers.
 
-Configurations come from settings (COMPARE_MODELS x COMPARE_MODES), never free text unless ALLOW_CUSTOM_MODELS.
-An EnginePool keeps loaded engines resident while they fit the memory budget and unloads (truly frees) the
-least recently used ones before loading another that would not fit, saying so. Knows nothing about Gradio.
+Configurations come from settings (COMPARE_MODELS x COMPARE_MODES); typed models only with ALLOW_CUSTOM_MODELS, and
+then only folders inside MODEL_DIRS or (ALLOW_DOWNLOADS) Hub ids. A configuration is validated completely before
+anything loads. An EnginePool keeps one engine per model + quantization + attention (a KV mode is a per-reply option,
+never a second copy of the weights), at most COMPARE_MAX_LOADED of them, and unloads (truly frees) the least recently
+used before loading another that would not fit or would exceed the count, saying so. Knows nothing about Gradio.
 
 CLI: python -m llm_core.engine.compare --config nf4 --config none --prompt "Why is the sky blue?" --out compare.json
 """
@@ -13,20 +15,24 @@ import argparse
 import collections
 import json
 import random
+import re
 import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
-from ..errors import InputError, LLMCoreError, ModelLoadError
+from ..config import ATTN_IMPLEMENTATIONS, KV_CACHE_MODES, GenerationSettings, Settings
+from ..errors import InputError, LLMCoreError, ModelLoadError, SettingsError
+from ..history import clean_text
 from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
+from ..memory.kv_cache import check_kv_mode
 from ..metrics import ReplyStats, format_bytes
 from .chat import ChatEngine, ReplyUpdate
 
@@ -54,6 +60,15 @@ class CompareConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(f"Unknown attention {self.attn_implementation!r}; choose one of "
                              f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
+        if self.kv_cache not in KV_CACHE_MODES:
+            raise InputError(f"Unknown KV cache mode {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_MODES)}.")
+        if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id.strip()):
+            raise InputError("Choose a model for every side.")
+
+    @property
+    def engine_key(self) -> CompareConfig:
+        """What a loaded engine is: model + quantization + attention. The KV mode is chosen per reply."""
+        return replace(self, kv_cache="dynamic") if self.kv_cache != "dynamic" else self
 
     @property
     def label(self) -> str:
@@ -66,9 +81,12 @@ class CompareConfig:
     def apply(self, base: Settings) -> Settings:
         quantization, double_quant = MODE_PRESETS[self.mode]
         compute_dtype = base.model.compute_dtype if quantization not in ("int8",) else "auto"
-        return base.replace(model={"model_id": self.model_id, "quantization": quantization,
-                                   "double_quant": double_quant, "compute_dtype": compute_dtype,
-                                   "attn_implementation": self.attn_implementation})
+        model: dict[str, Any] = {"model_id": self.model_id, "quantization": quantization,
+                                 "double_quant": double_quant, "compute_dtype": compute_dtype,
+                                 "attn_implementation": self.attn_implementation}
+        if self.model_id not in allowed_models(base):
+            model["hf_token"] = None  # a model a user typed is never fetched with the operator's token
+        return base.replace(model=model)
 
     @classmethod
     def of_settings(cls, settings: Settings) -> CompareConfig:
@@ -87,12 +105,43 @@ def allowed_models(settings: Settings) -> list[str | None]:
     return models
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
+
+
+def _custom_model_allowed(model_id: str, settings: Settings) -> bool:
+    """A typed model: a folder with a config.json inside one of MODEL_DIRS (symlinks resolved first), or, when the
+    operator allows downloads, a Hub id that is not also a path here."""
+    compare = settings.compare
+    if model_id.startswith(("/", ".", "~")) or "\\" in model_id or ".." in model_id:
+        try:
+            path = Path(model_id).expanduser().resolve()
+        except (OSError, RuntimeError, ValueError):
+            return False
+        for root in compare.model_dirs:
+            try:
+                inside = path.is_relative_to(Path(root).expanduser().resolve())
+            except (OSError, RuntimeError, ValueError):
+                continue
+            if inside and (path / "config.json").is_file():
+                return True
+        return False
+    return compare.allow_downloads and _HUB_ID.fullmatch(model_id) is not None and not Path(model_id).exists()
+
+
 def check_allowed(config: CompareConfig, settings: Settings) -> None:
+    """Everything about a side that can be checked before loading: mode, model, and the KV mode on this device.
+    A typed model that is missing and one that is not allowed get the same answer (no probing of the disk)."""
     if config.mode not in settings.compare.modes:
         raise InputError(f"Mode {config.mode!r} is not enabled here; allowed: {', '.join(settings.compare.modes)}.")
-    if config.model_id not in allowed_models(settings) and not settings.compare.allow_custom_models:
-        raise InputError(f"Model {config.model_id!r} is not in the configured list (COMPARE_MODELS); the operator "
-                         "can add it, or set ALLOW_CUSTOM_MODELS=true.")
+    model_id = config.model_id
+    custom = settings.compare.allow_custom_models and model_id is not None
+    if model_id not in allowed_models(settings) and not (custom and _custom_model_allowed(str(model_id), settings)):
+        raise InputError(f"Model {model_id!r} is not in the configured list (COMPARE_MODELS) or in a model folder "
+                         "this demo may load from; the operator can add it to COMPARE_MODELS or MODEL_DIRS.")
+    try:
+        check_kv_mode(config.kv_cache, resolve_device(config.apply(settings).model))
+    except SettingsError as exc:
+        raise InputError(f"{config.label}: {exc}") from None
 
 
 def memory_in_use(device: torch.device) -> int:
@@ -146,9 +195,11 @@ class EnginePool:
         return engine
 
     def get(self, config: CompareConfig) -> tuple[ChatEngine, list[str]]:
-        """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
+        """The engine for `config` (model + quantization + attention: its KV mode is a per-reply option), loading
+        it (and unloading others to make room, or to stay within COMPARE_MAX_LOADED) if needed; notes say what
         happened, for the user. A resident engine is returned at once, even while another configuration loads
         (a chat message does not wait for a comparison's model load)."""
+        config = config.engine_key
         resident = self._touch(config)
         if resident is not None:
             return resident, []
@@ -160,6 +211,13 @@ class EnginePool:
             device = resolve_device(settings.model)
             need = estimate_weights_bytes(settings.model) + self.reserve_bytes
             notes: list[str] = []
+            limit = self.settings.compare.max_loaded
+            while len(self.resident()) >= limit:  # the served model goes last
+                loaded = self.resident()
+                victim = next((c for c in loaded if c != self.primary_config), loaded[0])
+                freed = self.unload(victim)
+                notes.append(f"Unloaded {victim.label} (freed {format_bytes(freed)}): at most {limit} "
+                             "configurations stay loaded (COMPARE_MAX_LOADED).")
             while self.resident() and memory_available(device) < need:
                 victim = self.resident()[0]
                 freed = self.unload(victim)
@@ -187,12 +245,14 @@ class EnginePool:
     def others_resident_bytes(self, config: CompareConfig) -> int:
         """Memory held by the loaded engines other than `config`'s: measured when the pool loaded them, the
         weights' footprint for one it was given (the served engine)."""
+        config = config.engine_key
         with self._map_lock:
             return sum(self._resident_bytes.get(c, e.loaded.report.weights_bytes or 0)
                        for c, e in self._engines.items() if c != config)
 
     def unload(self, config: CompareConfig) -> int:
         """Drop an engine and release its memory; returns the bytes freed (measured, not estimated)."""
+        config = config.engine_key
         with self._lock:
             with self._map_lock:
                 engine = self._engines.pop(config, None)
@@ -285,23 +345,34 @@ class Comparison:
                              f"Choose at least {need} configuration(s).")
         if len(set(configs)) != len(configs):
             raise InputError("Two sides have the same configuration; change one of them.")
-        for config in configs:
+        for config in configs:  # every side checked before anything loads
             check_allowed(config, self.settings)
+        chat = self.settings.chat
+        message = clean_text(message, field="prompt", max_chars=chat.max_message_chars)
+        if system_prompt is not None:
+            system_prompt = clean_text(system_prompt, field="system prompt", max_chars=chat.max_system_prompt_chars,
+                                       allow_empty=True)
         if gen.do_sample and gen.seed is None:
             gen = replace(gen, seed=random.randrange(2**31))  # the same seed for every side
         results: list[SideResult] = []
         with self._lock:  # one comparison at a time: the numbers of each side are measured alone
             for index, config in enumerate(configs):
                 t0 = time.perf_counter()
-                resident = config in self.pool.resident()
+                resident = config.engine_key in self.pool.resident()
                 engine, notes = self.pool.get(config)
                 load_s = None if resident else time.perf_counter() - t0
                 yield CompareUpdate(index, config, None, tuple(notes), tuple(results))
                 last: ReplyUpdate | None = None
                 side_gen = replace(gen, kv_cache=config.kv_cache)
-                for last in engine.stream_chat(message, [], gen=side_gen, history_turns=0,
-                                               system_prompt=system_prompt, request_id=request_id):
-                    yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
+                try:
+                    for last in engine.stream_chat(message, [], gen=side_gen, history_turns=0,
+                                                   system_prompt=system_prompt, request_id=request_id):
+                        yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
+                except LLMCoreError:
+                    del engine
+                    if not resident and config.engine_key != self.pool.primary_config:
+                        self.pool.unload(config)  # a refused side does not leave its model loaded
+                    raise
                 assert last is not None and last.done
                 result = SideResult(config, last.text, last.stats, load_s, tuple(notes),
                                     self.pool.others_resident_bytes(config))

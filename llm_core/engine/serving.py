@@ -26,6 +26,7 @@ is refused at once.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import itertools
 import queue
@@ -33,7 +34,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,41 +95,41 @@ def batching_support(model: Any) -> tuple[bool, str]:
 # --- per-session limits ------------------------------------------------------------------------------------------
 
 
-class SessionSlots:
-    """At most one running reply per session (browser tab / API client): a second request from the same session while
-    one runs is refused with InputError instead of queueing behind it or racing it."""
+class _Ticket:
+    """One request's place among a ReplySlots' waiting requests."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy: set[str] = set()
+    def __init__(self, slots: ReplySlots, session_id: str, arrival: int, cancel: threading.Event | None) -> None:
+        self.slots, self.session_id, self.arrival, self.cancel = slots, session_id, arrival, cancel
+        self.ready = False  # waiting for a slot (False while the request is still being tokenized)
+        self.running = False
 
-    @contextlib.contextmanager
-    def hold(self, session_id: str) -> Iterator[None]:
-        with self._lock:
-            if session_id in self._busy:
-                raise InputError("A reply is already being written in this session. Wait for it to finish or "
-                                 "press Stop, then send again.")
-            self._busy.add(session_id)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy.discard(session_id)
-
-    def busy(self, session_id: str) -> bool:
-        with self._lock:
-            return session_id in self._busy
+    def wait(self, on_wait: Callable[[int], None] | None = None) -> None:
+        """Block until this request's fair turn, then hold a slot. Raises ReplyStopped if Stop comes first.
+        `on_wait(ahead)` is called whenever the number of requests that go before this one changes."""
+        self.slots._wait_turn(self, on_wait)
 
 
 class ReplySlots:
-    """How many replies may be in the engine at once: `with slots:` takes one of `n` (n = 1 is a plain lock: today's
-    serial engine); `with slots.exclusive():` waits until no reply runs and keeps new ones out (e.g. to unload)."""
+    """How many replies may be in the engine at once, and who gets the next free one.
 
-    def __init__(self, n: int = 1) -> None:
+    `with slots:` takes one of `n` slots (n = 1 is a plain lock: the serial engine); `with slots.exclusive():` waits
+    until no reply runs and keeps new ones out (e.g. to unload). `with slots.ticket(session, cancel) as t:` is how a
+    chat request enters: at most one running and `session_max_waiting` waiting requests per session (more are
+    refused at once with InputError); `t.wait()` takes a slot when it is this request's turn: the waiting request
+    of the session served least recently goes first, so a session that floods the engine delays another user by at
+    most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped."""
+
+    def __init__(self, n: int = 1, *, session_max_waiting: int = 1) -> None:
         self.n = int(n)
+        self.session_max_waiting = int(session_max_waiting)
         self._cond = threading.Condition()
         self._free = self.n
         self._exclusive_waiting = 0
+        self._running: collections.Counter[str] = collections.Counter()  # running replies per session
+        self._waiting: list[_Ticket] = []
+        self._last_start: dict[str, int] = {}  # session -> number of its latest start (sessions with tickets only)
+        self._starts = itertools.count()
+        self._arrivals = itertools.count()
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
@@ -176,29 +177,79 @@ class ReplySlots:
                 self._free = self.n
                 self._cond.notify_all()
 
+    # --- per-session admission and fair turns ---------------------------------------------------------------------
+    def waiting(self, session_id: str | None = None) -> int:
+        """Requests waiting for a slot (of one session, or of all)."""
+        with self._cond:
+            return sum(1 for t in self._waiting if session_id is None or t.session_id == session_id)
 
-def check_history_size(history: Any, *, max_messages: int, max_chars: int) -> None:
-    """Refuse a history (as it arrives through the API: a list of {"role", "content"} messages) that is longer than
-    `max_messages` messages or holds more than `max_chars` characters of text. Malformed entries are left to the
-    history parser, which names them; this only bounds the work a request can ask for."""
-    if not isinstance(history, (list, tuple)):
-        return
-    if len(history) > max_messages:
-        raise InputError(f"The history has {len(history):,} messages; the limit is {max_messages:,}. "
-                         "Clear the chat or start a new one.")
-    chars = 0
-    for message in history:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, str):
-            chars += len(content)
-        elif isinstance(content, (list, tuple)):
-            chars += sum(len(p) if isinstance(p, str) else len(p.get("text") or "") if isinstance(p, dict)
-                         and isinstance(p.get("text"), str) else 0 for p in content)
-        elif isinstance(content, dict) and isinstance(content.get("text"), str):
-            chars += len(content["text"])
-    if chars > max_chars:
-        raise InputError(f"The history holds {chars:,} characters; the limit is {max_chars:,}. "
-                         "Clear the chat or start a new one.")
+    @contextlib.contextmanager
+    def ticket(self, session_id: str, cancel: threading.Event | None = None) -> Iterator[_Ticket]:
+        with self._cond:
+            held = self._running[session_id] + sum(1 for t in self._waiting if t.session_id == session_id)
+            if held >= 1 + self.session_max_waiting:
+                raise InputError(
+                    "This session already has a reply being written" + (
+                        f" and {held - 1} waiting" if held > 1 else "") + " (the limit per session is "
+                    f"{1 + self.session_max_waiting}). Wait for it to finish or press Stop, then send again.")
+            ticket = _Ticket(self, session_id, next(self._arrivals), cancel)
+            self._waiting.append(ticket)
+        try:
+            yield ticket
+        finally:
+            with self._cond:
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+                if ticket.running:
+                    self._free += 1
+                    self._running[session_id] -= 1
+                    if self._running[session_id] <= 0:
+                        del self._running[session_id]
+                if not self._running[session_id] and not any(t.session_id == session_id for t in self._waiting):
+                    self._running.pop(session_id, None)
+                    self._last_start.pop(session_id, None)
+                self._cond.notify_all()
+
+    def _wait_turn(self, ticket: _Ticket, on_wait: Callable[[int], None] | None = None) -> None:
+        from ..errors import ReplyStopped
+
+        shown = -1
+        with self._cond:
+            ticket.ready = True
+            self._cond.notify_all()
+            while not self._is_next(ticket):
+                if ticket.cancel is not None and ticket.cancel.is_set():
+                    raise ReplyStopped("Stopped before it started: the request was still waiting for its turn, so "
+                                       "nothing was generated. The conversation is unchanged.")
+                ahead = self._ahead(ticket)
+                if on_wait is not None and ahead != shown:
+                    shown = ahead
+                    on_wait(ahead)
+                self._cond.wait(0.05 if ticket.cancel is not None or on_wait else None)  # Stop sets an Event
+            self._waiting.remove(ticket)
+            ticket.running = True
+            self._free -= 1
+            self._running[ticket.session_id] += 1
+            self._last_start[ticket.session_id] = next(self._starts)
+            self._cond.notify_all()
+
+    def _ahead(self, ticket: _Ticket) -> int:
+        """Requests that will take a slot before `ticket`: the replies running now count as one ahead per slot
+        when all slots are busy, then waiting requests that go first."""
+        def key(t: _Ticket) -> tuple[int, int]:
+            return self._last_start.get(t.session_id, -1), t.arrival
+
+        mine = key(ticket)
+        before = sum(1 for t in self._waiting if t is not ticket and t.ready and key(t) < mine)
+        return before + (1 if self._free <= 0 or self._running[ticket.session_id] else 0)
+
+    def _is_next(self, ticket: _Ticket) -> bool:
+        if self._free <= 0 or self._exclusive_waiting:
+            return False
+        eligible = [t for t in self._waiting if t.ready and not self._running[t.session_id]]
+        if not eligible:
+            return False
+        return min(eligible, key=lambda t: (self._last_start.get(t.session_id, -1), t.arrival)) is ticket
 
 
 # --- the KV budget -----------------------------------------------------------------------------------------------

@@ -448,7 +448,7 @@ class FastDecoder:
         if not self.compile or self.options.compile_backend != "inductor":
             return None
         try:
-            from .models import default_cache_dir
+            from ..models import default_cache_dir
 
             root = default_cache_dir(self.loaded.settings) / "compile"
         except Exception:  # noqa: BLE001 - the compile cache is an optimisation; never fail warm-up for it

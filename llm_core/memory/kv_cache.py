@@ -309,6 +309,15 @@ class QuantizedKVCache(_Cache):  # type: ignore[misc, valid-type]
 # --- public API ------------------------------------------------------------------------------------------------
 
 
+def check_kv_mode(mode: str, device: torch.device) -> None:
+    """Whether `device` can run KV mode `mode`, before anything is loaded or allocated (SettingsError if not)."""
+    if mode not in KV_MODES:
+        raise SettingsError(f"KV_CACHE={mode!r} is not supported; choose one of: {', '.join(KV_MODES)}.")
+    if mode == "offload" and torch.device(device).type != "cuda":
+        raise SettingsError("KV_CACHE=offload moves the cache from the GPU to CPU memory; it needs a CUDA "
+                            "device. On CPU the dynamic cache already lives in RAM: use KV_CACHE=dynamic.")
+
+
 def make_cache(
     mode: str,
     model: Any,
@@ -320,18 +329,13 @@ def make_cache(
     """A fresh cache for one reply. `capacity_tokens` (prompt + max_new_tokens) lets the quantized cache allocate
     its storage once. Raises SettingsError for an unknown mode/backend, a missing backend package, or offload
     without CUDA."""
-    if mode not in KV_MODES:
-        raise SettingsError(f"KV_CACHE={mode!r} is not supported; choose one of: {', '.join(KV_MODES)}.")
+    check_kv_mode(mode, getattr(model, "device", torch.device("cpu")))
     from transformers import DynamicCache
 
     config = model.config
     if mode == "dynamic":
         return DynamicCache(config=config)
     if mode == "offload":
-        device = getattr(model, "device", torch.device("cpu"))
-        if torch.device(device).type != "cuda":
-            raise SettingsError("KV_CACHE=offload moves the cache from the GPU to CPU memory; it needs a CUDA "
-                                "device. On CPU the dynamic cache already lives in RAM: use KV_CACHE=dynamic.")
         return DynamicCache(config=config, offloading=True)
     spec = (quant or QuantizedKVSpec()).validate()
     if backend == "builtin":

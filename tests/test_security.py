@@ -1,0 +1,328 @@
+"""Issue 18 through the served app: the demo as `app.start` (main's path) serves it with AUTH, attacked the way a
+hostile teammate would (CPU, embedded model, 127.0.0.1 only, every wait bounded)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import app
+from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine
+from llm_core.errors import SettingsError
+from llm_core.metrics import ReplyStats, export_csv
+from llm_core.security import ExportFiles, LoginThrottle, check_exposure
+from tests.conftest import MODEL_CACHE
+from tests.test_app import free_port
+
+SYSTEM = "You are a helpful assistant."
+USERS = {"alice": "alice-pw-1", "bob": "bob-pw-2"}
+LOGIN_MAX_FAILURES = 3
+LOGIN_WINDOW_S = 4
+
+
+@pytest.fixture(scope="module")
+def served(nf4_engine: ChatEngine) -> Iterator[tuple[Any, str]]:
+    """The app started by `app.start` from command-line flags, as `python app.py --auth ...` starts it. Only the
+    model load is short-cut: the engine is built on the session's already loaded embedded model."""
+    port = free_port()
+    argv = ["--env-file", "/nonexistent/.env", "--auth", ",".join(f"{u}:{p}" for u, p in USERS.items()),
+            "--port", str(port), "--cache-dir", str(MODEL_CACHE), "--login-max-failures", str(LOGIN_MAX_FAILURES),
+            "--login-window-s", str(LOGIN_WINDOW_S)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ChatEngine, "load", classmethod(lambda cls, settings, progress=None: cls(nf4_engine.loaded,
+                                                                                               settings)))
+        demo = app.start(argv, quiet=True)
+    try:
+        yield demo, f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+def client(url: str, user: str) -> Any:
+    from gradio_client import Client
+
+    return Client(url, verbose=False, auth=(user, USERS[user]))
+
+
+def submit_chat(c: Any, message: str, max_new_tokens: int) -> Any:
+    return c.submit(message=message, history=[], system_prompt=SYSTEM, max_new_tokens=max_new_tokens,
+                    history_turns=8, do_sample=False, api_name="/chat")
+
+
+def fn_index(demo: Any, name: str) -> int:
+    return next(i for i, fn in demo.fns.items() if fn.name == name or fn.api_name == name)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.02)
+
+
+class Raw:
+    """A browser's calls by hand: login, then queue/join + queue/data with a session hash of our choosing."""
+
+    def __init__(self, url: str, user: str | None = None) -> None:
+        self.http = httpx.Client(base_url=url, timeout=60)
+        if user is not None:
+            assert self.http.post("login", data={"username": user, "password": USERS[user]}).status_code == 200
+
+    def join(self, session: str, fn: int, data: list[Any]) -> httpx.Response:
+        body = json.dumps({"data": data, "fn_index": fn, "session_hash": session, "event_data": None,
+                           "trigger_id": None}, ensure_ascii=True)  # lone surrogates travel as JSON escapes
+        return self.http.post("gradio_api/queue/join", content=body, headers={"content-type": "application/json"})
+
+    def event(self, session: str, fn: int, data: list[Any]) -> dict[str, Any]:
+        """Run one event; returns its process_completed message."""
+        joined = self.join(session, fn, data)
+        assert joined.status_code == 200, joined.text
+        event_id = joined.json()["event_id"]
+        with self.http.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as stream:
+            for line in stream.iter_lines():
+                if line.startswith("data:"):
+                    message = json.loads(line[5:])
+                    if message.get("event_id") == event_id and message.get("msg") == "process_completed":
+                        return dict(message)
+        raise AssertionError("the event stream ended without completing the event")
+
+
+def chat_data(message: str, history: list[Any], max_new_tokens: int = 4) -> list[Any]:
+    return [message, history, SYSTEM, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", None]
+
+
+# --- 7 and 8: the open host, auth through main's path, login throttling, sessions' owners ---------------------------
+
+def test_open_host_without_auth_refuses_to_start_before_loading(monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr(ChatEngine, "load", never)
+    assert app.main(["--env-file", "/nonexistent/.env", "--host", "0.0.0.0"]) == 2
+    assert "Refusing to serve on HOST=0.0.0.0 (beyond this machine) without a login" in capsys.readouterr().err
+    opted_in = Settings.from_env(environ={"HOST": "0.0.0.0", "ALLOW_OPEN_HOST": "true"}, env_file=None)
+    assert "no login (ALLOW_OPEN_HOST=true)" in str(check_exposure(opted_in.server))
+    with pytest.raises(SettingsError, match="SHARE link"):
+        check_exposure(Settings.from_env(environ={"SHARE": "true"}, env_file=None).server)
+    assert check_exposure(Settings.from_env(environ={"HOST": "0.0.0.0", "AUTH": "a:b"}, env_file=None).server) is None
+
+
+def test_auth_from_the_settings_guards_the_app_that_main_starts(served: tuple[Any, str]) -> None:
+    _, url = served
+    assert httpx.get(url + "config").status_code == 401
+    assert httpx.post(url + "login", data={"username": "alice", "password": USERS["bob"]}).status_code == 400
+    assert httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]}).status_code == 200
+    outputs = list(submit_chat(client(url, "bob"), "Hi", 2))
+    assert outputs[-1][3]["new_tokens"] > 0
+
+
+def test_failed_logins_are_throttled_per_address(served: tuple[Any, str]) -> None:
+    _, url = served
+    codes = []
+    for _ in range(LOGIN_MAX_FAILURES + 1):
+        codes.append(httpx.post(url + "login", data={"username": "alice", "password": "guess"}).status_code)
+        if codes[-1] == 429:
+            break
+    assert codes[-1] == 429 and len(codes) <= LOGIN_MAX_FAILURES + 1, codes
+    throttled = httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]})
+    assert throttled.status_code == 429  # even the right password waits
+    assert "Too many failed logins from your address; try again in" in throttled.json()["detail"]
+    time.sleep(float(throttled.headers["retry-after"]))
+    assert httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]}).status_code == 200
+
+
+def test_another_user_cannot_cancel_or_read_a_session(served: tuple[Any, str]) -> None:
+    demo, url = served
+    alice = client(url, "alice")
+    job = submit_chat(alice, "Count from one to forty in words.", 40)
+    wait_until(lambda: len(job.outputs()) >= 1, 120, "alice's reply to stream")
+    target = {"session_hash": alice.session_hash, "fn_index": fn_index(demo, "chat"), "event_id": "any"}
+    bob = Raw(url, "bob")
+    assert bob.http.post("gradio_api/cancel", json=target).status_code == 403
+    assert httpx.post(url + "gradio_api/cancel", json=target).status_code == 401  # no login at all
+    assert bob.http.get("gradio_api/queue/data", params={"session_hash": alice.session_hash}).status_code == 403
+    assert bob.http.get(f"gradio_api/heartbeat/{alice.session_hash}").status_code == 403
+    job.result(timeout=120)
+    stats = job.outputs()[-1][3]
+    assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # alice's reply ran to its end
+
+
+def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None:
+    _, url = served
+    raw = Raw(url, "alice")
+    for path in ("gradio_api/upload", "gradio_api/stream/x", "gradio_api/run-history/buckets", "gradio_api/runs"):
+        response = raw.http.post(path) if path.endswith("upload") else raw.http.get(path)
+        assert response.status_code == 404 and "does not use" in response.json()["detail"], path
+
+
+# --- 3 and 4 through the app: a flooding session, Stop of a queued request --------------------------------------
+
+def timeline(jobs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, float]]:
+    """When each job streamed its first output and when it finished (monotonic seconds)."""
+    seen: dict[str, dict[str, float]] = {name: {} for name in jobs}
+    deadline = time.monotonic() + timeout_s
+    while not all(job.done() for job in jobs.values()):
+        assert time.monotonic() < deadline, "jobs still running"
+        now = time.monotonic()
+        for name, job in jobs.items():
+            if job.outputs() and "first" not in seen[name]:
+                seen[name]["first"] = now
+            if job.done() and "done" not in seen[name]:
+                seen[name]["done"] = now
+        time.sleep(0.01)
+    now = time.monotonic()
+    for name, job in jobs.items():
+        seen[name].setdefault("done", now)
+        if job.outputs():
+            seen[name].setdefault("first", now)
+    return seen
+
+
+def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(served: tuple[Any, str]) -> None:
+    from gradio_client.exceptions import AppError
+
+    _, url = served
+    hog, other = client(url, "alice"), client(url, "bob")
+    flood = {f"hog{i}": submit_chat(hog, f"Count from {i} to {i + 40} in words.", 24) for i in range(6)}
+    wait_until(lambda: sum(job.done() for job in flood.values()) >= 4, 60, "the hog's extra requests to be refused")
+    jobs = {**flood, "other": submit_chat(other, "Say hello.", 4)}
+    seen = timeline(jobs, 180)
+    refused = []
+    for name, job in flood.items():
+        try:
+            job.result(timeout=1)
+        except AppError as exc:
+            refused.append((name, str(exc)))
+    assert len(refused) == 4, refused
+    assert all("already has a reply being written and 1 waiting" in message for _, message in refused)
+    accepted = [name for name in flood if name not in dict(refused)]
+    second = max(accepted, key=lambda name: seen[name]["first"])  # the hog's waiting request
+    assert seen["other"]["done"] <= seen[second]["first"]  # the other user went before it (10 ms polls)
+    assert jobs["other"].outputs()[-1][3]["new_tokens"] > 0
+
+
+def test_stop_removes_a_queued_request_through_the_api(served: tuple[Any, str]) -> None:
+    from gradio_client.exceptions import AppError
+
+    _, url = served
+    busy_client, waiting_client = client(url, "alice"), client(url, "bob")
+    busy = submit_chat(busy_client, "Count from one to sixty in words.", 60)
+    wait_until(lambda: len(busy.outputs()) >= 1, 120, "the first reply to stream")
+    queued = submit_chat(waiting_client, "Write a long story about a lighthouse.", 256)
+    time.sleep(0.5)  # reaches the engine and waits for the single slot
+    assert not queued.outputs()
+    t0 = time.monotonic()
+    waiting_client.predict(api_name="/stop")
+    with pytest.raises(AppError, match="Stopped before it started"):
+        queued.result(timeout=30)
+    assert time.monotonic() - t0 < 5 and not queued.outputs()  # ended at once, nothing generated
+    busy.result(timeout=120)
+    assert busy.outputs()[-1][3]["finish_reason"] in ("length", "eos")
+
+
+# --- 6, 9, 10: clean text everywhere, internal events, exports, payload errors --------------------------------------
+
+def test_a_lone_surrogate_neither_breaks_the_stream_nor_the_next_request(served: tuple[Any, str]) -> None:
+    demo, url = served
+    raw, session, chat = Raw(url, "alice"), uuid.uuid4().hex, fn_index(demo, "chat")
+    history = [{"role": "user", "content": [{"type": "text", "text": "My name is \udc00Ada\x07."}]},
+               {"role": "assistant", "content": [{"type": "text", "text": "Hello\ud800 Ada."}]}]
+    first = raw.event(session, chat, chat_data("What is my \ud83dname?", history))
+    assert first["success"], first
+    echoed = json.dumps(first["output"]["data"][1], ensure_ascii=False)
+    echoed.encode("utf-8")  # valid UTF-8 all the way
+    assert "My name is Ada." in echoed and "What is my name?" in echoed and "\\u0007" not in echoed
+    second = raw.event(session, chat, chat_data("And again?", []))
+    assert second["success"] and second["output"]["data"][3]["new_tokens"] > 0
+
+
+def test_internal_events_cannot_write_the_session_stats_and_csv_cells_are_escaped(served: tuple[Any, str]) -> None:
+    demo, url = served
+    raw, session = Raw(url, "alice"), uuid.uuid4().hex
+    hostile = {"reply_id": "x", "model": "=HYPERLINK(\"http://evil\")", "versions": "not a dict", "notes": 5}
+    skip = {"respond", "regenerate", "compare", "stop", "clear", "export_csv_file", "export_json_file"}
+    for index, fn in demo.fns.items():
+        if fn.fn is None or fn.name in skip:
+            continue
+        raw.event(session, index, [hostile if i else [hostile] for i in range(len(fn.inputs))])
+    export = raw.event(session, fn_index(demo, "export_csv_file"), [None])
+    assert not export["success"] and "No replies yet" in json.dumps(export["output"])  # nothing was recorded
+
+    rows = [ReplyStats(model="=HYPERLINK(\"http://evil\")", notes=["@SUM(A1)", "+1"]).as_dict()]
+    rows[0]["versions"] = "not a dict"  # a malformed row exports instead of breaking the export for good
+    text = export_csv(rows, Path(tempfile.mkdtemp()) / "s.csv").read_text()
+    assert "'=HYPERLINK" in text and "'@SUM(A1) +1" in text and ",=" not in text
+
+
+def test_export_files_are_deleted_when_the_session_ends(served: tuple[Any, str]) -> None:
+    demo, url = served
+    raw, session = Raw(url, "alice"), uuid.uuid4().hex
+    folders = lambda: set(Path(tempfile.gettempdir()).glob("llm-demo-stats-*"))  # noqa: E731
+    before = folders()
+    alive = threading.Event()
+
+    def heartbeat() -> None:  # the open tab
+        with raw.http.stream("GET", f"gradio_api/heartbeat/{session}") as stream:
+            for _ in stream.iter_lines():
+                alive.set()
+                if closing.is_set():
+                    break
+
+    closing = threading.Event()
+    tab = threading.Thread(target=heartbeat, daemon=True)
+    tab.start()
+    assert alive.wait(30)
+    assert raw.event(session, fn_index(demo, "chat"), chat_data("Hi", []))["success"]
+    export = raw.event(session, fn_index(demo, "export_csv_file"), [None])
+    assert export["success"], export
+    new = folders() - before
+    assert len(new) == 1 and (next(iter(new)) / "reply-stats.csv").is_file()
+    closing.set()  # the tab closes
+    tab.join(30)
+    wait_until(lambda: not (folders() & new), 30, "the session's export folder to be deleted")
+
+
+def test_export_files_expire_after_their_ttl(tmp_path: Path) -> None:
+    now = [0.0]
+    exports = ExportFiles(60, root=tmp_path, clock=lambda: now[0])
+    old = exports.new_folder("a")
+    now[0] = 61
+    fresh = exports.new_folder("b")  # every export sweeps first
+    assert not old.exists() and fresh.exists() and exports.folders() == [fresh]
+
+
+def test_malformed_payloads_get_one_sentence_not_a_validation_dump(served: tuple[Any, str]) -> None:
+    demo, url = served
+    raw = Raw(url, "alice")
+    response = raw.http.post("gradio_api/call/chat", json={"data": "not a list"})
+    assert response.status_code == 422
+    assert response.json()["detail"] == ("Malformed request (data: input should be a valid list). See "
+                                         "/gradio_api/info for the expected payload.")
+    done = raw.event(uuid.uuid4().hex, fn_index(demo, "chat"), chat_data("hi", [{"role": "user"}]))
+    error = json.dumps(done["output"])
+    assert "History message 1 is malformed: each needs 'role' and 'content'." in error  # the library's words
+    assert "validation error" not in error and "pydantic" not in error
+
+
+def test_login_throttle_forgets_an_address_after_a_success() -> None:
+    now = [0.0]
+    throttle = LoginThrottle(2, 10, clock=lambda: now[0])
+    throttle.failed("a")
+    throttle.succeeded("a")
+    throttle.failed("a")
+    assert throttle.retry_after_s("a") == 0  # one failure since the success
+    throttle.failed("a")
+    assert throttle.retry_after_s("a") == 10 and throttle.retry_after_s("b") == 0
+    now[0] = 10
+    assert throttle.retry_after_s("a") == 0
