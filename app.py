@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from starlette.routing import Mount
 
 from llm_core.batching import check_history_size
 from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
@@ -30,10 +31,19 @@ from llm_core.config import (
     Settings,
     parse_auth,
 )
-from llm_core.errors import LLMCoreError
+from llm_core.errors import (
+    BusyError,
+    ContextBudgetError,
+    GenerationError,
+    InputError,
+    LLMCoreError,
+    ModelLoadError,
+    OutOfMemoryError,
+)
 from llm_core.generation import ChatEngine
 from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
+from llm_core.openai_api import create_openai_app
 
 log = logging.getLogger("llm_demo")
 
@@ -43,6 +53,23 @@ ChatHistory = list[dict[str, Any]]
 def _user_error(exc: LLMCoreError) -> gr.Error:
     """The one place where library errors become messages in the UI (and API errors for clients)."""
     return gr.Error(str(exc), title=type(exc).__name__.replace("Error", " error").strip())
+
+
+def _api_error(exc: LLMCoreError) -> tuple[int, str, str | None]:
+    """The one place where library errors become OpenAI API errors: (HTTP status, error type, error code)."""
+    if isinstance(exc, BusyError):
+        return 429, "rate_limit_error", "server_busy"
+    if isinstance(exc, ContextBudgetError):  # does not fit the context or the memory budget
+        return 400, "invalid_request_error", "context_length_exceeded"
+    if isinstance(exc, InputError):
+        return 400, "invalid_request_error", None
+    if isinstance(exc, OutOfMemoryError):
+        return 507, "server_error", "out_of_memory"
+    if isinstance(exc, ModelLoadError):
+        return 503, "server_error", "model_unavailable"
+    if isinstance(exc, GenerationError):
+        return 500, "server_error", None
+    return 400, "invalid_request_error", None  # SettingsError: a request option outside what the settings allow
 
 
 def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
@@ -410,11 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     log.info("Load report: %s", json.dumps(engine.report.as_dict()))
-    demo = build_demo(engine, settings)
-    server = settings.server
-    demo.launch(server_name=server.host, server_port=server.port, share=server.share,
-                auth=parse_auth(server.auth) if server.auth else None, show_error=True)
+    pool = EnginePool(settings, primary=engine)
+    launch(build_demo(engine, settings, pool), settings, pool)
     return 0
+
+
+def launch(demo: gr.Blocks, settings: Settings, pool: EnginePool, **options: Any) -> Any:
+    """Serve the UI and, on the same server, the OpenAI-compatible API under /v1 (llm_core.openai_api) on the
+    engine that serves the chat tab. `options` go to `demo.launch` (e.g. prevent_thread_lock=True in tests)."""
+    server = settings.server
+    api = create_openai_app(pool.primary, settings, _api_error)
+    return demo.launch(server_name=server.host, server_port=server.port, share=server.share,
+                       auth=parse_auth(server.auth) if server.auth else None, show_error=True,
+                       app_kwargs={"routes": [Mount("/v1", app=api)]}, **options)
 
 
 if __name__ == "__main__":

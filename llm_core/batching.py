@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from .errors import ContextBudgetError, GenerationError, InputError
+from .errors import BusyError, ContextBudgetError, GenerationError, InputError
 from .memory import free_memory, is_oom_error, kv_bytes_per_token
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
@@ -104,7 +104,7 @@ class SessionSlots:
     def hold(self, session_id: str) -> Iterator[None]:
         with self._lock:
             if session_id in self._busy:
-                raise InputError("A reply is already being written in this session. Wait for it to finish or "
+                raise BusyError("A reply is already being written in this session. Wait for it to finish or "
                                  "press Stop, then send again.")
             self._busy.add(session_id)
         try:
