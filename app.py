@@ -6,6 +6,7 @@ The UI never touches torch. llm_core errors become gr.Error here, in `_user_erro
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -39,6 +40,7 @@ from llm_core.errors import (
     LLMCoreError,
     ModelLoadError,
     OutOfMemoryError,
+    SettingsError,
 )
 from llm_core.generation import ChatEngine
 from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
@@ -53,6 +55,16 @@ ChatHistory = list[dict[str, Any]]
 def _user_error(exc: LLMCoreError) -> gr.Error:
     """The one place where library errors become messages in the UI (and API errors for clients)."""
     return gr.Error(str(exc), title=type(exc).__name__.replace("Error", " error").strip())
+
+
+def _is_bad_input(exc: LLMCoreError) -> bool:
+    """A request the user can fix (empty, too long, out of range, does not fit, busy), not a failure of the demo."""
+    return isinstance(exc, (InputError, ContextBudgetError, SettingsError))
+
+
+def _user_warning(exc: LLMCoreError) -> None:
+    """Bad input in the page: a warning toast; the caller leaves chat, message box and panel as they were."""
+    gr.Warning(str(exc))
 
 
 def _api_error(exc: LLMCoreError) -> tuple[int, str, str | None]:
@@ -191,7 +203,23 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
                 repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
-        """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON)."""
+        """The /chat API: stream a reply; yields (textbox, chatbot history, stats markdown, stats JSON). Bad input
+        fails the call (gradio_client raises AppError with the message)."""
+        yield from _reply(message, history, system_prompt, max_new_tokens, history_turns, do_sample, temperature,
+                          top_p, top_k, repetition_penalty, kv_cache, request, warn_bad_input=False)
+
+    def respond_in_page(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
+                        history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
+                        repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
+        """Send and Enter in the page: as /chat, but bad input is a warning toast and leaves every output as it
+        was (a failed event would cover the chat, the message box and the panel with error placeholders)."""
+        yield from _reply(message, history, system_prompt, max_new_tokens, history_turns, do_sample, temperature,
+                          top_p, top_k, repetition_penalty, kv_cache, request, warn_bad_input=True)
+
+    def _reply(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
+               history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
+               repetition_penalty: float, kv_cache: str, request: gr.Request, *,
+               warn_bad_input: bool) -> Iterator[tuple[Any, ...]]:
         try:
             chat_engine = pool.primary()
             gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
@@ -203,6 +231,10 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                                              system_prompt=system_prompt, request_id=_session(request))
             first = next(stream)  # validation, trimming and the first token happen here
         except LLMCoreError as exc:
+            if warn_bad_input and _is_bad_input(exc):
+                _user_warning(exc)
+                yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+                return
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
         shown: ChatHistory = [*history, {"role": "user", "content": message},
                               {"role": "assistant", "content": first.text}]
@@ -301,6 +333,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                         regen = gr.Button("Regenerate", elem_id="regenerate")
                         clear_btn = gr.Button("Clear", elem_id="clear")
+                        api_trigger = gr.Button(visible=False, elem_id="api-chat")
                 with gr.Column(scale=2):
                     stats_md = gr.Markdown(format_stats(None), elem_id="stats")
                     with gr.Accordion("Raw stats (JSON)", open=False):
@@ -360,22 +393,25 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         chat_outputs = [chat_input, chatbot, stats_md, stats_json]
         history_outputs = [stats_history, history_table, speed_plot, memory_plot]
         # One queue for every chat reply (concurrency_id), so Gradio's queue position and estimate are right.
-        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
-        submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private",
+        send_event = send.click(respond_in_page, chat_inputs, chat_outputs, api_visibility="private",
+                                concurrency_id="chat")
+        submit_event = chat_input.submit(respond_in_page, chat_inputs, chat_outputs, api_visibility="private",
                                          concurrency_id="chat")
+        # The named /chat endpoint, on a trigger no one sees: API callers get errors, the page gets warnings.
+        api_event = api_trigger.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
         regen_event = regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
                                   api_name="regenerate", concurrency_id="chat")
-        for event in (send_event, submit_event, regen_event):
+        for event in (send_event, submit_event, api_event, regen_event):
             event.then(record, [stats_history, stats_json], history_outputs, api_visibility="private")
         compare_event = compare_btn.click(
             compare, [compare_input, *side_inputs, *options.components],
             [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json],
             api_name="compare", concurrency_limit=1)  # loads/unloads models: one comparison at a time
         compare_event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
-        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event, compare_event],
+        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, api_event, regen_event, compare_event],
                        queue=False, api_name="stop")
         clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
-                        cancels=[send_event, submit_event, regen_event], queue=False, api_name="clear")
+                        cancels=[send_event, submit_event, api_event, regen_event], queue=False, api_name="clear")
         export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
         export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
                               api_visibility="private")
@@ -432,6 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     env_file = args.pop("env_file")
     try:
         settings = Settings.from_env(env_file=env_file, overrides=args)
+        check_mcp_support(settings)
         engine = ChatEngine.load(settings, progress=log.info)
     except LLMCoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -442,14 +479,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def check_mcp_support(settings: Settings) -> None:
+    """MCP_SERVER=true needs Gradio's MCP extra; say so before the model loads, not after."""
+    if settings.server.mcp_server and importlib.util.find_spec("mcp") is None:
+        raise SettingsError('MCP_SERVER=true needs Gradio\'s MCP support: pip install "gradio[mcp]==6.31.0", or set '
+                            "MCP_SERVER=false.")
+
+
 def launch(demo: gr.Blocks, settings: Settings, pool: EnginePool, **options: Any) -> Any:
     """Serve the UI and, on the same server, the OpenAI-compatible API under /v1 (llm_core.openai_api) on the
     engine that serves the chat tab. `options` go to `demo.launch` (e.g. prevent_thread_lock=True in tests)."""
+    check_mcp_support(settings)
     server = settings.server
     api = create_openai_app(pool.primary, settings, _api_error)
     return demo.launch(server_name=server.host, server_port=server.port, share=server.share,
                        auth=parse_auth(server.auth) if server.auth else None, show_error=True,
-                       app_kwargs={"routes": [Mount("/v1", app=api)]}, **options)
+                       app_kwargs={"routes": [Mount("/v1", app=api)]}, mcp_server=server.mcp_server, **options)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,10 @@ DEFAULT_PREFILL_GRAPH_TOKENS = 1024
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.compare
 KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.kv_cache
 
+# Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
+# when that setting is not given as a flag, in the environment or in .env: ours win when set.
+GRADIO_FALLBACKS = (("HOST", "GRADIO_SERVER_NAME"), ("PORT", "GRADIO_SERVER_PORT"), ("MCP_SERVER", "GRADIO_MCP_SERVER"))
+
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)
 HISTORY_TURNS_RANGE = (0, 64)
@@ -113,6 +117,7 @@ class ServerSettings:
     share: bool = False
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
+    mcp_server: bool = False  # Gradio's MCP server for the chat endpoint (needs gradio[mcp])
     max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
 
     @property
@@ -162,6 +167,9 @@ class Settings:
                 raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
             if value is not None:
                 raw[key] = value
+        for ours, gradios in GRADIO_FALLBACKS:  # Gradio's (and Spaces') own variables, where ours are not set
+            if ours not in raw and str(environ.get(gradios, "")).strip():
+                raw[ours] = environ[gradios]
         return cls.from_mapping(raw)
 
     @classmethod
@@ -438,12 +446,16 @@ SPECS: tuple[SettingSpec, ...] = (
                 "most messages accepted in a request's history (older turns are trimmed anyway)"),
     SettingSpec("MAX_HISTORY_CHARS", "chat", "max_history_chars", _parse_int,
                 "most characters of text accepted in a request's history"),
-    SettingSpec("HOST", "server", "host", _parse_str, "address to bind; 127.0.0.1 keeps the demo local"),
-    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on"),
+    SettingSpec("HOST", "server", "host", _parse_str,
+                "address to bind; 127.0.0.1 keeps the demo local; unset: GRADIO_SERVER_NAME if set"),
+    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on; unset: GRADIO_SERVER_PORT if set"),
     SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
     SettingSpec("AUTH", "server", "auth", _parse_opt_str,
                 "user:password[,user2:password2] required to open the demo", secret=True),
     SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
+    SettingSpec("MCP_SERVER", "server", "mcp_server", _parse_bool,
+                "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
+                "GRADIO_MCP_SERVER if set"),
     SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
                 "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
