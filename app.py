@@ -6,6 +6,7 @@ The UI never touches torch. llm_core errors become gr.Error here, in `_user_erro
 from __future__ import annotations
 
 import argparse
+import html
 import importlib.util
 import json
 import logging
@@ -171,16 +172,32 @@ def _gen_options(engine: ChatEngine, max_new_tokens: float, do_sample: bool, tem
                                   kv_cache=kv_cache)
 
 
+def _history_label(row: dict[str, Any]) -> str:
+    """A reply's configuration in the words of the Compare view: model · quantization preset · attention."""
+    model = str(row.get("model") or "?")
+    model = "embedded" if model.endswith("(embedded)") else model
+    quantization = row.get("quantization") or "?"
+    if quantization == "nf4" and not row.get("double_quant"):
+        quantization = "nf4-nodq"
+    parts = [model, quantization, str(row.get("attention") or "?")]
+    if row.get("kv_cache") not in (None, "dynamic"):
+        parts.append(f"{row['kv_cache']} KV")
+    return " · ".join(parts)
+
+
 def _history_frame(rows: list[dict[str, Any]]) -> Any:
     import pandas as pd
 
-    columns = ["reply", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens", "ttft_ms",
-               "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
+    columns = ["reply", "configuration", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens",
+               "ttft_ms", "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
     data = []
     for i, row in enumerate(rows, start=1):
         peak = row.get("peak_vram_allocated_bytes") or row.get("peak_rss_bytes")
         data.append({
-            "reply": i, "model": row.get("model"), "quantization": row.get("quantization"),
+            # A category, not a number: the plots' axis then shows whole reply numbers only (a numeric axis ticks
+            # 1.2, 1.4, ...); their order is given to the plots explicitly (_history_plot).
+            "reply": str(i), "configuration": _history_label(row), "model": row.get("model"),
+            "quantization": row.get("quantization"),
             "decode_path": row.get("decode_path"), "prompt_tokens": row.get("prompt_tokens"),
             "new_tokens": row.get("new_tokens"),
             "ttft_ms": None if row.get("ttft_s") is None else round(row["ttft_s"] * 1000, 1),
@@ -190,6 +207,11 @@ def _history_frame(rows: list[dict[str, Any]]) -> Any:
             "kv_cache_mib": None if row.get("kv_cache_bytes") is None else round(row["kv_cache_bytes"] / 2**20, 2),
         })
     return pd.DataFrame(data, columns=columns)
+
+
+def _history_plot(frame: Any) -> Any:
+    """A Session stats plot's update: one series of points per configuration, replies in order on the x axis."""
+    return gr.ScatterPlot(value=frame, sort=list(frame["reply"]))
 
 
 def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
@@ -295,7 +317,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 elif not step.done:
                     side_stats[step.index] = f"*Loading / starting {step.config.label}…*"
                 summary = [r.summary_row() for r in step.results]
-                yield (*texts, *side_stats, _summary_frame(summary), _summary_plot(summary),
+                yield (*texts, *side_stats, _summary_frame(summary), _summary_bars(summary),
                        step.difference or "\n".join(f"*{n}*" for n in notes),
                        [r.stats.as_dict() for r in step.results] if step.done else gr.skip())
         except LLMCoreError as exc:
@@ -307,7 +329,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         seen = {row.get("reply_id") for row in history_rows}
         rows = history_rows + [r for r in items if isinstance(r, dict) and r.get("reply_id") not in seen]
         frame = _history_frame(rows)
-        return rows, frame, frame, frame
+        return rows, frame, _history_plot(frame), _history_plot(frame)
 
     def export(history_rows: list[dict[str, Any]], kind: str) -> str:
         if not history_rows:
@@ -371,19 +393,17 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                                                         container=True, min_height=120))
                         outputs_stats.append(gr.Markdown(elem_id=f"compare-stats-{i}"))
             compare_diff = gr.Markdown(elem_id="compare-diff")
-            with gr.Row():
-                compare_summary = gr.Dataframe(elem_id="compare-summary", label="Summary", interactive=False)
-                compare_plot = gr.BarPlot(x="configuration", y="decode_tokens_per_s", elem_id="compare-plot",
-                                          label="Decode tokens/s", x_label_angle=-20)
+            compare_summary = gr.Dataframe(elem_id="compare-summary", label="Summary", interactive=False, wrap=True)
+            compare_plot = gr.HTML(_summary_bars([]), elem_id="compare-plot", label="Bars")
             compare_json = gr.JSON(visible=False)
         with gr.Tab("Session stats", id="history-tab"):
             gr.Markdown("Every reply of this browser session (chat and compare), with what produced it.")
-            history_table = gr.Dataframe(elem_id="history-table", interactive=False)
+            history_table = gr.Dataframe(elem_id="history-table", interactive=False, wrap=True)
             with gr.Row():
-                speed_plot = gr.LinePlot(x="reply", y="decode_tokens_per_s", label="Decode tokens/s per reply",
-                                         elem_id="history-speed")
-                memory_plot = gr.LinePlot(x="reply", y="peak_memory_mib", label="Peak memory (MiB) per reply",
-                                          elem_id="history-memory")
+                speed_plot = gr.ScatterPlot(x="reply", y="decode_tokens_per_s", color="configuration", y_lim=[0, None],
+                                            label="Decode tokens/s per reply", elem_id="history-speed")
+                memory_plot = gr.ScatterPlot(x="reply", y="peak_memory_mib", color="configuration", y_lim=[0, None],
+                                             label="Peak memory (MiB) per reply", elem_id="history-memory")
             with gr.Row():
                 export_csv_btn = gr.Button("Export CSV", elem_id="export-csv")
                 export_json_btn = gr.Button("Export JSON", elem_id="export-json")
@@ -438,9 +458,36 @@ def _summary_frame(rows: list[dict[str, Any]]) -> Any:
                                        "peak_memory_mib", "weights_mib", "load_s"])
 
 
-def _summary_plot(rows: list[dict[str, Any]]) -> Any:
-    frame = _summary_frame(rows)[["configuration", "decode_tokens_per_s"]]
-    return frame.astype({"decode_tokens_per_s": "float64"})
+BAR_METRICS = (("decode_tokens_per_s", "Decode tokens/s", "higher is faster", "{:,.1f}"),
+               ("ttft_ms", "Time to first token (ms)", "lower is faster", "{:,.0f}"),
+               ("peak_memory_mib", "Peak memory (MiB), this configuration's own", "lower is smaller", "{:,.0f}"))
+
+
+def _summary_bars(rows: list[dict[str, Any]]) -> str:
+    """The Compare chart: for each number, one bar per configuration with its full label, every bar drawn from
+    zero (so 28 against 20 looks like 28 against 20). HTML rather than gr.BarPlot, whose axis cuts labels to ~180 px."""
+    if not rows:
+        return "<p><em>Bars appear here when a comparison has finished sides.</em></p>"
+    out = []
+    for key, title, hint, fmt in BAR_METRICS:
+        values = [(r["configuration"], r.get(key)) for r in rows]
+        top = max((v for _, v in values if v is not None), default=0) or 1
+        out.append(f'<div class="compare-bars" data-metric="{key}" style="margin-bottom:12px">'
+                   f'<div style="font-weight:600">{html.escape(title)} <span style="font-weight:400;opacity:.7">'
+                   f'({hint})</span></div>')
+        for label, value in values:
+            width = 0.0 if value is None else 100.0 * value / top
+            shown = "n/a" if value is None else fmt.format(value)
+            out.append(
+                '<div class="bar-row" style="display:grid;grid-template-columns:minmax(8rem,2fr) 3fr 5rem;'
+                'gap:8px;align-items:center;margin:3px 0">'
+                f'<div class="bar-label" style="overflow-wrap:anywhere">{html.escape(label)}</div>'
+                '<div style="background:var(--background-fill-secondary);height:1.1rem">'
+                f'<div class="bar" data-value="{"" if value is None else value}" style="width:{width:.2f}%;'
+                'height:100%;background:var(--color-accent)"></div></div>'
+                f'<div class="bar-value" style="text-align:right">{shown}</div></div>')
+        out.append("</div>")
+    return "".join(out)
 
 
 def _whole(value: Any) -> Any:

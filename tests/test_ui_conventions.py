@@ -137,3 +137,36 @@ def test_empty_message_is_a_warning_and_the_conversation_stays_in_view(served_on
             expect(page.locator("#chatbot")).to_contain_text("Thanks!", timeout=60_000)
         finally:
             browser.close()
+
+
+def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
+    from app import _summary_bars
+
+    long_label = "/models/meta-llama/Llama-3.1-8B-Instruct-with-a-long-folder-name · int8 · eager"
+    rows = [{"configuration": long_label, "decode_tokens_per_s": 28.0, "ttft_ms": 50.0, "peak_memory_mib": 900.0},
+            {"configuration": "embedded · <b>none</b> · sdpa", "decode_tokens_per_s": 20.0, "ttft_ms": None,
+             "peak_memory_mib": 300.0}]
+    page = _summary_bars(rows)
+    speed = page.split('data-metric="decode_tokens_per_s"')[1].split('data-metric="ttft_ms"')[0]
+    widths = [float(w) for w in re.findall(r'class="bar" data-value="[^"]*" style="width:([\d.]+)%', speed)]
+    assert widths == [100.0, pytest.approx(100 * 20 / 28, abs=0.01)]  # 28 vs 20 drawn as 28 vs 20: from zero
+    assert long_label in page.replace("&#x27;", "'")
+    assert "<b>none</b>" not in page and "&lt;b&gt;none&lt;/b&gt;" in page  # labels are text, never markup
+    assert ">n/a</div>" in page  # a missing number is said, not drawn as zero
+
+
+def test_session_stats_plot_one_series_per_configuration_with_whole_reply_numbers() -> None:
+    from app import _history_frame, _history_plot
+
+    base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "dynamic",
+            "decode_tokens_per_s": 10.0, "peak_rss_bytes": 2**30}
+    rows = [{**base, "quantization": "nf4", "double_quant": True}, {**base, "quantization": "none"},
+            {**base, "quantization": "nf4", "double_quant": False},
+            {**base, "quantization": "nf4", "double_quant": True}]
+    frame = _history_frame(rows)
+    assert list(frame["reply"]) == ["1", "2", "3", "4"]
+    assert list(frame["configuration"]) == ["embedded · nf4 · sdpa", "embedded · none · sdpa",
+                                            "embedded · nf4-nodq · sdpa", "embedded · nf4 · sdpa"]
+    plot = _history_plot(frame)
+    assert plot.sort == ["1", "2", "3", "4"]
+    assert plot.value["datatypes"]["reply"] == "nominal"  # whole numbers as categories, never 1.5 on the axis
