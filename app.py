@@ -19,8 +19,9 @@ from typing import Any
 import gradio as gr
 from starlette.routing import Mount
 
+from llm_core.backend import ChatBackend
 from llm_core.batching import check_history_size
-from llm_core.compare import CompareConfig, Comparison, EnginePool, allowed_models
+from llm_core.compare import REMOTE_MODE, CompareConfig, Comparison, EnginePool, allowed_models
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
     KV_CACHE_MODES,
@@ -47,6 +48,7 @@ from llm_core.generation import ChatEngine
 from llm_core.history import ERROR_TITLE, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
 from llm_core.openai_api import create_openai_app
+from llm_core.remote import RemoteEngine
 
 log = logging.getLogger("llm_demo")
 
@@ -94,7 +96,13 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         return "…" if value is None else f"{value:{fmt}} {unit}"
 
     predicted = format_bytes(stats.predicted_peak_bytes)
-    if stats.peak_vram_allocated_bytes is not None:
+    remote = stats.decode_path == "remote"
+    if remote:  # measured by the engine's process, if it reports it at all
+        peak = stats.peak_memory_bytes
+        memory = "…" if live else "not reported by the engine" if peak is None else (
+            f"{format_bytes(peak)} (reported by the engine)")
+        memory_label = "Peak memory"
+    elif stats.peak_vram_allocated_bytes is not None:
         memory = (f"predicted {predicted} · measured {format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
                   f"{format_bytes(stats.peak_vram_reserved_bytes)} reserved")
         memory_label = "Peak VRAM"
@@ -108,8 +116,9 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         ("Tokens in / out", f"{stats.prompt_tokens:,} / {stats.new_tokens:,}"),
         ("End to end", num(stats.end_to_end_s, ",.2f", "s") if not live else "streaming…"),
         (memory_label, memory),
-        ("KV cache", (format_bytes(stats.kv_cache_bytes) if not live else "…") + f" ({stats.kv_cache})"),
-        ("Context meter", "…" if stats.context_fit_tokens is None else
+        ("KV cache", "…" if live else "not reported by the engine" if remote and stats.kv_cache_bytes is None
+         else format_bytes(stats.kv_cache_bytes) + ("" if remote else f" ({stats.kv_cache})")),
+        ("Context meter", "the engine's own" if remote else "…" if stats.context_fit_tokens is None else
          f"{stats.prompt_tokens:,} of {stats.context_fit_tokens:,} prompt tokens that fit "
          f"(budget {format_bytes(stats.memory_budget_bytes)})"),
         ("Decode path", stats.decode_path),
@@ -131,6 +140,12 @@ EMBEDDED_CHOICE = "(embedded default)"
 
 def _model_choice(model_id: str | None) -> str:
     return model_id or EMBEDDED_CHOICE
+
+
+def _remote_choice(settings: Settings) -> str | None:
+    """The Compare view's name for the remote engine (mode, attention and KV cache are the engine's own)."""
+    url = settings.remote.base_url
+    return None if url is None else f"remote: {settings.remote.model or 'its first model'} at {url}"
 
 
 def _model_id(choice: str | None) -> str | None:
@@ -165,7 +180,7 @@ class _Options:
                 self.top_k, self.rep, self.kv_cache]
 
 
-def _gen_options(engine: ChatEngine, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
+def _gen_options(engine: ChatBackend, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
                  top_k: float, repetition_penalty: float, kv_cache: str | None = None) -> Any:
     return engine.request_options(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                   top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
@@ -214,7 +229,7 @@ def _history_plot(frame: Any) -> Any:
     return gr.ScatterPlot(value=frame, sort=list(frame["reply"]))
 
 
-def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
+def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
     """The whole UI: Chat, Compare and Session stats tabs. Conversation state lives in each browser session."""
     pool = pool or EnginePool(settings, primary=engine)
     comparison = Comparison(pool, settings)
@@ -302,7 +317,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         prompt; yields every Compare output each step."""
         sides = [model_0, mode_0, attn_0, kv_0, model_1, mode_1, attn_1, kv_1, model_2, mode_2, attn_2, kv_2]
         try:
-            configs = [CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
+            configs = [_remote_config() if remote and sides[i] == remote else
+                       CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
                        for i in range(0, len(sides), 4) if sides[i + 1] != NO_SIDE]
             gen = _gen_options(pool.primary(), max_new_tokens, do_sample, temperature, top_p, top_k, rep)
             texts = ["" for _ in range(MAX_COMPARE_SIDES)]
@@ -322,6 +338,11 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                        [r.stats.as_dict() for r in step.results] if step.done else gr.skip())
         except LLMCoreError as exc:
             raise _user_error(exc) from None
+
+    def _remote_config() -> CompareConfig:
+        """The remote side, named by the model the engine serves (OPENAI_MODEL, or the one it listed first)."""
+        model = settings.remote.model or pool.get(CompareConfig(None, REMOTE_MODE))[0].report.model
+        return CompareConfig(model, REMOTE_MODE)
 
     def record(history_rows: list[dict[str, Any]], new: Any) -> tuple[Any, ...]:
         """Append finished replies (one stats dict or a list of them) to the session's stats history."""
@@ -372,14 +393,16 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
             side_inputs: list[Any] = []
             outputs_text: list[Any] = []
             outputs_stats: list[Any] = []
-            model_choices = [_model_choice(m) for m in allowed_models(settings)]
+            remote = _remote_choice(settings)  # the OpenAI-compatible server at OPENAI_BASE_URL, when set
+            model_choices = [_model_choice(m) for m in allowed_models(settings)] + ([remote] if remote else [])
             defaults = _default_sides(settings)
             with gr.Row(equal_height=False):
                 for i in range(MAX_COMPARE_SIDES):
                     with gr.Column():
                         model, mode = defaults[i]
                         side_inputs += [
-                            gr.Dropdown(model_choices, value=_model_choice(model), label=f"Side {i + 1}: model",
+                            gr.Dropdown(model_choices, value=remote if remote and i == 0 and settings.remote.engine ==
+                                        "openai" else _model_choice(model), label=f"Side {i + 1}: model",
                                         allow_custom_value=settings.compare.allow_custom_models,
                                         elem_id=f"compare-model-{i}"),
                             gr.Dropdown([*settings.compare.modes, *([NO_SIDE] if i >= 2 else [])], value=mode,
@@ -516,7 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env(env_file=env_file, overrides=args)
         check_mcp_support(settings)
-        engine = ChatEngine.load(settings, progress=log.info)
+        engine: ChatBackend = (RemoteEngine.connect(settings, progress=log.info) if settings.remote.engine == "openai"
+                               else ChatEngine.load(settings, progress=log.info))
     except LLMCoreError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .backend import ChatBackend
 from .config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
 from .errors import InputError, LLMCoreError, ModelLoadError
 from .generation import ChatEngine, ReplyUpdate
@@ -40,6 +41,7 @@ MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
 }
 
 Progress = Callable[[str], None]
+REMOTE_MODE = "remote"  # a side served by the OpenAI-compatible server at OPENAI_BASE_URL (llm_core.remote)
 
 
 @dataclass(frozen=True)
@@ -52,14 +54,20 @@ class CompareConfig:
     kv_cache: str = "dynamic"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODE_PRESETS:
+        if self.mode not in MODE_PRESETS and self.mode != REMOTE_MODE:
             raise InputError(f"Unknown quantization mode {self.mode!r}; choose one of {', '.join(MODE_PRESETS)}.")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(f"Unknown attention {self.attn_implementation!r}; choose one of "
                              f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
 
     @property
+    def is_remote(self) -> bool:
+        return self.mode == REMOTE_MODE
+
+    @property
     def label(self) -> str:
+        if self.is_remote:
+            return f"{self.model_id or 'remote model'} · remote"
         model = self.model_id or "embedded"
         parts = [model, self.mode, self.attn_implementation]
         if self.kv_cache != "dynamic":
@@ -75,6 +83,8 @@ class CompareConfig:
 
     @classmethod
     def of_settings(cls, settings: Settings) -> CompareConfig:
+        if settings.remote.engine == "openai":
+            return cls(settings.remote.model, REMOTE_MODE)
         m = settings.model
         mode = m.quantization if m.quantization in ("fp4", "int8", "none") else (
             "nf4" if m.use_double_quant else "nf4-nodq")
@@ -91,6 +101,10 @@ def allowed_models(settings: Settings) -> list[str | None]:
 
 
 def check_allowed(config: CompareConfig, settings: Settings) -> None:
+    if config.is_remote:
+        if settings.remote.base_url is None:
+            raise InputError("No remote engine is configured here (OPENAI_BASE_URL).")
+        return
     if config.mode not in settings.compare.modes:
         raise InputError(f"Mode {config.mode!r} is not enabled here; allowed: {', '.join(settings.compare.modes)}.")
     if config.model_id not in allowed_models(settings) and not settings.compare.allow_custom_models:
@@ -119,14 +133,19 @@ class EnginePool:
     """Loaded ChatEngines by configuration. Loads on demand; unloads the least recently used before a load that
     would not fit (weights estimate + reserve vs available memory). The primary engine serves the chat tab."""
 
-    def __init__(self, settings: Settings, primary: ChatEngine | None = None, *, progress: Progress | None = None,
+    def __init__(self, settings: Settings, primary: ChatBackend | None = None, *, progress: Progress | None = None,
                  reserve_bytes: int | None = None) -> None:
         self.settings = settings
         self.primary_config = CompareConfig.of_settings(settings)
         self._engines: OrderedDict[CompareConfig, ChatEngine] = OrderedDict()
         self._resident_bytes: dict[CompareConfig, int] = {}  # memory each engine holds (measured at its load)
-        if primary is not None:
+        # The remote engine (OPENAI_BASE_URL) holds no memory here: kept apart from the loaded engines, connected on
+        # first use unless it is the served one (ENGINE=openai).
+        self._remote: ChatBackend | None = None
+        if isinstance(primary, ChatEngine):
             self._engines[self.primary_config] = primary
+        elif primary is not None:
+            self._remote = primary
         self._lock = threading.RLock()  # serialises loads and unloads (held for a whole load)
         self._map_lock = threading.Lock()  # guards _engines only: never held across a load
         self._progress = progress or (lambda _m: None)
@@ -139,19 +158,29 @@ class EnginePool:
         with self._map_lock:
             return list(self._engines)
 
-    def engines(self) -> list[ChatEngine]:
+    def engines(self) -> list[ChatBackend]:
         """The loaded engines right now, without waiting for a load in progress (e.g. to Stop a reply)."""
         with self._map_lock:
-            return list(self._engines.values())
+            return [*self._engines.values(), *([self._remote] if self._remote is not None else [])]
 
-    def primary(self) -> ChatEngine:
+    def primary(self) -> ChatBackend:
         engine, _notes = self.get(self.primary_config)
         return engine
 
-    def get(self, config: CompareConfig) -> tuple[ChatEngine, list[str]]:
+    def _remote_engine(self) -> ChatBackend:
+        with self._lock:
+            if self._remote is None:
+                from .remote import RemoteEngine
+
+                self._remote = RemoteEngine.connect(self.settings, progress=self._progress)
+            return self._remote
+
+    def get(self, config: CompareConfig) -> tuple[ChatBackend, list[str]]:
         """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
         happened, for the user. A resident engine is returned at once, even while another configuration loads
         (a chat message does not wait for a comparison's model load)."""
+        if config.is_remote:
+            return self._remote_engine(), []
         resident = self._touch(config)
         if resident is not None:
             return resident, []
@@ -191,7 +220,7 @@ class EnginePool:
         """Memory held by the loaded engines other than `config`'s: measured when the pool loaded them, the
         weights' footprint for one it was given (the served engine)."""
         with self._map_lock:
-            return sum(self._resident_bytes.get(c, e.loaded.report.weights_bytes or 0)
+            return sum(self._resident_bytes.get(c, e.report.weights_bytes or 0)
                        for c, e in self._engines.items() if c != config)
 
     def unload(self, config: CompareConfig) -> int:

@@ -27,6 +27,7 @@ DECODE_PATHS = ("auto", "fast", "plain")
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.compare
 KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.kv_cache
+ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
 # when that setting is not given as a flag, in the environment or in .env: ours win when set.
@@ -141,6 +142,14 @@ class CompareSettings:
 
 
 @dataclass(frozen=True)
+class RemoteSettings:
+    engine: str = "local"  # local: load MODEL_ID in this process; openai: serve chat from OPENAI_BASE_URL
+    base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1 (vLLM, SGLang, llama.cpp's server, this demo)
+    api_key: str | None = field(default=None, repr=False)  # never printed, logged or shown
+    model: str | None = None  # the remote model's id; None = the first one the server lists
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
@@ -148,6 +157,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     compare: CompareSettings = field(default_factory=CompareSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
 
     @classmethod
     def from_env(
@@ -221,6 +231,14 @@ class Settings:
             raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
         if self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
+        _check_choice("ENGINE", self.remote.engine, ENGINES)
+        url = self.remote.base_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise SettingsError(f"OPENAI_BASE_URL must start with http:// or https://, got {url!r}; write e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
+        if self.remote.engine == "openai" and url is None:
+            raise SettingsError("ENGINE=openai needs OPENAI_BASE_URL, the server's OpenAI API root, e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
 
     def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
         """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
@@ -465,10 +483,20 @@ SPECS: tuple[SettingSpec, ...] = (
                 "quantization presets offered in the Compare view: " + ", ".join(COMPARE_MODES)),
     SettingSpec("ALLOW_CUSTOM_MODELS", "compare", "allow_custom_models", _parse_bool,
                 "let users type any model id/path in the Compare view (off: only the configured list)"),
+    SettingSpec("ENGINE", "remote", "engine", _parse_choice(ENGINES),
+                "local = load MODEL_ID here; openai = chat through the OpenAI-compatible server at OPENAI_BASE_URL"),
+    SettingSpec("OPENAI_BASE_URL", "remote", "base_url", _parse_opt_str,
+                "a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, this demo), e.g. "
+                "http://127.0.0.1:8000/v1; also offered in the Compare view when set"),
+    SettingSpec("OPENAI_API_KEY", "remote", "api_key", _parse_opt_str,
+                "API key for OPENAI_BASE_URL (empty = none); never logged or shown", secret=True),
+    SettingSpec("OPENAI_MODEL", "remote", "model", _parse_opt_str,
+                "model id on OPENAI_BASE_URL; empty = the first model the server lists"),
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
 _SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
-                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings}
+                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings,
+                              "remote": RemoteSettings}
 
 
 def env_example() -> str:

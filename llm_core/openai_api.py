@@ -24,10 +24,11 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .backend import ChatBackend
 from .batching import check_history_size
 from .config import HISTORY_TURNS_RANGE, Settings, parse_auth
 from .errors import BusyError, InputError, LLMCoreError
-from .generation import ChatEngine, ReplyUpdate
+from .generation import ReplyUpdate
 from .history import content_to_text, turns_from_messages
 from .metrics import ReplyStats
 from .models import EMBEDDED_NAME
@@ -35,14 +36,17 @@ from .models import EMBEDDED_NAME
 # (HTTP status, OpenAI error type, OpenAI error code) for a library error.
 ErrorInfo = tuple[int, str, str | None]
 DescribeError = Callable[[LLMCoreError], ErrorInfo]
-GetEngine = Callable[[], ChatEngine]
+GetEngine = Callable[[], ChatBackend]
 
 FINISH_REASONS = {"eos": "stop", "length": "length", "stopped": "stop"}  # ReplyStats.finish_reason -> OpenAI's
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 
 
-def served_model_id(settings: Settings) -> str:
-    """The model name clients pass as `model`: MODEL_ID, or the embedded model's name."""
+def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> str:
+    """The model name clients pass as `model`: MODEL_ID or the embedded model's name; with ENGINE=openai the remote
+    engine's model (OPENAI_MODEL, or the one `engine` picked)."""
+    if settings.remote.engine == "openai":
+        return settings.remote.model or (str(engine.report.model) if engine is not None else "")
     return settings.model.model_id or EMBEDDED_NAME
 
 
@@ -166,7 +170,6 @@ class OpenAIServer:
         self.get_engine = get_engine
         self.settings = settings
         self.describe_error = describe_error
-        self.model_id = served_model_id(settings)
         self._keys = [f"{user}:{password}" for user, password in parse_auth(settings.server.auth)] if (
             settings.server.auth) else []
         self._in_flight = 0
@@ -174,6 +177,12 @@ class OpenAIServer:
         chat = settings.chat
         # Largest body accepted: every allowed character as a 6-byte JSON escape, plus 64 KiB for the rest.
         self.max_body_bytes = 6 * (chat.max_message_chars + chat.max_history_chars) + 65_536
+
+    @property
+    def model_id(self) -> str:
+        if self.settings.remote.engine == "openai" and not self.settings.remote.model:
+            return served_model_id(self.settings, self.get_engine())
+        return served_model_id(self.settings)
 
     # --- access ------------------------------------------------------------------------------------
     def caller(self, request: Request) -> str:
@@ -238,8 +247,8 @@ class OpenAIServer:
             raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings.", param="stop")
         return req
 
-    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatEngine, Iterator[ReplyUpdate],
-                                                                         ReplyUpdate]:
+    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatBackend, Iterator[ReplyUpdate],
+                                                                          ReplyUpdate]:
         """Validate against the engine, start the reply and wait for its first update (runs in a worker thread:
         errors before the first token still get their own HTTP status)."""
         engine = self.get_engine()
@@ -263,7 +272,7 @@ class OpenAIServer:
 
 
 def _usage(update: ReplyUpdate) -> dict[str, int]:
-    completion = len(update.token_ids)  # generated ids, EOS included (ReplyStats.new_tokens counts the same)
+    completion = update.stats.new_tokens  # generated token ids, EOS included (a remote engine's own count)
     return {"prompt_tokens": update.stats.prompt_tokens, "completion_tokens": completion,
             "total_tokens": update.stats.prompt_tokens + completion}
 
@@ -300,7 +309,8 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
         server.enter()
         left = False
         try:
-            session = f"openai-api:{user}"
+            # One running reply per API key, or per end user of it where the client names them (OpenAI's `user`).
+            session = f"openai-api:{user}" + (f":{req.user}" if req.user else "")
             engine, stream, first = await run_in_threadpool(server.start, req, session)
             stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
             completion_id = f"chatcmpl-{first.stats.reply_id}"
@@ -333,7 +343,7 @@ def _final_text(final: ReplyUpdate, stops: StopScanner) -> tuple[str, str]:
     return final.text, FINISH_REASONS.get(final.stats.finish_reason, "stop")
 
 
-def _drain(engine: ChatEngine, stream: Iterator[ReplyUpdate], update: ReplyUpdate, stops: StopScanner,
+def _drain(engine: ChatBackend, stream: Iterator[ReplyUpdate], update: ReplyUpdate, stops: StopScanner,
            session: str) -> ReplyUpdate:
     """Run the reply to its end (stopping the engine at a stop sequence); the final update."""
     stopped = False
@@ -352,7 +362,7 @@ def _sse(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(server: OpenAIServer, engine: ChatEngine, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
+async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
                   stops: StopScanner, session: str, completion_id: str, created: int,
                   include_usage: bool) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format; the last content chunk carries finish_reason and `stats`."""
