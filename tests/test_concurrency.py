@@ -380,8 +380,8 @@ def test_chat_events_share_one_queue_as_wide_as_the_batch(batched_fp32: ChatEngi
     each waiting user its position (show_progress="full"); a comparison (it loads models) stays one at a time."""
     demo = build_demo(batched_fp32, batched_fp32.settings)
     fns = {(fn.name, fn.api_name): fn for fn in demo.fns.values()}
-    chat_fns = [fn for (name, _), fn in fns.items() if name in ("respond", "regenerate")]
-    assert len(chat_fns) == 3  # send, Enter, regenerate
+    chat_fns = [fn for fn in demo.fns.values() if fn.name in ("respond", "respond_in_page", "regenerate")]
+    assert len(chat_fns) == 4  # send, Enter, the /chat API, regenerate
     assert {fn.concurrency_id for fn in chat_fns} == {"chat"} and all(fn.show_progress == "full" for fn in chat_fns)
     assert demo._queue.default_concurrency_limit == batched_fp32.max_concurrent_replies == 4
     assert fns[("compare", "compare")].concurrency_limit == 1
