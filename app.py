@@ -10,8 +10,10 @@ import html
 import importlib.util
 import json
 import logging
+import queue
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from starlette.routing import Mount
 
 from llm_core.backend import ChatBackend
 from llm_core.batching import check_history_size
-from llm_core.compare import REMOTE_MODE, CompareConfig, Comparison, EnginePool, allowed_models
+from llm_core.compare import REMOTE_MODE, CompareConfig, Comparison, EnginePool, allowed_models, check_allowed
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
     KV_CACHE_MODES,
@@ -142,6 +144,14 @@ def _model_choice(model_id: str | None) -> str:
     return model_id or EMBEDDED_CHOICE
 
 
+def _header(report: Any) -> str:
+    return f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}"
+
+
+def _served_choice(config: CompareConfig, remote: str | None) -> str:
+    return remote if config.is_remote and remote else _model_choice(config.model_id)
+
+
 def _remote_choice(settings: Settings) -> str | None:
     """The Compare view's name for the remote engine (mode, attention and KV cache are the engine's own)."""
     url = settings.remote.base_url
@@ -236,6 +246,8 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
     report = engine.report
     concurrency = engine.max_concurrent_replies  # chat events served at once (batched decoding when above 1)
     del engine  # handlers reach the served model through the pool, so a comparison may unload it if it must
+    remote = _remote_choice(settings)  # the OpenAI-compatible server at OPENAI_BASE_URL, when set
+    served_choices = [_model_choice(m) for m in allowed_models(settings)] + ([remote] if remote else [])
 
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
@@ -339,6 +351,63 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
         except LLMCoreError as exc:
             raise _user_error(exc) from None
 
+    def _switch_config(model: str | None, mode: str | None) -> CompareConfig:
+        if remote and model == remote:
+            return _remote_config()
+        return CompareConfig(_model_id(model), mode or "nf4")
+
+    def current_model() -> tuple[Any, ...]:
+        """On page load: the model served now (it may have been switched since the page was built)."""
+        served = pool.served()
+        config = pool.primary_config
+        mode = gr.skip() if config.is_remote else config.mode
+        if served is None:
+            return gr.skip(), gr.skip(), _served_choice(config, remote), mode
+        return _header(served.report), served.report.as_markdown(), _served_choice(config, remote), mode
+
+    def predict_fit(model: str | None, mode: str | None) -> str:
+        """The fit prediction shown before loading (weights estimated from the model's config)."""
+        try:
+            return pool.fit(_switch_config(model, mode)).describe()
+        except LLMCoreError as exc:
+            return f"*{exc}*"
+
+    def switch(model: str | None, mode: str | None) -> Iterator[tuple[Any, ...]]:
+        """Load the chosen model and serve chat from it, streaming the load's progress (locate/download, load and
+        quantize, warm-up, unload of the previous one); yields (status, model panel, header)."""
+        try:
+            config = _switch_config(model, mode)
+            check_allowed(config, settings)
+        except LLMCoreError as exc:
+            if _is_bad_input(exc):
+                _user_warning(exc)
+                yield gr.skip(), gr.skip(), gr.skip()
+                return
+            raise _user_error(exc) from None
+        messages: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        outcome: list[Any] = []
+
+        def load() -> None:  # on its own thread, so the page sees each step as it happens
+            try:
+                outcome.append(pool.switch_primary(config, progress=messages.put)[0])
+            except LLMCoreError as exc:
+                outcome.append(exc)
+            finally:
+                messages.put(None)
+
+        lines = [pool.fit(config).describe()]
+        yield "\n\n".join(lines), gr.skip(), gr.skip()
+        threading.Thread(target=load, name="switch-model", daemon=True).start()
+        while (line := messages.get()) is not None:
+            lines.append(line)
+            yield "\n\n".join(lines), gr.skip(), gr.skip()
+        result = outcome[0] if outcome else None
+        if isinstance(result, LLMCoreError):
+            yield "\n\n".join([*lines, f"**Not switched:** {result}"]), gr.skip(), gr.skip()
+            raise _user_error(result)
+        assert result is not None
+        yield "\n\n".join(lines), result.report.as_markdown(), _header(result.report)
+
     def _remote_config() -> CompareConfig:
         """The remote side, named by the model the engine serves (OPENAI_MODEL, or the one it listed first)."""
         model = settings.remote.model or pool.get(CompareConfig(None, REMOTE_MODE))[0].report.model
@@ -363,7 +432,7 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
         return str(path)
 
     with gr.Blocks(title="Local LLM demo", fill_height=True) as demo:
-        gr.Markdown(f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}")
+        header = gr.Markdown(_header(report), elem_id="header")
         stats_history = gr.State([])
         with gr.Tab("Chat", id="chat-tab"):
             with gr.Row(equal_height=False):
@@ -383,8 +452,19 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                         stats_json = gr.JSON(value={}, elem_id="stats-json", show_label=False)
                     with gr.Accordion("Generation settings", open=True):
                         options = _Options(settings)
-                    with gr.Accordion("Model", open=False):
-                        gr.Markdown(report.as_markdown(), elem_id="model-info")
+                    with gr.Accordion("Model", open=False, elem_id="model-panel"):
+                        model_info = gr.Markdown(report.as_markdown(), elem_id="model-info")
+                        with gr.Row():
+                            switch_model = gr.Dropdown(
+                                served_choices, value=_served_choice(pool.primary_config, remote),
+                                label="Serve another model", allow_custom_value=settings.compare.allow_custom_models,
+                                elem_id="switch-model")
+                            switch_mode = gr.Dropdown(list(settings.compare.modes), value=pool.primary_config.mode
+                                                      if not pool.primary_config.is_remote else None,
+                                                      label="Quantization", elem_id="switch-mode")
+                        switch_fit = gr.Markdown(elem_id="switch-fit")
+                        switch_btn = gr.Button("Load and serve", elem_id="switch-load")
+                        switch_status = gr.Markdown(elem_id="switch-status")
         with gr.Tab("Compare", id="compare-tab"):
             gr.Markdown("The same prompt, generation settings and seed through each configuration, one after "
                         "another; each side's own numbers. Generation settings are those of the Chat tab.")
@@ -393,8 +473,7 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
             side_inputs: list[Any] = []
             outputs_text: list[Any] = []
             outputs_stats: list[Any] = []
-            remote = _remote_choice(settings)  # the OpenAI-compatible server at OPENAI_BASE_URL, when set
-            model_choices = [_model_choice(m) for m in allowed_models(settings)] + ([remote] if remote else [])
+            model_choices = served_choices
             defaults = _default_sides(settings)
             with gr.Row(equal_height=False):
                 for i in range(MAX_COMPARE_SIDES):
@@ -455,6 +534,11 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                        queue=False, api_name="stop")
         clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
                         cancels=[send_event, submit_event, api_event, regen_event], queue=False, api_name="clear")
+        demo.load(current_model, None, [header, model_info, switch_model, switch_mode], api_visibility="private")
+        for control in (switch_model, switch_mode):
+            control.change(predict_fit, [switch_model, switch_mode], switch_fit, api_visibility="private")
+        switch_btn.click(switch, [switch_model, switch_mode], [switch_status, model_info, header],
+                         api_name="switch_model", concurrency_id="switch", concurrency_limit=1)
         export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
         export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
                               api_visibility="private")

@@ -175,7 +175,7 @@ class EnginePool:
                 self._remote = RemoteEngine.connect(self.settings, progress=self._progress)
             return self._remote
 
-    def get(self, config: CompareConfig) -> tuple[ChatBackend, list[str]]:
+    def get(self, config: CompareConfig, progress: Progress | None = None) -> tuple[ChatBackend, list[str]]:
         """The engine for `config`, loading it (and unloading others to make room) if needed; notes say what
         happened, for the user. A resident engine is returned at once, even while another configuration loads
         (a chat message does not wait for a comparison's model load)."""
@@ -200,12 +200,54 @@ class EnginePool:
             if memory_available(device) < need:
                 raise ModelLoadError(f"{config.label} needs about {format_bytes(need)} with its working room, but "
                                      f"only {format_bytes(memory_available(device))} is available.")
-            self._progress(f"Loading {config.label}…")
+            say = progress or self._progress
+            for note in notes:
+                say(note)
+            say(f"Loading {config.label}…")
             before = memory_in_use(device)
-            engine = ChatEngine.load(settings, progress=self._progress)
+            engine = ChatEngine.load(settings, progress=say)
             with self._map_lock:
                 self._engines[config] = engine
                 self._resident_bytes[config] = max(0, memory_in_use(device) - before)
+            return engine, notes
+
+    def served(self) -> ChatBackend | None:
+        """The engine serving chat now if it is loaded (None while a comparison has unloaded it); never loads."""
+        if self.primary_config.is_remote:
+            return self._remote
+        with self._map_lock:
+            return self._engines.get(self.primary_config)
+
+    def fit(self, config: CompareConfig) -> Fit:
+        """Whether `config` would fit before loading it: its weights estimated from the model's config (no download
+        of weights) plus working room, against what is available now and what unloading the others would free."""
+        if config.is_remote:
+            return Fit(config, 0, 0, 0, resident=True)
+        if self._touch(config) is not None:
+            return Fit(config, 0, 0, 0, resident=True)
+        settings = config.apply(self.settings)
+        with self._lock:  # the estimate builds the model on the meta device (accelerate patches nn.Module
+            weights = estimate_weights_bytes(settings.model)  # process-wide): never while a load runs
+        device = resolve_device(settings.model)
+        with self._map_lock:
+            freeable = sum(self._resident_bytes.get(c, e.report.weights_bytes or 0) for c, e in self._engines.items())
+        return Fit(config, weights + self.reserve_bytes, memory_available(device), freeable)
+
+    def switch_primary(self, config: CompareConfig, progress: Progress | None = None) -> tuple[ChatBackend, list[str]]:
+        """Serve chat from `config` from now on, without a restart: load it (unloading others if it would not fit
+        beside them), then unload the previously served engine and release its memory. Notes say what happened."""
+        check_allowed(config, self.settings)
+        say = progress or self._progress
+        with self._lock:
+            old = self.primary_config
+            engine, notes = self.get(config, progress=say)
+            self.primary_config = config
+            if old != config and old in self.resident():
+                freed = self.unload(old)
+                note = f"Unloaded {old.label}, the model served before (freed {format_bytes(freed)})."
+                say(note)
+                notes.append(note)
+            say(f"Now serving {config.label}.")
             return engine, notes
 
     def _touch(self, config: CompareConfig) -> ChatEngine | None:
@@ -239,6 +281,38 @@ class EnginePool:
             del engine
             free_memory(device)
             return max(0, before - memory_in_use(device))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The fit prediction shown before a load: bytes needed (weights + working room), available now, and what the
+    other loaded engines hold (unloaded first if the new one would not fit beside them)."""
+
+    config: CompareConfig
+    need_bytes: int
+    available_bytes: int
+    freeable_bytes: int
+    resident: bool = False  # already loaded (or remote): nothing to load
+
+    @property
+    def fits_beside(self) -> bool:
+        return self.resident or self.need_bytes <= self.available_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_beside or self.need_bytes <= self.available_bytes + self.freeable_bytes
+
+    def describe(self) -> str:
+        if self.resident:
+            return f"{self.config.label} is already loaded: switching is immediate."
+        numbers = (f"needs about {format_bytes(self.need_bytes)} (weights and working room); "
+                   f"{format_bytes(self.available_bytes)} available now")
+        if self.fits_beside:
+            return f"{self.config.label} {numbers}: fits."
+        if self.fits:
+            return (f"{self.config.label} {numbers}: fits once the loaded models are unloaded "
+                    f"({format_bytes(self.freeable_bytes)}); they will be.")
+        return f"{self.config.label} {numbers}, {format_bytes(self.freeable_bytes)} more after unloading: does not fit."
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,16 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI's API
 
 
 def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> str:
-    """The model name clients pass as `model`: MODEL_ID or the embedded model's name; with ENGINE=openai the remote
-    engine's model (OPENAI_MODEL, or the one `engine` picked)."""
+    """The model name clients pass as `model`: MODEL_ID or the embedded model's name, or a remote engine's model
+    (OPENAI_MODEL, or the one it picked). With `engine`, that engine's (the served model may have been switched)."""
+    from .remote import RemoteEngine
+
+    if isinstance(engine, RemoteEngine):
+        return engine.model
+    if engine is not None:
+        settings = engine.settings
     if settings.remote.engine == "openai":
-        return settings.remote.model or (str(engine.report.model) if engine is not None else "")
+        return settings.remote.model or ""
     return settings.model.model_id or EMBEDDED_NAME
 
 
@@ -180,9 +186,8 @@ class OpenAIServer:
 
     @property
     def model_id(self) -> str:
-        if self.settings.remote.engine == "openai" and not self.settings.remote.model:
-            return served_model_id(self.settings, self.get_engine())
-        return served_model_id(self.settings)
+        """The served model now (it can be switched in the page without a restart)."""
+        return served_model_id(self.settings, self.get_engine())
 
     # --- access ------------------------------------------------------------------------------------
     def caller(self, request: Request) -> str:
@@ -236,9 +241,6 @@ class OpenAIServer:
             param = ".".join(str(p) for p in first.get("loc", ())) or None
             problem = "is not a field of this API" if first.get("type") == "extra_forbidden" else first.get("msg")
             raise ApiError(400, f"{param}: {problem}." if param else f"{problem}.", param=param) from None
-        if req.model != self.model_id:
-            raise ApiError(404, f"The model {req.model!r} is not served here; this server serves {self.model_id!r} "
-                           "(GET /v1/models).", code="model_not_found", param="model")
         unsupported = req.unsupported()
         if unsupported:
             raise ApiError(400, unsupported, code="unsupported_parameter")
@@ -247,11 +249,15 @@ class OpenAIServer:
             raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings.", param="stop")
         return req
 
-    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatBackend, Iterator[ReplyUpdate],
+    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatBackend, str, Iterator[ReplyUpdate],
                                                                           ReplyUpdate]:
         """Validate against the engine, start the reply and wait for its first update (runs in a worker thread:
-        errors before the first token still get their own HTTP status)."""
+        errors before the first token still get their own HTTP status). Returns the served model's id too."""
         engine = self.get_engine()
+        model_id = served_model_id(self.settings, engine)
+        if req.model != model_id:
+            raise ApiError(404, f"The model {req.model!r} is not served here; this server serves {model_id!r} "
+                           "(GET /v1/models).", code="model_not_found", param="model")
         options: dict[str, Any] = {
             "max_new_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
             "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty, "seed": req.seed,
@@ -268,7 +274,7 @@ class OpenAIServer:
         stream = engine.stream_chat(conversation.message, turns, gen=gen, history_turns=HISTORY_TURNS_RANGE[1],
                                     system_prompt=conversation.system_prompt, request_id=session)
         first = next(stream)
-        return engine, stream, first
+        return engine, model_id, stream, first
 
 
 def _usage(update: ReplyUpdate) -> dict[str, int]:
@@ -299,8 +305,8 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
     @api.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:
         server.caller(request)
-        return {"object": "list", "data": [{"id": server.model_id, "object": "model", "created": 0,
-                                            "owned_by": "local"}]}
+        model_id = await run_in_threadpool(lambda: server.model_id)  # may wait for the served model to load
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local"}]}
 
     @api.post("/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
@@ -311,7 +317,7 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
         try:
             # One running reply per API key, or per end user of it where the client names them (OpenAI's `user`).
             session = f"openai-api:{user}" + (f":{req.user}" if req.user else "")
-            engine, stream, first = await run_in_threadpool(server.start, req, session)
+            engine, model_id, stream, first = await run_in_threadpool(server.start, req, session)
             stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
             completion_id = f"chatcmpl-{first.stats.reply_id}"
             created = int(time.time())
@@ -319,12 +325,13 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 left = True  # the stream leaves when it ends
                 return StreamingResponse(
-                    _events(server, engine, stream, first, stops, session, completion_id, created, include_usage),
+                    _events(server, engine, stream, first, stops, session, completion_id, created, include_usage,
+                            model_id),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             final = await run_in_threadpool(_drain, engine, stream, first, stops, session)
             text, reason = _final_text(final, stops)
             return JSONResponse({
-                "id": completion_id, "object": "chat.completion", "created": created, "model": server.model_id,
+                "id": completion_id, "object": "chat.completion", "created": created, "model": model_id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                              "finish_reason": reason, "logprobs": None}],
                 "usage": _usage(final), "stats": _stats_field(final.stats),
@@ -363,13 +370,13 @@ def _sse(data: dict[str, Any]) -> bytes:
 
 
 async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
-                  stops: StopScanner, session: str, completion_id: str, created: int,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  stops: StopScanner, session: str, completion_id: str, created: int, include_usage: bool,
+                  model_id: str) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format; the last content chunk carries finish_reason and `stats`."""
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": server.model_id, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                     "model": model_id, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
                                                             "logprobs": None}], **extra})
 
     sent = 0
@@ -393,7 +400,7 @@ async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[Re
         yield chunk({}, reason, stats=_stats_field(update.stats))
         if include_usage:
             yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                        "model": server.model_id, "choices": [], "usage": _usage(update)})
+                        "model": model_id, "choices": [], "usage": _usage(update)})
         yield b"data: [DONE]\n\n"
     except LLMCoreError as exc:  # after the first token the status is sent: the error travels as an event
         status, type_, code = server.describe_error(exc)
