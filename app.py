@@ -202,6 +202,8 @@ def _history_label(row: dict[str, Any]) -> str:
     model = str(row.get("model") or "?")
     model = "embedded" if model.endswith("(embedded)") else model
     quantization = row.get("quantization") or "?"
+    if quantization == "remote":  # as the Compare view names a remote engine's side
+        return f"{model} · remote"
     if quantization == "nf4" and not row.get("double_quant"):
         quantization = "nf4-nodq"
     parts = [model, quantization, str(row.get("attention") or "?")]

@@ -82,6 +82,7 @@ def test_mcp_server_without_gradio_mcp_is_refused_with_the_fix() -> None:
     check_mcp_support(settings_from({}))  # off: nothing to check
 
 
+# Run with gradio[mcp] installed, e.g. from a venv that adds it (it pins pydantic 2.12.5) on top of .venv's packages.
 @pytest.mark.skipif(importlib.util.find_spec("mcp") is None, reason="gradio[mcp] is not installed")
 def test_mcp_server_lists_the_chat_endpoint_as_a_tool(nf4_engine: ChatEngine) -> None:
     port = free_port()
@@ -91,7 +92,9 @@ def test_mcp_server_lists_the_chat_endpoint_as_a_tool(nf4_engine: ChatEngine) ->
     launch(demo, settings, pool, prevent_thread_lock=True, quiet=True)
     try:
         schema = httpx.get(f"http://127.0.0.1:{port}/gradio_api/mcp/schema", timeout=30).json()
-        assert any(tool["name"].endswith("chat") for tool in schema)
+        tools = {tool["name"]: tool for tool in schema}
+        assert "message" in tools["respond"]["inputSchema"]["properties"]  # the /chat endpoint as a tool
+        assert "/chat API" in tools["respond"]["description"]
     finally:
         demo.close()
 
@@ -160,6 +163,8 @@ def test_session_stats_plot_one_series_per_configuration_with_whole_reply_number
 
     base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "dynamic",
             "decode_tokens_per_s": 10.0, "peak_rss_bytes": 2**30}
+    remote = {"model": "SmolLM2-135M-Instruct", "quantization": "remote", "attention": "", "decode_path": "remote"}
+    assert _history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it
     rows = [{**base, "quantization": "nf4", "double_quant": True}, {**base, "quantization": "none"},
             {**base, "quantization": "nf4", "double_quant": False},
             {**base, "quantization": "nf4", "double_quant": True}]
