@@ -239,6 +239,9 @@ class EnginePool:
         check_allowed(config, self.settings)
         say = progress or self._progress
         with self._lock:
+            fit = self.fit(config)
+            if not fit.fits:  # refused before anything is unloaded: the current model keeps serving
+                raise ModelLoadError(fit.describe())
             old = self.primary_config
             engine, notes = self.get(config, progress=say)
             self.primary_config = config
