@@ -539,8 +539,9 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
         demo.load(current_model, None, [header, model_info, switch_model, switch_mode], api_visibility="private")
         for control in (switch_model, switch_mode):
             control.change(predict_fit, [switch_model, switch_mode], switch_fit, api_visibility="private")
+        # A page action only (not an API endpoint or MCP tool): it changes the model for every user of the demo.
         switch_btn.click(switch, [switch_model, switch_mode], [switch_status, model_info, header],
-                         api_name="switch_model", concurrency_id="switch", concurrency_limit=1)
+                         api_visibility="private", concurrency_id="switch", concurrency_limit=1)
         export_csv_btn.click(lambda rows: export(rows, "csv"), stats_history, export_file, api_visibility="private")
         export_json_btn.click(lambda rows: export(rows, "json"), stats_history, export_file,
                               api_visibility="private")

@@ -16,7 +16,7 @@ import pytest
 
 from app import build_demo, launch
 from llm_core.compare import CompareConfig, EnginePool
-from llm_core.errors import InputError
+from llm_core.errors import InputError, ModelLoadError
 from tests.conftest import make_settings
 from tests.test_app import CHROMIUM, CHROMIUM_FLAGS, free_port
 
@@ -24,7 +24,7 @@ from tests.test_app import CHROMIUM, CHROMIUM_FLAGS, free_port
 @pytest.fixture(scope="module")
 def switching_app() -> Iterator[dict[str, Any]]:
     settings = make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="plain",
-                             COMPARE_MODES="none,nf4-nodq")
+                             COMPARE_MODES="none,nf4-nodq,nf4")
     pool = EnginePool(settings)
     engine = pool.primary()  # loaded here, owned by this test module
     demo = build_demo(engine, settings, pool)
@@ -48,6 +48,20 @@ def test_only_configured_models_and_modes_can_be_served(switching_app: dict[str,
     with pytest.raises(InputError, match="not enabled"):
         pool.switch_primary(CompareConfig(None, "int8"))
     assert pool.primary_config == CompareConfig(None, "none")  # nothing changed
+
+
+def test_a_model_that_cannot_fit_is_refused_before_the_served_one_is_unloaded(
+        switching_app: dict[str, Any]) -> None:
+    pool: EnginePool = switching_app["pool"]
+    served, resident, room = pool.primary_config, pool.resident(), pool.reserve_bytes
+    pool.reserve_bytes = 2**50  # working room no machine has
+    try:
+        assert not pool.fit(CompareConfig(None, "nf4")).fits
+        with pytest.raises(ModelLoadError, match="does not fit"):
+            pool.switch_primary(CompareConfig(None, "nf4"))
+    finally:
+        pool.reserve_bytes = room
+    assert pool.primary_config == served and pool.resident() == resident  # still loaded, still serving
 
 
 @pytest.mark.browser
