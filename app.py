@@ -6,6 +6,7 @@ The UI never touches torch. llm_core errors become gr.Error here, in `_user_erro
 from __future__ import annotations
 
 import argparse
+import functools
 import html
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import queue
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,19 +58,37 @@ log = logging.getLogger("llm_demo")
 ChatHistory = list[dict[str, Any]]
 
 
+class BadInputError(gr.Error):
+    """A library error the user can fix (empty, too long, out of range, does not fit, busy): the page shows it as
+    a warning (see `_in_page`); API callers get it as any error."""
+
+
 def _user_error(exc: LLMCoreError) -> gr.Error:
     """The one place where library errors become messages in the UI (and API errors for clients)."""
-    return gr.Error(str(exc), title=type(exc).__name__.replace("Error", " error").strip())
+    title = type(exc).__name__.replace("Error", " error").strip()
+    bad_input = isinstance(exc, (InputError, ContextBudgetError, SettingsError))
+    return (BadInputError if bad_input else gr.Error)(str(exc), title=title)
 
 
-def _is_bad_input(exc: LLMCoreError) -> bool:
-    """A request the user can fix (empty, too long, out of range, does not fit, busy), not a failure of the demo."""
-    return isinstance(exc, (InputError, ContextBudgetError, SettingsError))
+def _in_page(handler: Callable[..., Iterator[tuple[Any, ...]]], outputs: int) -> Callable[..., Any]:
+    """The page's twin of an API handler: bad input found before anything was shown becomes a warning toast and
+    leaves every output as it was (a failed event covers its outputs with error placeholders, hiding the chat).
+    Same signature (functools.wraps), so Gradio passes the same inputs and the request."""
 
+    @functools.wraps(handler)
+    def in_page(*args: Any, **kwargs: Any) -> Iterator[tuple[Any, ...]]:
+        shown = False
+        try:
+            for out in handler(*args, **kwargs):
+                shown = True
+                yield out
+        except BadInputError as exc:
+            if shown:
+                raise
+            gr.Warning(exc.message)
+            yield tuple(gr.skip() for _ in range(outputs))
 
-def _user_warning(exc: LLMCoreError) -> None:
-    """Bad input in the page: a warning toast; the caller leaves chat, message box and panel as they were."""
-    gr.Warning(str(exc))
+    return in_page
 
 
 def _api_error(exc: LLMCoreError) -> tuple[int, str, str | None]:
@@ -256,21 +275,6 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                 repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
         """The /chat API: stream a reply; yields (textbox, chatbot history, stats markdown, stats JSON). Bad input
         fails the call (gradio_client raises AppError with the message)."""
-        yield from _reply(message, history, system_prompt, max_new_tokens, history_turns, do_sample, temperature,
-                          top_p, top_k, repetition_penalty, kv_cache, request, warn_bad_input=False)
-
-    def respond_in_page(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
-                        history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
-                        repetition_penalty: float, kv_cache: str, request: gr.Request) -> Iterator[tuple[Any, ...]]:
-        """Send and Enter in the page: as /chat, but bad input is a warning toast and leaves every output as it
-        was (a failed event would cover the chat, the message box and the panel with error placeholders)."""
-        yield from _reply(message, history, system_prompt, max_new_tokens, history_turns, do_sample, temperature,
-                          top_p, top_k, repetition_penalty, kv_cache, request, warn_bad_input=True)
-
-    def _reply(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
-               history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
-               repetition_penalty: float, kv_cache: str, request: gr.Request, *,
-               warn_bad_input: bool) -> Iterator[tuple[Any, ...]]:
         try:
             chat_engine = pool.primary()
             gen = _gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
@@ -282,10 +286,6 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                                              system_prompt=system_prompt, request_id=_session(request))
             first = next(stream)  # validation, trimming and the first token happen here
         except LLMCoreError as exc:
-            if warn_bad_input and _is_bad_input(exc):
-                _user_warning(exc)
-                yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
-                return
             raise _user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
         shown: ChatHistory = [*history, {"role": "user", "content": message},
                               {"role": "assistant", "content": first.text}]
@@ -310,7 +310,7 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                   repetition_penalty, kv_cache)
         last_user = next((i for i in range(len(history) - 1, -1, -1) if history[i].get("role") == "user"), None)
         if last_user is None:
-            raise gr.Error("There is no message to regenerate yet.")
+            raise _user_error(InputError("There is no message to regenerate yet."))
         message = content_to_text(history[last_user]["content"])
         for out in respond(message, history[:last_user], *values, request):
             yield out[1:]
@@ -381,10 +381,6 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
             config = _switch_config(model, mode)
             check_allowed(config, settings)
         except LLMCoreError as exc:
-            if _is_bad_input(exc):
-                _user_warning(exc)
-                yield gr.skip(), gr.skip(), gr.skip()
-                return
             raise _user_error(exc) from None
         messages: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         outcome: list[Any] = []
@@ -447,7 +443,9 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                         regen = gr.Button("Regenerate", elem_id="regenerate")
                         clear_btn = gr.Button("Clear", elem_id="clear")
-                        api_trigger = gr.Button(visible=False, elem_id="api-chat")
+                        api_chat = gr.Button(visible=False, elem_id="api-chat")  # triggers of the API endpoints
+                        api_regen = gr.Button(visible=False, elem_id="api-regenerate")
+                        api_compare = gr.Button(visible=False, elem_id="api-compare")
                 with gr.Column(scale=2):
                     stats_md = gr.Markdown(format_stats(None), elem_id="stats")
                     with gr.Accordion("Raw stats (JSON)", open=False):
@@ -517,25 +515,35 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
         chat_outputs = [chat_input, chatbot, stats_md, stats_json]
         history_outputs = [stats_history, history_table, speed_plot, memory_plot]
         # One queue for every chat reply (concurrency_id), so Gradio's queue position and estimate are right.
-        send_event = send.click(respond_in_page, chat_inputs, chat_outputs, api_visibility="private",
-                                concurrency_id="chat")
-        submit_event = chat_input.submit(respond_in_page, chat_inputs, chat_outputs, api_visibility="private",
-                                         concurrency_id="chat")
-        # The named /chat endpoint, on a trigger no one sees: API callers get errors, the page gets warnings.
-        api_event = api_trigger.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
-        regen_event = regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
-                                  api_name="regenerate", concurrency_id="chat")
-        for event in (send_event, submit_event, api_event, regen_event):
+        # The page's events warn about bad input (_in_page); the named API endpoints sit on triggers no one sees and
+        # fail the call, as API callers expect.
+        # (Their own api_names: a private event named after its function would take the public endpoint's name.)
+        send_event = send.click(_in_page(respond, 4), chat_inputs, chat_outputs, api_name="chat_in_page",
+                                api_visibility="private", concurrency_id="chat")
+        submit_event = chat_input.submit(_in_page(respond, 4), chat_inputs, chat_outputs, api_name="chat_in_page",
+                                         api_visibility="private", concurrency_id="chat")
+        api_event = api_chat.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat")
+        regen_event = regen.click(_in_page(regenerate, 3), [chatbot, *options.components], chat_outputs[1:],
+                                  api_name="regenerate_in_page", api_visibility="private", concurrency_id="chat")
+        api_regen_event = api_regen.click(regenerate, [chatbot, *options.components], chat_outputs[1:],
+                                          api_name="regenerate", concurrency_id="chat")
+        for event in (send_event, submit_event, api_event, regen_event, api_regen_event):
             event.then(record, [stats_history, stats_json], history_outputs, api_visibility="private")
-        compare_event = compare_btn.click(
-            compare, [compare_input, *side_inputs, *options.components],
-            [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json],
-            api_name="compare", concurrency_limit=1)  # loads/unloads models: one comparison at a time
-        compare_event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
-        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, api_event, regen_event, compare_event],
-                       queue=False, api_name="stop")
+        compare_inputs = [compare_input, *side_inputs, *options.components]
+        compare_outputs = [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json]
+        # Loads/unloads models: one comparison at a time, page and API together.
+        compare_event = compare_btn.click(_in_page(compare, len(compare_outputs)), compare_inputs, compare_outputs,
+                                          api_name="compare_in_page", api_visibility="private",
+                                          concurrency_id="compare", concurrency_limit=1)
+        api_compare_event = api_compare.click(compare, compare_inputs, compare_outputs, api_name="compare",
+                                              concurrency_id="compare", concurrency_limit=1)
+        for event in (compare_event, api_compare_event):
+            event.then(record, [stats_history, compare_json], history_outputs, api_visibility="private")
+        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, api_event, regen_event, api_regen_event,
+                                                  compare_event, api_compare_event], queue=False, api_name="stop")
         clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
-                        cancels=[send_event, submit_event, api_event, regen_event], queue=False, api_name="clear")
+                        cancels=[send_event, submit_event, api_event, regen_event, api_regen_event], queue=False,
+                        api_name="clear")
         demo.load(current_model, None, [header, model_info, switch_model, switch_mode], api_visibility="private")
         for control in (switch_model, switch_mode):
             control.change(predict_fit, [switch_model, switch_mode], switch_fit, api_visibility="private")

@@ -138,6 +138,15 @@ def test_empty_message_is_a_warning_and_the_conversation_stays_in_view(served_on
             box.fill("Thanks!")  # and the next message works
             page.locator("#send").click()
             expect(page.locator("#chatbot")).to_contain_text("Thanks!", timeout=60_000)
+            expect(stats).to_contain_text("Finished by", timeout=120_000)
+
+            page.locator("#clear").click()  # Regenerate with nothing to regenerate: a warning as well
+            expect(page.locator("#chatbot")).not_to_contain_text("Thanks!")
+            page.locator("#regenerate").click()
+            toast = page.locator(".toast-body").filter(has_text="There is no message to regenerate yet")
+            expect(toast).to_be_visible(timeout=20_000)
+            expect(toast).to_have_class(re.compile(r"\bwarning\b"))
+            expect(page.locator("#chatbot [data-testid='status-tracker'] .error")).to_have_count(0)
         finally:
             browser.close()
 
