@@ -1,6 +1,7 @@
 """Gradio UI over llm_core: build_demo(engine, settings) -> gr.Blocks; main() parses flags, loads once, launches.
 
-The UI never touches torch. llm_core errors become gr.Error here, in `_user_error`, and nowhere else.
+The UI never touches torch. llm_core errors become gr.Error here, in `_user_error` (bad input: a warning in the
+page, `_in_page`), and OpenAI API errors in `_api_error` (for llm_core.openai_api, mounted at /v1); nowhere else.
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ class RemoteEngine:
             served = tuple(m.id for m in client.models.list())
         except openai.APIError as exc:
             raise ModelLoadError(f"The OpenAI-compatible server at {remote.base_url} could not list its models: "
-                                 f"{_describe(exc)}. Check OPENAI_BASE_URL (it ends in /v1) and OPENAI_API_KEY."
-                                 ) from None
+                                 f"{_describe(exc).rstrip('.')}. Check OPENAI_BASE_URL (it ends in /v1) and "
+                                 "OPENAI_API_KEY.") from None
         if not served:
             raise ModelLoadError(f"The server at {remote.base_url} serves no model.")
         model = remote.model or served[0]
@@ -262,7 +262,7 @@ class RemoteEngine:
             return GenerationError(f"No new token from {where} for {gen.stream_timeout_s:.0f} s; the reply was "
                                    "stopped. Try again, or lower max new tokens.")
         if isinstance(exc, openai.APIConnectionError):
-            return GenerationError(f"Cannot reach {where}: {_describe(exc)}. Is the server running?")
+            return GenerationError(f"Cannot reach {where}: {_describe(exc).rstrip('.')}. Is the server running?")
         status = getattr(exc, "status_code", None)
         message = _describe(exc)
         if status == 429:
