@@ -27,6 +27,7 @@ from .backend import ChatBackend
 from .config import ATTN_IMPLEMENTATIONS, GenerationSettings, Settings
 from .errors import InputError, LLMCoreError, ModelLoadError
 from .generation import ChatEngine, ReplyUpdate
+from .history import clean_text
 from .loading import estimate_weights_bytes, resolve_device
 from .memory import free_memory
 from .metrics import ReplyStats, format_bytes
@@ -396,6 +397,7 @@ class Comparison:
             raise InputError("Two sides have the same configuration; change one of them.")
         for config in configs:
             check_allowed(config, self.settings)
+        clean_text(message, max_chars=self.settings.chat.max_message_chars)  # before any model loads for it
         if gen.do_sample and gen.seed is None:
             gen = replace(gen, seed=random.randrange(2**31))  # the same seed for every side
         results: list[SideResult] = []

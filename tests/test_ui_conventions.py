@@ -184,3 +184,16 @@ def test_session_stats_plot_one_series_per_configuration_with_whole_reply_number
     plot = _history_plot(frame)
     assert plot.sort == ["1", "2", "3", "4"]
     assert plot.value["datatypes"]["reply"] == "nominal"  # whole numbers as categories, never 1.5 on the axis
+
+
+def test_compare_refuses_an_empty_prompt_before_loading_anything() -> None:
+    from llm_core.compare import CompareConfig, Comparison
+    from llm_core.errors import InputError
+
+    settings = settings_from({})
+    pool = EnginePool(settings)  # nothing loaded yet
+    run = Comparison(pool, settings).run([CompareConfig(None, "nf4"), CompareConfig(None, "none")], "   ",
+                                         settings.generation)
+    with pytest.raises(InputError, match="empty"):
+        next(run)
+    assert pool.resident() == []  # refused at once: no model was loaded to find out
