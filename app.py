@@ -1,21 +1,28 @@
 """Gradio UI over llm_core: build_demo(engine, settings) -> gr.Blocks; main() parses flags, loads once, launches.
 
-The UI never touches torch. llm_core errors become gr.Error here, in `_user_error`, and nowhere else.
+The UI never touches torch. llm_core errors become gr.Error here, in `_user_error` (bad input: a warning in the
+page, `_in_page`), and OpenAI API errors in `_api_error` (for llm_core.web.openai_api, mounted at /v1); nowhere else.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import html
+import importlib.util
 import json
 import logging
+import queue
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gradio as gr
 from gradio.components.chatbot import ChatbotDataMessages
 from gradio.data_classes import GradioRootModel
 from pydantic import ValidationError
+from starlette.routing import Mount
 
 from llm_core.config import (
     HISTORY_TURNS_RANGE,
@@ -30,21 +37,78 @@ from llm_core.config import (
     Settings,
     parse_auth,
 )
+from llm_core.engine.backend import ChatBackend
 from llm_core.engine.chat import ChatEngine
-from llm_core.engine.compare import CompareConfig, Comparison, EnginePool, allowed_models
-from llm_core.errors import LLMCoreError
+from llm_core.engine.compare import REMOTE_MODE, CompareConfig, Comparison, EnginePool, allowed_models, check_allowed
+from llm_core.engine.remote import RemoteEngine
+from llm_core.errors import (
+    BusyError,
+    ContextBudgetError,
+    GenerationError,
+    InputError,
+    LLMCoreError,
+    ModelLoadError,
+    OutOfMemoryError,
+    SettingsError,
+)
 from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats, export_csv, format_bytes
 from llm_core.security import ExportFiles, check_exposure
+from llm_core.web.openai_api import create_openai_app
 
 log = logging.getLogger("llm_demo")
 
 ChatHistory = list[dict[str, Any]]
 
 
+class BadInputError(gr.Error):
+    """A library error the user can fix (empty, too long, out of range, does not fit, busy): the page shows it as
+    a warning (see `_in_page`); API callers get it as any error."""
+
+
 def _user_error(exc: LLMCoreError) -> gr.Error:
     """The one place where library errors become messages in the UI (and API errors for clients)."""
-    return gr.Error(str(exc), title=type(exc).__name__.replace("Error", " error").strip())
+    title = type(exc).__name__.replace("Error", " error").strip()
+    bad_input = isinstance(exc, (InputError, ContextBudgetError, SettingsError))
+    return (BadInputError if bad_input else gr.Error)(str(exc), title=title)
+
+
+def _in_page(handler: Callable[..., Iterator[tuple[Any, ...]]], outputs: int) -> Callable[..., Any]:
+    """The page's twin of an API handler: bad input found before anything was shown becomes a warning toast and
+    leaves every output as it was (a failed event covers its outputs with error placeholders, hiding the chat).
+    Same signature (functools.wraps), so Gradio passes the same inputs and the request."""
+
+    @functools.wraps(handler)
+    def in_page(*args: Any, **kwargs: Any) -> Iterator[tuple[Any, ...]]:
+        shown = False
+        try:
+            for out in handler(*args, **kwargs):
+                shown = True
+                yield out
+        except BadInputError as exc:
+            if shown:
+                raise
+            gr.Warning(exc.message)
+            yield tuple(gr.skip() for _ in range(outputs))
+
+    return in_page
+
+
+def _api_error(exc: LLMCoreError) -> tuple[int, str, str | None]:
+    """The one place where library errors become OpenAI API errors: (HTTP status, error type, error code)."""
+    if isinstance(exc, BusyError):
+        return 429, "rate_limit_error", "server_busy"
+    if isinstance(exc, ContextBudgetError):  # does not fit the context or the memory budget
+        return 400, "invalid_request_error", "context_length_exceeded"
+    if isinstance(exc, InputError):
+        return 400, "invalid_request_error", None
+    if isinstance(exc, OutOfMemoryError):
+        return 507, "server_error", "out_of_memory"
+    if isinstance(exc, ModelLoadError):
+        return 503, "server_error", "model_unavailable"
+    if isinstance(exc, GenerationError):
+        return 500, "server_error", None
+    return 400, "invalid_request_error", None  # SettingsError: a request option outside what the settings allow
 
 
 def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
@@ -56,7 +120,13 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         return "…" if value is None else f"{value:{fmt}} {unit}"
 
     predicted = format_bytes(stats.predicted_peak_bytes)
-    if stats.peak_vram_allocated_bytes is not None:
+    remote = stats.decode_path == "remote"
+    if remote:  # measured by the engine's process, if it reports it at all
+        peak = stats.peak_memory_bytes
+        memory = "…" if live else "not reported by the engine" if peak is None else (
+            f"{format_bytes(peak)} (reported by the engine)")
+        memory_label = "Peak memory"
+    elif stats.peak_vram_allocated_bytes is not None:
         memory = (f"predicted {predicted} · measured {format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
                   f"{format_bytes(stats.peak_vram_reserved_bytes)} reserved")
         memory_label = "Peak VRAM"
@@ -70,8 +140,9 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         ("Tokens in / out", f"{stats.prompt_tokens:,} / {stats.new_tokens:,}"),
         ("End to end", num(stats.end_to_end_s, ",.2f", "s") if not live else "streaming…"),
         (memory_label, memory),
-        ("KV cache", (format_bytes(stats.kv_cache_bytes) if not live else "…") + f" ({stats.kv_cache})"),
-        ("Context meter", "…" if stats.context_fit_tokens is None else
+        ("KV cache", "…" if live else "not reported by the engine" if remote and stats.kv_cache_bytes is None
+         else format_bytes(stats.kv_cache_bytes) + ("" if remote else f" ({stats.kv_cache})")),
+        ("Context meter", "the engine's own" if remote else "…" if stats.context_fit_tokens is None else
          f"{stats.prompt_tokens:,} of {stats.context_fit_tokens:,} prompt tokens that fit "
          f"(budget {format_bytes(stats.memory_budget_bytes)})"),
         ("Decode path", stats.decode_path),
@@ -134,6 +205,20 @@ def _model_choice(model_id: str | None) -> str:
     return model_id or EMBEDDED_CHOICE
 
 
+def _header(report: Any) -> str:
+    return f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}"
+
+
+def _served_choice(config: CompareConfig, remote: str | None) -> str:
+    return remote if config.is_remote and remote else _model_choice(config.model_id)
+
+
+def _remote_choice(settings: Settings) -> str | None:
+    """The Compare view's name for the remote engine (mode, attention and KV cache are the engine's own)."""
+    url = settings.remote.base_url
+    return None if url is None else f"remote: {settings.remote.model or 'its first model'} at {url}"
+
+
 def _model_id(choice: str | None) -> str | None:
     return None if not choice or choice == EMBEDDED_CHOICE else choice
 
@@ -166,23 +251,41 @@ class _Options:
                 self.top_k, self.rep, self.kv_cache]
 
 
-def _gen_options(engine: ChatEngine, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
+def _gen_options(engine: ChatBackend, max_new_tokens: float, do_sample: bool, temperature: float, top_p: float,
                  top_k: float, repetition_penalty: float, kv_cache: str | None = None) -> Any:
     return engine.request_options(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                   top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                                   kv_cache=kv_cache)
 
 
+def _history_label(row: dict[str, Any]) -> str:
+    """A reply's configuration in the words of the Compare view: model · quantization preset · attention."""
+    model = str(row.get("model") or "?")
+    model = "embedded" if model.endswith("(embedded)") else model
+    quantization = row.get("quantization") or "?"
+    if quantization == "remote":  # as the Compare view names a remote engine's side
+        return f"{model} · remote"
+    if quantization == "nf4" and not row.get("double_quant"):
+        quantization = "nf4-nodq"
+    parts = [model, quantization, str(row.get("attention") or "?")]
+    if row.get("kv_cache") not in (None, "dynamic"):
+        parts.append(f"{row['kv_cache']} KV")
+    return " · ".join(parts)
+
+
 def _history_frame(rows: list[dict[str, Any]]) -> Any:
     import pandas as pd
 
-    columns = ["reply", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens", "ttft_ms",
-               "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
+    columns = ["reply", "configuration", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens",
+               "ttft_ms", "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
     data = []
     for i, row in enumerate(rows, start=1):
         peak = row.get("peak_vram_allocated_bytes") or row.get("peak_rss_bytes")
         data.append({
-            "reply": i, "model": row.get("model"), "quantization": row.get("quantization"),
+            # A category, not a number: the plots' axis then shows whole reply numbers only (a numeric axis ticks
+            # 1.2, 1.4, ...); their order is given to the plots explicitly (_history_plot).
+            "reply": str(i), "configuration": _history_label(row), "model": row.get("model"),
+            "quantization": row.get("quantization"),
             "decode_path": row.get("decode_path"), "prompt_tokens": row.get("prompt_tokens"),
             "new_tokens": row.get("new_tokens"),
             "ttft_ms": None if row.get("ttft_s") is None else round(row["ttft_s"] * 1000, 1),
@@ -194,7 +297,12 @@ def _history_frame(rows: list[dict[str, Any]]) -> Any:
     return pd.DataFrame(data, columns=columns)
 
 
-def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
+def _history_plot(frame: Any) -> Any:
+    """A Session stats plot's update: one series of points per configuration, replies in order on the x axis."""
+    return gr.ScatterPlot(value=frame, sort=list(frame["reply"]))
+
+
+def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
     """The whole UI: Chat, Compare and Session stats tabs. Conversation state lives in each browser session."""
     pool = pool or EnginePool(settings, primary=engine)
     comparison = Comparison(pool, settings)
@@ -202,14 +310,17 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     report = engine.report
     concurrency = engine.max_concurrent_replies  # chat events served at once (batched decoding when above 1)
     del engine  # handlers reach the served model through the pool, so a comparison may unload it if it must
+    remote = _remote_choice(settings)  # the OpenAI-compatible server at OPENAI_BASE_URL, when set
+    served_choices = [_model_choice(m) for m in allowed_models(settings)] + ([remote] if remote else [])
 
     def respond(message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
                 repetition_penalty: float, kv_cache: str, rows: list[dict[str, Any]],
                 request: gr.Request, progress: gr.Progress = _PROGRESS) -> Iterator[tuple[Any, ...]]:
-        """Stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON, session stats rows); the
-        rows (a gr.State, never sent by the client) get the finished reply's stats. While the request waits for its
-        turn in the engine, the progress overlay says how many go first."""
+        """The /chat API: stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON, session stats
+        rows); the rows (a gr.State, never sent by the client) get the finished reply's stats. While the request
+        waits for its turn in the engine, the progress overlay says how many go first. Bad input fails the call
+        (gradio_client raises AppError with the message); the page's twin (_in_page) shows a warning instead."""
 
         def waiting(ahead: int) -> None:
             progress(None, desc=f"Waiting for a free slot: {ahead} request{'s' if ahead != 1 else ''} ahead")
@@ -257,7 +368,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         last_user = next((i for i in range(len(messages) - 1, -1, -1)
                           if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
         if last_user is None:
-            raise gr.Error("There is no message to regenerate yet.")
+            raise _user_error(InputError("There is no message to regenerate yet."))
         try:
             message = content_to_text(messages[last_user].get("content"))
         except LLMCoreError as exc:
@@ -282,7 +393,8 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         prompt; yields every Compare output each step, and the session's stats rows (a gr.State) at the end."""
         sides = [model_0, mode_0, attn_0, kv_0, model_1, mode_1, attn_1, kv_1, model_2, mode_2, attn_2, kv_2]
         try:
-            configs = [CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
+            configs = [_remote_config() if remote and sides[i] == remote else
+                       CompareConfig(_model_id(sides[i]), sides[i + 1], sides[i + 2], sides[i + 3])
                        for i in range(0, len(sides), 4) if sides[i + 1] != NO_SIDE]
             gen = _gen_options(pool.primary(), max_new_tokens, do_sample, temperature, top_p, top_k, rep)
             texts = ["" for _ in range(MAX_COMPARE_SIDES)]
@@ -297,7 +409,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                 elif not step.done:
                     side_stats[step.index] = f"*Loading / starting {step.config.label}…*"
                 summary = [r.summary_row() for r in step.results]
-                yield (*texts, *side_stats, _summary_frame(summary), _summary_plot(summary),
+                yield (*texts, *side_stats, _summary_frame(summary), _summary_bars(summary),
                        step.difference or "\n".join(f"*{n}*" for n in notes),
                        [r.stats.as_dict() for r in step.results] if step.done else gr.skip(),
                        _add_rows(rows, [r.stats for r in step.results]) if step.done else gr.skip())
@@ -309,6 +421,65 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         only by the chat and compare handlers from the engine's own stats."""
         frame = _history_frame(history_rows)
         return frame, frame, frame
+
+    def _switch_config(model: str | None, mode: str | None) -> CompareConfig:
+        if remote and model == remote:
+            return _remote_config()
+        return CompareConfig(_model_id(model), mode or "nf4")
+
+    def current_model() -> tuple[Any, ...]:
+        """On page load: the model served now (it may have been switched since the page was built)."""
+        served = pool.served()
+        config = pool.primary_config
+        mode = gr.skip() if config.is_remote else config.mode
+        if served is None:
+            return gr.skip(), gr.skip(), _served_choice(config, remote), mode
+        return _header(served.report), served.report.as_markdown(), _served_choice(config, remote), mode
+
+    def predict_fit(model: str | None, mode: str | None) -> str:
+        """The fit prediction shown before loading (weights estimated from the model's config)."""
+        try:
+            return pool.fit(_switch_config(model, mode)).describe()
+        except LLMCoreError as exc:
+            return f"*{exc}*"
+
+    def switch(model: str | None, mode: str | None) -> Iterator[tuple[Any, ...]]:
+        """Load the chosen model and serve chat from it, streaming the load's progress (locate/download, load and
+        quantize, warm-up, unload of the previous one); yields (status, model panel, header)."""
+        try:
+            config = _switch_config(model, mode)
+            check_allowed(config, settings)
+        except LLMCoreError as exc:
+            raise _user_error(exc) from None
+        messages: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        outcome: list[Any] = []
+
+        def load() -> None:  # on its own thread, so the page sees each step as it happens
+            try:
+                outcome.append(pool.switch_primary(config, progress=messages.put)[0])
+            except LLMCoreError as exc:
+                outcome.append(exc)
+            finally:
+                messages.put(None)
+
+        lines = [pool.fit(config).describe()]
+        yield "\n\n".join(lines), gr.skip(), gr.skip()
+        threading.Thread(target=load, name="switch-model", daemon=True).start()
+        while (line := messages.get()) is not None:
+            lines.append(line)
+            yield "\n\n".join(lines), gr.skip(), gr.skip()
+        result = outcome[0] if outcome else None
+        if isinstance(result, LLMCoreError):
+            yield "\n\n".join([*lines, f"**Not switched:** {result}"]), gr.skip(), gr.skip()
+            raise _user_error(result)
+        assert result is not None
+        yield "\n\n".join(lines), result.report.as_markdown(), _header(result.report)
+
+    def _remote_config() -> CompareConfig:
+        """The remote side, named by the model the engine serves (OPENAI_MODEL, or the one it listed first)."""
+        model = settings.remote.model or pool.get(CompareConfig(None, REMOTE_MODE))[0].report.model
+        return CompareConfig(model, REMOTE_MODE)
+
 
     def export(history_rows: list[dict[str, Any]], kind: str, request: gr.Request) -> str:
         if not history_rows:
@@ -333,7 +504,7 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
     ttl_s = int(settings.server.export_ttl_s)
     # Gradio keeps its own copy of each served file: delete_cache drops those after the same time.
     with gr.Blocks(title="Local LLM demo", fill_height=True, delete_cache=(min(ttl_s, 600), ttl_s)) as demo:
-        gr.Markdown(f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}")
+        header = gr.Markdown(_header(report), elem_id="header")
         stats_history = gr.State([])
         with gr.Tab("Chat", id="chat-tab"):
             with gr.Row(equal_height=False):
@@ -347,14 +518,28 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                         stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
                         regen = gr.Button("Regenerate", elem_id="regenerate")
                         clear_btn = gr.Button("Clear", elem_id="clear")
+                        api_chat = gr.Button(visible=False, elem_id="api-chat")  # triggers of the API endpoints
+                        api_regen = gr.Button(visible=False, elem_id="api-regenerate")
+                        api_compare = gr.Button(visible=False, elem_id="api-compare")
                 with gr.Column(scale=2):
                     stats_md = gr.Markdown(format_stats(None), elem_id="stats")
                     with gr.Accordion("Raw stats (JSON)", open=False):
                         stats_json = gr.JSON(value={}, elem_id="stats-json", show_label=False)
                     with gr.Accordion("Generation settings", open=True):
                         options = _Options(settings)
-                    with gr.Accordion("Model", open=False):
-                        gr.Markdown(report.as_markdown(), elem_id="model-info")
+                    with gr.Accordion("Model", open=False, elem_id="model-panel"):
+                        model_info = gr.Markdown(report.as_markdown(), elem_id="model-info")
+                        with gr.Row():
+                            switch_model = gr.Dropdown(
+                                served_choices, value=_served_choice(pool.primary_config, remote),
+                                label="Serve another model", allow_custom_value=settings.compare.allow_custom_models,
+                                elem_id="switch-model")
+                            switch_mode = gr.Dropdown(list(settings.compare.modes), value=pool.primary_config.mode
+                                                      if not pool.primary_config.is_remote else None,
+                                                      label="Quantization", elem_id="switch-mode")
+                        switch_fit = gr.Markdown(elem_id="switch-fit")
+                        switch_btn = gr.Button("Load and serve", elem_id="switch-load")
+                        switch_status = gr.Markdown(elem_id="switch-status")
         with gr.Tab("Compare", id="compare-tab"):
             gr.Markdown("The same prompt, generation settings and seed through each configuration, one after "
                         "another; each side's own numbers. Generation settings are those of the Chat tab.")
@@ -363,14 +548,15 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
             side_inputs: list[Any] = []
             outputs_text: list[Any] = []
             outputs_stats: list[Any] = []
-            model_choices = [_model_choice(m) for m in allowed_models(settings)]
+            model_choices = served_choices
             defaults = _default_sides(settings)
             with gr.Row(equal_height=False):
                 for i in range(MAX_COMPARE_SIDES):
                     with gr.Column():
                         model, mode = defaults[i]
                         side_inputs += [
-                            gr.Dropdown(model_choices, value=_model_choice(model), label=f"Side {i + 1}: model",
+                            gr.Dropdown(model_choices, value=remote if remote and i == 0 and settings.remote.engine ==
+                                        "openai" else _model_choice(model), label=f"Side {i + 1}: model",
                                         allow_custom_value=settings.compare.allow_custom_models,
                                         elem_id=f"compare-model-{i}"),
                             gr.Dropdown([*settings.compare.modes, *([NO_SIDE] if i >= 2 else [])], value=mode,
@@ -384,20 +570,18 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
                                                         container=True, min_height=120))
                         outputs_stats.append(gr.Markdown(elem_id=f"compare-stats-{i}"))
             compare_diff = gr.Markdown(elem_id="compare-diff")
-            with gr.Row():
-                compare_summary = gr.Dataframe(elem_id="compare-summary", label="Summary", interactive=False)
-                compare_plot = gr.BarPlot(x="configuration", y="decode_tokens_per_s", elem_id="compare-plot",
-                                          label="Decode tokens/s", x_label_angle=-20)
+            compare_summary = gr.Dataframe(elem_id="compare-summary", label="Summary", interactive=False, wrap=True)
+            compare_plot = gr.HTML(_summary_bars([]), elem_id="compare-plot", label="Bars")
             compare_json = gr.JSON(visible=False)
         build_fit_tab(settings)
         with gr.Tab("Session stats", id="history-tab"):
             gr.Markdown("Every reply of this browser session (chat and compare), with what produced it.")
-            history_table = gr.Dataframe(elem_id="history-table", interactive=False)
+            history_table = gr.Dataframe(elem_id="history-table", interactive=False, wrap=True)
             with gr.Row():
-                speed_plot = gr.LinePlot(x="reply", y="decode_tokens_per_s", label="Decode tokens/s per reply",
-                                         elem_id="history-speed")
-                memory_plot = gr.LinePlot(x="reply", y="peak_memory_mib", label="Peak memory (MiB) per reply",
-                                          elem_id="history-memory")
+                speed_plot = gr.ScatterPlot(x="reply", y="decode_tokens_per_s", color="configuration", y_lim=[0, None],
+                                            label="Decode tokens/s per reply", elem_id="history-speed")
+                memory_plot = gr.ScatterPlot(x="reply", y="peak_memory_mib", color="configuration", y_lim=[0, None],
+                                             label="Peak memory (MiB) per reply", elem_id="history-memory")
             with gr.Row():
                 export_csv_btn = gr.Button("Export CSV", elem_id="export-csv")
                 export_json_btn = gr.Button("Export JSON", elem_id="export-json")
@@ -410,23 +594,42 @@ def build_demo(engine: ChatEngine, settings: Settings, pool: EnginePool | None =
         # engine admits at most one running and SESSION_MAX_WAITING waiting requests per session (refusing more at
         # once) and gives a free slot to the session served least recently. Gradio's FIFO queue, with its position
         # display, holds what exceeds this width, kept below Gradio's worker threads so Stop always finds one.
+        # The page's events warn about bad input (_in_page); the named API endpoints sit on triggers no one sees and
+        # fail the call, as API callers expect. (Their own api_names: a private event named after its function would
+        # take the public endpoint's name.)
         chat_width = min(_WORKER_THREADS - 8, concurrency + settings.server.queue_size)
-        send_event = send.click(respond, chat_inputs, chat_outputs, api_name="chat", concurrency_id="chat",
-                                concurrency_limit=chat_width)
-        submit_event = chat_input.submit(respond, chat_inputs, chat_outputs, api_visibility="private",
-                                         concurrency_id="chat", concurrency_limit=chat_width)
-        regen_event = regen.click(regenerate, [chatbot, *options.components, stats_history], chat_outputs[1:],
-                                  api_name="regenerate", concurrency_id="chat", concurrency_limit=chat_width)
-        compare_event = compare_btn.click(
-            compare, [compare_input, *side_inputs, *options.components, stats_history],
-            [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json,
-             stats_history], api_name="compare", concurrency_limit=1)  # loads/unloads models: one at a time
-        for event in (send_event, submit_event, regen_event, compare_event):
+        in_chat: dict[str, Any] = {"concurrency_id": "chat", "concurrency_limit": chat_width}
+        send_event = send.click(_in_page(respond, len(chat_outputs)), chat_inputs, chat_outputs,
+                                api_name="chat_in_page", api_visibility="private", **in_chat)
+        submit_event = chat_input.submit(_in_page(respond, len(chat_outputs)), chat_inputs, chat_outputs,
+                                         api_name="chat_in_page", api_visibility="private", **in_chat)
+        api_event = api_chat.click(respond, chat_inputs, chat_outputs, api_name="chat", **in_chat)
+        regen_inputs = [chatbot, *options.components, stats_history]
+        regen_event = regen.click(_in_page(regenerate, len(chat_outputs) - 1), regen_inputs, chat_outputs[1:],
+                                  api_name="regenerate_in_page", api_visibility="private", **in_chat)
+        api_regen_event = api_regen.click(regenerate, regen_inputs, chat_outputs[1:], api_name="regenerate",
+                                          **in_chat)
+        compare_inputs = [compare_input, *side_inputs, *options.components, stats_history]
+        compare_outputs = [*outputs_text, *outputs_stats, compare_summary, compare_plot, compare_diff, compare_json,
+                           stats_history]
+        # Loads/unloads models: one comparison at a time, page and API together.
+        compare_event = compare_btn.click(_in_page(compare, len(compare_outputs)), compare_inputs, compare_outputs,
+                                          api_name="compare_in_page", api_visibility="private",
+                                          concurrency_id="compare", concurrency_limit=1)
+        api_compare_event = api_compare.click(compare, compare_inputs, compare_outputs, api_name="compare",
+                                              concurrency_id="compare", concurrency_limit=1)
+        replies: list[Any] = [send_event, submit_event, api_event, regen_event, api_regen_event]
+        for event in (*replies, compare_event, api_compare_event):
             event.then(show_history, stats_history, history_outputs, api_visibility="private")
-        stop_btn.click(stop, None, None, cancels=[send_event, submit_event, regen_event, compare_event],
-                       queue=False, api_name="stop")
-        clear_btn.click(clear, None, [chatbot, stats_md, stats_json],
-                        cancels=[send_event, submit_event, regen_event], queue=False, api_name="clear")
+        stop_btn.click(stop, None, None, cancels=[*replies, compare_event, api_compare_event], queue=False,
+                       api_name="stop")
+        clear_btn.click(clear, None, [chatbot, stats_md, stats_json], cancels=replies, queue=False, api_name="clear")
+        demo.load(current_model, None, [header, model_info, switch_model, switch_mode], api_visibility="private")
+        for control in (switch_model, switch_mode):
+            control.change(predict_fit, [switch_model, switch_mode], switch_fit, api_visibility="private")
+        # A page action only (not an API endpoint or MCP tool): it changes the model for every user of the demo.
+        switch_btn.click(switch, [switch_model, switch_mode], [switch_status, model_info, header],
+                         api_visibility="private", concurrency_id="switch", concurrency_limit=1)
         export_csv_btn.click(export_csv_file, stats_history, export_file, api_visibility="private")
         export_json_btn.click(export_json_file, stats_history, export_file, api_visibility="private")
         demo.unload(end_session)
@@ -499,9 +702,36 @@ def _summary_frame(rows: list[dict[str, Any]]) -> Any:
                                        "peak_memory_mib", "weights_mib", "load_s"])
 
 
-def _summary_plot(rows: list[dict[str, Any]]) -> Any:
-    frame = _summary_frame(rows)[["configuration", "decode_tokens_per_s"]]
-    return frame.astype({"decode_tokens_per_s": "float64"})
+BAR_METRICS = (("decode_tokens_per_s", "Decode tokens/s", "higher is faster", "{:,.1f}"),
+               ("ttft_ms", "Time to first token (ms)", "lower is faster", "{:,.0f}"),
+               ("peak_memory_mib", "Peak memory (MiB), this configuration's own", "lower is smaller", "{:,.0f}"))
+
+
+def _summary_bars(rows: list[dict[str, Any]]) -> str:
+    """The Compare chart: for each number, one bar per configuration with its full label, every bar drawn from
+    zero (so 28 against 20 looks like 28 against 20). HTML rather than gr.BarPlot, whose axis cuts labels to ~180 px."""
+    if not rows:
+        return "<p><em>Bars appear here when a comparison has finished sides.</em></p>"
+    out = []
+    for key, title, hint, fmt in BAR_METRICS:
+        values = [(r["configuration"], r.get(key)) for r in rows]
+        top = max((v for _, v in values if v is not None), default=0) or 1
+        out.append(f'<div class="compare-bars" data-metric="{key}" style="margin-bottom:12px">'
+                   f'<div style="font-weight:600">{html.escape(title)} <span style="font-weight:400;opacity:.7">'
+                   f'({hint})</span></div>')
+        for label, value in values:
+            width = 0.0 if value is None else 100.0 * value / top
+            shown = "n/a" if value is None else fmt.format(value)
+            out.append(
+                '<div class="bar-row" style="display:grid;grid-template-columns:minmax(8rem,2fr) 3fr 5rem;'
+                'gap:8px;align-items:center;margin:3px 0">'
+                f'<div class="bar-label" style="overflow-wrap:anywhere">{html.escape(label)}</div>'
+                '<div style="background:var(--background-fill-secondary);height:1.1rem">'
+                f'<div class="bar" data-value="{"" if value is None else value}" style="width:{width:.2f}%;'
+                'height:100%;background:var(--color-accent)"></div></div>'
+                f'<div class="bar-value" style="text-align:right">{shown}</div></div>')
+        out.append("</div>")
+    return "".join(out)
 
 
 _WORKER_THREADS = 40  # gradio's default max_threads: the thread pool its sync handlers run on
@@ -532,10 +762,12 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
     return vars(parser.parse_args(argv))
 
 
-def launch(demo: gr.Blocks, settings: Settings, **options: Any) -> Any:
+def launch(demo: gr.Blocks, settings: Settings, pool: EnginePool | None = None, **options: Any) -> Any:
     """Serve the demo as settings say: AUTH -> parse_auth -> Gradio's login, with login throttling per address,
     session-owner checks on the routes Gradio leaves open, unused routes closed, clean errors for malformed
-    payloads (llm_core.web.guard). `options` go to gr.Blocks.launch (tests: prevent_thread_lock, quiet)."""
+    payloads (llm_core.web.guard); with `pool`, the OpenAI-compatible API under /v1 on the same server, on the
+    engine that serves the chat tab (llm_core.web.openai_api); MCP_SERVER. `options` go to gr.Blocks.launch
+    (tests: prevent_thread_lock, quiet)."""
     from fastapi.exceptions import RequestValidationError
     from starlette.middleware import Middleware
 
@@ -545,10 +777,14 @@ def launch(demo: gr.Blocks, settings: Settings, **options: Any) -> Any:
     server = settings.server
     throttle = LoginThrottle(server.login_max_failures, server.login_window_s)
     guard = Middleware(GuardMiddleware, throttle=throttle, owners=SessionOwners(), auth=server.auth is not None)
-    app_kwargs = {"middleware": [guard], "exception_handlers": {RequestValidationError: validation_error_handler}}
+    check_mcp_support(settings)
+    app_kwargs: dict[str, Any] = {"middleware": [guard],
+                                  "exception_handlers": {RequestValidationError: validation_error_handler}}
+    if pool is not None:
+        app_kwargs["routes"] = [Mount("/v1", app=create_openai_app(pool.primary, settings, _api_error))]
     return demo.launch(server_name=server.host, server_port=server.port, share=server.share,
                        auth=parse_auth(server.auth) if server.auth else None, show_error=True,
-                       max_threads=_WORKER_THREADS, app_kwargs=app_kwargs, **options)
+                       max_threads=_WORKER_THREADS, app_kwargs=app_kwargs, mcp_server=server.mcp_server, **options)
 
 
 def start(argv: list[str] | None = None, **launch_options: Any) -> gr.Blocks:
@@ -560,10 +796,13 @@ def start(argv: list[str] | None = None, **launch_options: Any) -> gr.Blocks:
     warning = check_exposure(settings.server)
     if warning:
         log.warning(warning)
-    engine = ChatEngine.load(settings, progress=log.info)
+    check_mcp_support(settings)
+    engine: ChatBackend = (RemoteEngine.connect(settings, progress=log.info) if settings.remote.engine == "openai"
+                           else ChatEngine.load(settings, progress=log.info))
     log.info("Load report: %s", json.dumps(engine.report.as_dict()))
-    demo = build_demo(engine, settings)
-    launch(demo, settings, prevent_thread_lock=True, **launch_options)
+    pool = EnginePool(settings, primary=engine)
+    demo = build_demo(engine, settings, pool)
+    launch(demo, settings, pool, prevent_thread_lock=True, **launch_options)
     return demo
 
 
@@ -576,6 +815,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     demo.block_thread()
     return 0
+
+
+def check_mcp_support(settings: Settings) -> None:
+    """MCP_SERVER=true needs Gradio's MCP extra; say so before the model loads, not after."""
+    if settings.server.mcp_server and importlib.util.find_spec("mcp") is None:
+        raise SettingsError('MCP_SERVER=true needs Gradio\'s MCP support: pip install "gradio[mcp]==6.31.0", or set '
+                            "MCP_SERVER=false.")
 
 
 if __name__ == "__main__":

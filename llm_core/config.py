@@ -27,6 +27,11 @@ DECODE_PATHS = ("auto", "fast", "plain")
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
 KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.memory.kv_cache
+ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
+
+# Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
+# when that setting is not given as a flag, in the environment or in .env: ours win when set.
+GRADIO_FALLBACKS = (("HOST", "GRADIO_SERVER_NAME"), ("PORT", "GRADIO_SERVER_PORT"), ("MCP_SERVER", "GRADIO_MCP_SERVER"))
 
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)
@@ -119,6 +124,7 @@ class ServerSettings:
     share: bool = False
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
+    mcp_server: bool = False  # Gradio's MCP server for the chat endpoint (needs gradio[mcp])
     max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
     session_max_waiting: int = 1  # requests one session may have waiting beside its running one; more are refused
     allow_open_host: bool = False  # serve a non-loopback HOST or a SHARE link without AUTH (refused unless set)
@@ -155,6 +161,14 @@ class CompareSettings:
 
 
 @dataclass(frozen=True)
+class RemoteSettings:
+    engine: str = "local"  # local: load MODEL_ID in this process; openai: serve chat from OPENAI_BASE_URL
+    base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1 (vLLM, SGLang, llama.cpp's server, this demo)
+    api_key: str | None = field(default=None, repr=False)  # never printed, logged or shown
+    model: str | None = None  # the remote model's id; None = the first one the server lists
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     generation: GenerationSettings = field(default_factory=GenerationSettings)
@@ -162,6 +176,7 @@ class Settings:
     server: ServerSettings = field(default_factory=ServerSettings)
     compare: CompareSettings = field(default_factory=CompareSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
 
     @classmethod
     def from_env(
@@ -181,6 +196,9 @@ class Settings:
                 raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
             if value is not None:
                 raw[key] = value
+        for ours, gradios in GRADIO_FALLBACKS:  # Gradio's (and Spaces') own variables, where ours are not set
+            if ours not in raw and str(environ.get(gradios, "")).strip():
+                raw[ours] = environ[gradios]
         return cls.from_mapping(raw)
 
     @classmethod
@@ -240,6 +258,14 @@ class Settings:
             raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
         if self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
+        _check_choice("ENGINE", self.remote.engine, ENGINES)
+        url = self.remote.base_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise SettingsError(f"OPENAI_BASE_URL must start with http:// or https://, got {url!r}; write e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
+        if self.remote.engine == "openai" and url is None:
+            raise SettingsError("ENGINE=openai needs OPENAI_BASE_URL, the server's OpenAI API root, e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
 
     def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
         """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
@@ -472,12 +498,16 @@ SPECS: tuple[SettingSpec, ...] = (
                 "most characters of text accepted in a request's history"),
     SettingSpec("MAX_SYSTEM_PROMPT_CHARS", "chat", "max_system_prompt_chars", _parse_int,
                 "longest accepted system prompt (checked before anything is tokenized)"),
-    SettingSpec("HOST", "server", "host", _parse_str, "address to bind; 127.0.0.1 keeps the demo local"),
-    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on"),
+    SettingSpec("HOST", "server", "host", _parse_str,
+                "address to bind; 127.0.0.1 keeps the demo local; unset: GRADIO_SERVER_NAME if set"),
+    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on; unset: GRADIO_SERVER_PORT if set"),
     SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
     SettingSpec("AUTH", "server", "auth", _parse_opt_str,
                 "user:password[,user2:password2] required to open the demo", secret=True),
     SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
+    SettingSpec("MCP_SERVER", "server", "mcp_server", _parse_bool,
+                "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
+                "GRADIO_MCP_SERVER if set"),
     SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
                 "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
@@ -504,10 +534,20 @@ SPECS: tuple[SettingSpec, ...] = (
                 "let a typed Hub id be downloaded (ALLOW_CUSTOM_MODELS; uses HF_TOKEN if set)"),
     SettingSpec("COMPARE_MAX_LOADED", "compare", "max_loaded", _parse_int,
                 "model configurations the Compare view keeps loaded at most (least recently used unloaded first)"),
+    SettingSpec("ENGINE", "remote", "engine", _parse_choice(ENGINES),
+                "local = load MODEL_ID here; openai = chat through the OpenAI-compatible server at OPENAI_BASE_URL"),
+    SettingSpec("OPENAI_BASE_URL", "remote", "base_url", _parse_opt_str,
+                "a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, this demo), e.g. "
+                "http://127.0.0.1:8000/v1; also offered in the Compare view when set"),
+    SettingSpec("OPENAI_API_KEY", "remote", "api_key", _parse_opt_str,
+                "API key for OPENAI_BASE_URL (empty = none); never logged or shown", secret=True),
+    SettingSpec("OPENAI_MODEL", "remote", "model", _parse_opt_str,
+                "model id on OPENAI_BASE_URL; empty = the first model the server lists"),
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
 _SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
-                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings}
+                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings,
+                              "remote": RemoteSettings}
 
 
 def env_example() -> str:

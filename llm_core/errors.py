@@ -22,6 +22,10 @@ class InputError(LLMCoreError):
     """A request is malformed: empty message, out-of-range option, malformed history."""
 
 
+class BusyError(InputError):
+    """The request was refused because the server (or this session) is busy; the same request can be retried later."""
+
+
 class ContextBudgetError(LLMCoreError):
     """The request cannot fit the model's context (or memory) budget even after dropping old turns."""
 

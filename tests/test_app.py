@@ -168,12 +168,22 @@ def test_browser_compare_view_and_session_stats_export(app_url: str, artifacts_d
             for i in (0, 1):
                 expect(page.locator(f"#compare-stats-{i}")).to_contain_text("tokens/s")
             expect(page.locator("#compare-summary")).to_contain_text("embedded · none · sdpa")
+            bars = page.locator("#compare-plot [data-metric='decode_tokens_per_s'] .bar-row")
+            expect(bars.locator(".bar-label")).to_have_text(["embedded · nf4 · sdpa", "embedded · none · sdpa"])
+            values = [float(v) for v in bars.locator(".bar").evaluate_all("bars => bars.map(b => b.dataset.value)")]
+            widths = bars.locator(".bar").evaluate_all("bars => bars.map(b => b.getBoundingClientRect().width)")
+            assert widths[0] / widths[1] == pytest.approx(values[0] / values[1], rel=0.02)  # bars drawn from zero
             page.screenshot(path=str(artifacts_dir / "compare.png"), full_page=True)
 
             page.get_by_role("tab", name="Session stats").click()
             expect(page.locator("#history-table")).to_contain_text("none", timeout=20_000)
             page.locator("#export-csv").click()
             expect(page.locator("#export-file")).to_contain_text(re.compile(r"reply-stats\s*\.csv"), timeout=20_000)
+            speed = page.locator("#history-speed")
+            expect(speed).to_contain_text("embedded · none · sdpa", timeout=20_000)  # one series per configuration
+            expect(speed).to_contain_text("embedded · nf4 · sdpa")
+            x_axis = speed.locator("svg [aria-label^='X-axis']").get_attribute("aria-label") or ""
+            assert "discrete scale with 2 values: 1, 2" in x_axis  # whole reply numbers, not 1.2, 1.4, ...
             page.screenshot(path=str(artifacts_dir / "session-stats.png"), full_page=True)
         finally:
             browser.close()

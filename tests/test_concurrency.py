@@ -396,12 +396,13 @@ def test_chat_events_share_one_queue_as_wide_as_the_batch(batched_fp32: ChatEngi
     """Gradio lets as many chat replies run as the engine batches; the rest wait in one shared queue, which shows
     each waiting user its position (show_progress="full"); a comparison (it loads models) stays one at a time."""
     demo = build_demo(batched_fp32, batched_fp32.settings)
-    fns = {(fn.name, fn.api_name): fn for fn in demo.fns.values()}
-    chat_fns = [fn for (name, _), fn in fns.items() if name in ("respond", "regenerate")]
-    assert len(chat_fns) == 3  # send, Enter, regenerate
+    chat_fns = [fn for fn in demo.fns.values() if fn.name in ("respond", "regenerate")]
+    assert len(chat_fns) == 5  # send, Enter and regenerate in the page; the /chat and /regenerate API endpoints
     assert {fn.concurrency_id for fn in chat_fns} == {"chat"} and all(fn.show_progress == "full" for fn in chat_fns)
     assert demo._queue.default_concurrency_limit == batched_fp32.max_concurrent_replies == 4
-    assert fns[("compare", "compare")].concurrency_limit == 1
+    compare_fns = [fn for fn in demo.fns.values() if fn.name == "compare"]  # the page's button and the API's
+    assert len(compare_fns) == 2 and all(fn.concurrency_limit == 1 for fn in compare_fns)
+    assert {fn.concurrency_id for fn in compare_fns} == {"compare"}  # one comparison at a time, page and API
 
 
 # --- hostile input through the API -------------------------------------------------------------------------------

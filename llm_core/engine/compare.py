@@ -34,6 +34,7 @@ from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
 from ..memory.kv_cache import check_kv_mode
 from ..metrics import ReplyStats, format_bytes
+from .backend import ChatBackend
 from .chat import ChatEngine, ReplyUpdate
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
@@ -45,6 +46,9 @@ MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
     "none": ("none", None),
 }
 
+REMOTE_MODE = "remote"  # a side served by the OpenAI-compatible server at OPENAI_BASE_URL (llm_core.engine.remote)
+
+
 @dataclass(frozen=True)
 class CompareConfig:
     """One side of a comparison: model + quantization preset + attention + KV-cache mode."""
@@ -55,7 +59,7 @@ class CompareConfig:
     kv_cache: str = "dynamic"
 
     def __post_init__(self) -> None:
-        if self.mode not in MODE_PRESETS:
+        if self.mode not in MODE_PRESETS and self.mode != REMOTE_MODE:
             raise InputError(f"Unknown quantization mode {self.mode!r}; choose one of {', '.join(MODE_PRESETS)}.")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(f"Unknown attention {self.attn_implementation!r}; choose one of "
@@ -71,7 +75,13 @@ class CompareConfig:
         return replace(self, kv_cache="dynamic") if self.kv_cache != "dynamic" else self
 
     @property
+    def is_remote(self) -> bool:
+        return self.mode == REMOTE_MODE
+
+    @property
     def label(self) -> str:
+        if self.is_remote:
+            return f"{self.model_id or 'remote model'} · remote"
         model = self.model_id or "embedded"
         parts = [model, self.mode, self.attn_implementation]
         if self.kv_cache != "dynamic":
@@ -90,6 +100,8 @@ class CompareConfig:
 
     @classmethod
     def of_settings(cls, settings: Settings) -> CompareConfig:
+        if settings.remote.engine == "openai":
+            return cls(settings.remote.model, REMOTE_MODE)
         m = settings.model
         mode = m.quantization if m.quantization in ("fp4", "int8", "none") else (
             "nf4" if m.use_double_quant else "nf4-nodq")
@@ -131,6 +143,10 @@ def _custom_model_allowed(model_id: str, settings: Settings) -> bool:
 def check_allowed(config: CompareConfig, settings: Settings) -> None:
     """Everything about a side that can be checked before loading: mode, model, and the KV mode on this device.
     A typed model that is missing and one that is not allowed get the same answer (no probing of the disk)."""
+    if config.is_remote:
+        if settings.remote.base_url is None:
+            raise InputError("No remote engine is configured here (OPENAI_BASE_URL).")
+        return
     if config.mode not in settings.compare.modes:
         raise InputError(f"Mode {config.mode!r} is not enabled here; allowed: {', '.join(settings.compare.modes)}.")
     model_id = config.model_id
@@ -165,14 +181,19 @@ class EnginePool:
     """Loaded ChatEngines by configuration. Loads on demand; unloads the least recently used before a load that
     would not fit (weights estimate + reserve vs available memory). The primary engine serves the chat tab."""
 
-    def __init__(self, settings: Settings, primary: ChatEngine | None = None, *, progress: Progress | None = None,
+    def __init__(self, settings: Settings, primary: ChatBackend | None = None, *, progress: Progress | None = None,
                  reserve_bytes: int | None = None) -> None:
         self.settings = settings
         self.primary_config = CompareConfig.of_settings(settings)
         self._engines: OrderedDict[CompareConfig, ChatEngine] = OrderedDict()
         self._resident_bytes: dict[CompareConfig, int] = {}  # memory each engine holds (measured at its load)
-        if primary is not None:
+        # The remote engine (OPENAI_BASE_URL) holds no memory here: kept apart from the loaded engines, connected on
+        # first use unless it is the served one (ENGINE=openai).
+        self._remote: ChatBackend | None = None
+        if isinstance(primary, ChatEngine):
             self._engines[self.primary_config] = primary
+        elif primary is not None:
+            self._remote = primary
         self._lock = threading.RLock()  # serialises loads and unloads (held for a whole load)
         self._map_lock = threading.Lock()  # guards _engines only: never held across a load
         self._progress = progress or (lambda _m: None)
@@ -185,20 +206,30 @@ class EnginePool:
         with self._map_lock:
             return list(self._engines)
 
-    def engines(self) -> list[ChatEngine]:
+    def engines(self) -> list[ChatBackend]:
         """The loaded engines right now, without waiting for a load in progress (e.g. to Stop a reply)."""
         with self._map_lock:
-            return list(self._engines.values())
+            return [*self._engines.values(), *([self._remote] if self._remote is not None else [])]
 
-    def primary(self) -> ChatEngine:
+    def primary(self) -> ChatBackend:
         engine, _notes = self.get(self.primary_config)
         return engine
 
-    def get(self, config: CompareConfig) -> tuple[ChatEngine, list[str]]:
+    def _remote_engine(self) -> ChatBackend:
+        with self._lock:
+            if self._remote is None:
+                from .remote import RemoteEngine
+
+                self._remote = RemoteEngine.connect(self.settings, progress=self._progress)
+            return self._remote
+
+    def get(self, config: CompareConfig, progress: Progress | None = None) -> tuple[ChatBackend, list[str]]:
         """The engine for `config` (model + quantization + attention: its KV mode is a per-reply option), loading
         it (and unloading others to make room, or to stay within COMPARE_MAX_LOADED) if needed; notes say what
         happened, for the user. A resident engine is returned at once, even while another configuration loads
         (a chat message does not wait for a comparison's model load)."""
+        if config.is_remote:
+            return self._remote_engine(), []
         config = config.engine_key
         resident = self._touch(config)
         if resident is not None:
@@ -226,12 +257,57 @@ class EnginePool:
             if memory_available(device) < need:
                 raise ModelLoadError(f"{config.label} needs about {format_bytes(need)} with its working room, but "
                                      f"only {format_bytes(memory_available(device))} is available.")
-            self._progress(f"Loading {config.label}…")
+            say = progress or self._progress
+            for note in notes:
+                say(note)
+            say(f"Loading {config.label}…")
             before = memory_in_use(device)
-            engine = ChatEngine.load(settings, progress=self._progress)
+            engine = ChatEngine.load(settings, progress=say)
             with self._map_lock:
                 self._engines[config] = engine
                 self._resident_bytes[config] = max(0, memory_in_use(device) - before)
+            return engine, notes
+
+    def served(self) -> ChatBackend | None:
+        """The engine serving chat now if it is loaded (None while a comparison has unloaded it); never loads."""
+        if self.primary_config.is_remote:
+            return self._remote
+        with self._map_lock:
+            return self._engines.get(self.primary_config)
+
+    def fit(self, config: CompareConfig) -> Fit:
+        """Whether `config` would fit before loading it: its weights estimated from the model's config (no download
+        of weights) plus working room, against what is available now and what unloading the others would free."""
+        if config.is_remote:
+            return Fit(config, 0, 0, 0, resident=True)
+        if self._touch(config) is not None:
+            return Fit(config, 0, 0, 0, resident=True)
+        settings = config.apply(self.settings)
+        with self._lock:  # the estimate builds the model on the meta device (accelerate patches nn.Module
+            weights = estimate_weights_bytes(settings.model)  # process-wide): never while a load runs
+        device = resolve_device(settings.model)
+        with self._map_lock:
+            freeable = sum(self._resident_bytes.get(c, e.report.weights_bytes or 0) for c, e in self._engines.items())
+        return Fit(config, weights + self.reserve_bytes, memory_available(device), freeable)
+
+    def switch_primary(self, config: CompareConfig, progress: Progress | None = None) -> tuple[ChatBackend, list[str]]:
+        """Serve chat from `config` from now on, without a restart: load it (unloading others if it would not fit
+        beside them), then unload the previously served engine and release its memory. Notes say what happened."""
+        check_allowed(config, self.settings)
+        say = progress or self._progress
+        with self._lock:
+            fit = self.fit(config)
+            if not fit.fits:  # refused before anything is unloaded: the current model keeps serving
+                raise ModelLoadError(fit.describe())
+            old = self.primary_config
+            engine, notes = self.get(config, progress=say)
+            self.primary_config = config
+            if old != config and old in self.resident():
+                freed = self.unload(old)
+                note = f"Unloaded {old.label}, the model served before (freed {format_bytes(freed)})."
+                say(note)
+                notes.append(note)
+            say(f"Now serving {config.label}.")
             return engine, notes
 
     def _touch(self, config: CompareConfig) -> ChatEngine | None:
@@ -247,7 +323,7 @@ class EnginePool:
         weights' footprint for one it was given (the served engine)."""
         config = config.engine_key
         with self._map_lock:
-            return sum(self._resident_bytes.get(c, e.loaded.report.weights_bytes or 0)
+            return sum(self._resident_bytes.get(c, e.report.weights_bytes or 0)
                        for c, e in self._engines.items() if c != config)
 
     def unload(self, config: CompareConfig) -> int:
@@ -267,6 +343,38 @@ class EnginePool:
             del engine
             free_memory(device)
             return max(0, before - memory_in_use(device))
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The fit prediction shown before a load: bytes needed (weights + working room), available now, and what the
+    other loaded engines hold (unloaded first if the new one would not fit beside them)."""
+
+    config: CompareConfig
+    need_bytes: int
+    available_bytes: int
+    freeable_bytes: int
+    resident: bool = False  # already loaded (or remote): nothing to load
+
+    @property
+    def fits_beside(self) -> bool:
+        return self.resident or self.need_bytes <= self.available_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_beside or self.need_bytes <= self.available_bytes + self.freeable_bytes
+
+    def describe(self) -> str:
+        if self.resident:
+            return f"{self.config.label} is already loaded: switching is immediate."
+        numbers = (f"needs about {format_bytes(self.need_bytes)} (weights and working room); "
+                   f"{format_bytes(self.available_bytes)} available now")
+        if self.fits_beside:
+            return f"{self.config.label} {numbers}: fits."
+        if self.fits:
+            return (f"{self.config.label} {numbers}: fits once the loaded models are unloaded "
+                    f"({format_bytes(self.freeable_bytes)}); they will be.")
+        return f"{self.config.label} {numbers}, {format_bytes(self.freeable_bytes)} more after unloading: does not fit."
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ContextBudgetError, GenerationError, InputError
+from ..errors import BusyError, ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
 from ..sampling import logits_processors, next_token
@@ -107,6 +107,32 @@ class _Ticket:
         """Block until this request's fair turn, then hold a slot. Raises ReplyStopped if Stop comes first.
         `on_wait(ahead)` is called whenever the number of requests that go before this one changes."""
         self.slots._wait_turn(self, on_wait)
+
+
+class SessionSlots:
+    """At most one running reply per session, none waiting: what a remote engine (llm_core.engine.remote) allows
+    each session; a second request while one runs is refused with BusyError (HTTP 429 on the /v1 API)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: set[str] = set()
+
+    @contextlib.contextmanager
+    def hold(self, session_id: str) -> Iterator[None]:
+        with self._lock:
+            if session_id in self._busy:
+                raise BusyError("A reply is already being written in this session. Wait for it to finish or "
+                                "press Stop, then send again.")
+            self._busy.add(session_id)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._busy.discard(session_id)
+
+    def busy(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._busy
 
 
 class ReplySlots:
@@ -188,7 +214,7 @@ class ReplySlots:
         with self._cond:
             held = self._running[session_id] + sum(1 for t in self._waiting if t.session_id == session_id)
             if held >= 1 + self.session_max_waiting:
-                raise InputError(
+                raise BusyError(
                     "This session already has a reply being written" + (
                         f" and {held - 1} waiting" if held > 1 else "") + " (the limit per session is "
                     f"{1 + self.session_max_waiting}). Wait for it to finish or press Stop, then send again.")

@@ -1,0 +1,419 @@
+"""OpenAI-compatible chat API over the served engine: `GET /v1/models`, `POST /v1/chat/completions`. No Gradio here.
+
+`create_openai_app` returns a FastAPI app to mount at `/v1` on the demo's own server (app.py does the mounting), so
+any OpenAI client works with `base_url="http://HOST:PORT/v1"`. Replies go through the same engine as the chat tab:
+the same memory guard, batching, per-session limit (one running reply per API key) and history trimming. `usage`
+counts token ids (the prompt as fed after trimming, the generated ids), and every reply carries the engine's full
+numbers in an extra `stats` field. Library errors become OpenAI-shaped errors through `describe_error`, which the
+caller supplies (app.py: the one place where library errors are translated).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..config import HISTORY_TURNS_RANGE, Settings, parse_auth
+from ..engine.backend import ChatBackend
+from ..engine.chat import ReplyUpdate
+from ..errors import BusyError, InputError, LLMCoreError
+from ..history import check_history_size, content_to_text, turns_from_messages
+from ..metrics import ReplyStats
+from ..models import EMBEDDED_NAME
+
+# (HTTP status, OpenAI error type, OpenAI error code) for a library error.
+ErrorInfo = tuple[int, str, str | None]
+DescribeError = Callable[[LLMCoreError], ErrorInfo]
+GetEngine = Callable[[], ChatBackend]
+
+FINISH_REASONS = {"eos": "stop", "length": "length", "stopped": "stop"}  # ReplyStats.finish_reason -> OpenAI's
+MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+
+
+def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> str:
+    """The model name clients pass as `model`: MODEL_ID or the embedded model's name, or a remote engine's model
+    (OPENAI_MODEL, or the one it picked). With `engine`, that engine's (the served model may have been switched)."""
+    from ..engine.remote import RemoteEngine
+
+    if isinstance(engine, RemoteEngine):
+        return engine.model
+    if engine is not None:
+        settings = engine.settings
+    if settings.remote.engine == "openai":
+        return settings.remote.model or ""
+    return settings.model.model_id or EMBEDDED_NAME
+
+
+class ChatCompletionRequest(BaseModel):
+    """The request body of POST /v1/chat/completions. Fields outside OpenAI's API (and our two extensions) are
+    refused; OpenAI fields this server cannot honour are accepted only at their neutral values."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    n: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # Extensions, as vLLM and llama.cpp's server accept them.
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+    def unsupported(self) -> str | None:
+        """What this server cannot do of what the request asks, in words; None if it can do all of it."""
+        if self.n not in (None, 1):
+            return "n must be 1: this server writes one choice per request."
+        if self.presence_penalty or self.frequency_penalty:
+            return ("presence_penalty and frequency_penalty are not supported; use repetition_penalty (1.0-2.0) "
+                    "instead.")
+        if self.logprobs or self.top_logprobs:
+            return "logprobs are not supported by this server."
+        if self.logit_bias:
+            return "logit_bias is not supported by this server."
+        if self.tools or self.tool_choice not in (None, "none"):
+            return "tools and tool_choice are not supported by this server."
+        if self.response_format and self.response_format.get("type") != "text":
+            return "response_format must be {\"type\": \"text\"}: structured output is not supported."
+        return None
+
+
+class ApiError(Exception):
+    """An error of the HTTP layer itself (auth, model name, body), already in OpenAI's terms."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """An OpenAI message list split the way the engine takes it."""
+
+    system_prompt: str  # "" = the configured SYSTEM_PROMPT
+    history: list[dict[str, Any]]  # earlier user/assistant messages
+    message: str  # the newest user message
+
+
+def split_messages(messages: list[dict[str, Any]]) -> Conversation:
+    """System/developer messages become the system prompt; the last message must come from the user."""
+    system: list[str] = []
+    rest: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role in ("system", "developer"):
+            system.append(content_to_text(msg.get("content")))
+        elif role in ("user", "assistant"):
+            rest.append({"role": role, "content": msg.get("content")})
+        else:
+            raise InputError(f"messages[{i}] has role {role!r}; this server takes system, developer, user and "
+                             "assistant messages (no tool calls).")
+    if not rest or rest[-1]["role"] != "user":
+        raise InputError("The last message must come from the user.")
+    return Conversation("\n\n".join(s for s in system if s.strip()), rest[:-1], content_to_text(rest[-1]["content"]))
+
+
+class StopScanner:
+    """Cuts streamed text at the first stop sequence; holds back the tail that could still become one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def cut(self, text: str) -> int | None:
+        """Index where the first stop sequence starts in `text`, or None."""
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def safe_length(self, text: str) -> int:
+        """How much of `text` may be sent now: nothing that could be the start of a stop sequence."""
+        return max(0, len(text) - self.hold) if self.stops else len(text)
+
+
+class OpenAIServer:
+    """The state of one mounted API: the engine getter, settings, keys and the count of requests in flight."""
+
+    def __init__(self, get_engine: GetEngine, settings: Settings, describe_error: DescribeError) -> None:
+        self.get_engine = get_engine
+        self.settings = settings
+        self.describe_error = describe_error
+        self._keys = [f"{user}:{password}" for user, password in parse_auth(settings.server.auth)] if (
+            settings.server.auth) else []
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        chat = settings.chat
+        # Largest body accepted: every allowed character as a 6-byte JSON escape, plus 64 KiB for the rest.
+        self.max_body_bytes = 6 * (chat.max_message_chars + chat.max_history_chars) + 65_536
+
+    @property
+    def model_id(self) -> str:
+        """The served model now (it can be switched in the page without a restart)."""
+        return served_model_id(self.settings, self.get_engine())
+
+    # --- access ------------------------------------------------------------------------------------
+    def caller(self, request: Request) -> str:
+        """Who is asking: the AUTH user whose `user:password` is the Bearer key; anyone when AUTH is unset."""
+        if not self._keys:
+            host = request.client.host if request.client else "local"
+            return f"anonymous@{host}"
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "Missing API key: send `Authorization: Bearer USER:PASSWORD` with one of the "
+                           "demo's AUTH logins (the openai client: api_key=\"USER:PASSWORD\").", code="invalid_api_key")
+        key = key.strip()
+        for known in self._keys:
+            if hmac.compare_digest(known.encode(), key.encode()):
+                return known.partition(":")[0]
+        raise ApiError(401, "Incorrect API key: use USER:PASSWORD of one of the demo's AUTH logins.",
+                       code="invalid_api_key")
+
+    def enter(self) -> None:
+        with self._in_flight_lock:
+            if self._in_flight >= self.settings.server.queue_size:
+                raise BusyError(f"The server is busy: {self._in_flight} API requests are running or waiting "
+                                f"(QUEUE_SIZE={self.settings.server.queue_size}). Try again shortly.")
+            self._in_flight += 1
+
+    def leave(self) -> None:
+        with self._in_flight_lock:
+            self._in_flight -= 1
+
+    # --- requests ------------------------------------------------------------------------------------
+    async def parse(self, request: Request) -> ChatCompletionRequest:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            raise ApiError(413, f"The request body has {int(length):,} bytes; the limit is {self.max_body_bytes:,} "
+                           "(MAX_MESSAGE_CHARS and MAX_HISTORY_CHARS).", code="request_too_large")
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            raise ApiError(413, f"The request body has {len(body):,} bytes; the limit is {self.max_body_bytes:,}.",
+                           code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "The request body is not valid JSON.") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, "The request body must be a JSON object.")
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            param = ".".join(str(p) for p in first.get("loc", ())) or None
+            problem = "is not a field of this API" if first.get("type") == "extra_forbidden" else first.get("msg")
+            raise ApiError(400, f"{param}: {problem}." if param else f"{problem}.", param=param) from None
+        unsupported = req.unsupported()
+        if unsupported:
+            raise ApiError(400, unsupported, code="unsupported_parameter")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
+            raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings.", param="stop")
+        return req
+
+    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatBackend, str, Iterator[ReplyUpdate],
+                                                                          ReplyUpdate]:
+        """Validate against the engine, start the reply and wait for its first update (runs in a worker thread:
+        errors before the first token still get their own HTTP status). Returns the served model's id too."""
+        engine = self.get_engine()
+        model_id = served_model_id(self.settings, engine)
+        if req.model != model_id:
+            raise ApiError(404, f"The model {req.model!r} is not served here; this server serves {model_id!r} "
+                           "(GET /v1/models).", code="model_not_found", param="model")
+        options: dict[str, Any] = {
+            "max_new_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty, "seed": req.seed,
+        }
+        if req.temperature is not None:  # 0 = greedy, as OpenAI's API; unset = the server's DO_SAMPLE/TEMPERATURE
+            options.update(do_sample=req.temperature > 0, temperature=req.temperature or None)
+        gen = engine.request_options(**options)
+        conversation = split_messages(req.messages)
+        chat = self.settings.chat
+        check_history_size(conversation.history, max_messages=chat.max_history_messages,
+                           max_chars=chat.max_history_chars)
+        turns = turns_from_messages(conversation.history)
+        # The client sends what it wants in context: keep every turn the budget allows (dropped ones are noted).
+        stream = engine.stream_chat(conversation.message, turns, gen=gen, history_turns=HISTORY_TURNS_RANGE[1],
+                                    system_prompt=conversation.system_prompt, request_id=session)
+        first = next(stream)
+        return engine, model_id, stream, first
+
+
+def _usage(update: ReplyUpdate) -> dict[str, int]:
+    completion = update.stats.new_tokens  # generated token ids, EOS included (a remote engine's own count)
+    return {"prompt_tokens": update.stats.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": update.stats.prompt_tokens + completion}
+
+
+def _stats_field(stats: ReplyStats) -> dict[str, Any]:
+    return stats.as_dict()
+
+
+def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error: DescribeError) -> FastAPI:
+    """The `/v1` app: mount it with `Mount("/v1", app=...)`. `get_engine` returns the engine that serves chat now."""
+    server = OpenAIServer(get_engine, settings, describe_error)
+    api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+
+    def error_response(exc: Exception) -> JSONResponse:
+        if isinstance(exc, ApiError):
+            return JSONResponse(exc.body(), status_code=exc.status)
+        assert isinstance(exc, LLMCoreError)
+        status, type_, code = describe_error(exc)
+        return JSONResponse(error_body(str(exc), type_, code), status_code=status)
+
+    api.add_exception_handler(ApiError, lambda _r, exc: error_response(exc))
+    api.add_exception_handler(LLMCoreError, lambda _r, exc: error_response(exc))
+
+    @api.get("/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        server.caller(request)
+        model_id = await run_in_threadpool(lambda: server.model_id)  # may wait for the served model to load
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local"}]}
+
+    @api.post("/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        user = server.caller(request)
+        req = await server.parse(request)
+        server.enter()
+        left = False
+        try:
+            # One running reply per API key, or per end user of it where the client names them (OpenAI's `user`).
+            session = f"openai-api:{user}" + (f":{req.user}" if req.user else "")
+            engine, model_id, stream, first = await run_in_threadpool(server.start, req, session)
+            stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
+            completion_id = f"chatcmpl-{first.stats.reply_id}"
+            created = int(time.time())
+            if req.stream:
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                left = True  # the stream leaves when it ends
+                return StreamingResponse(
+                    _events(server, engine, stream, first, stops, session, completion_id, created, include_usage,
+                            model_id),
+                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            final = await run_in_threadpool(_drain, engine, stream, first, stops, session)
+            text, reason = _final_text(final, stops)
+            return JSONResponse({
+                "id": completion_id, "object": "chat.completion", "created": created, "model": model_id,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": reason, "logprobs": None}],
+                "usage": _usage(final), "stats": _stats_field(final.stats),
+            })
+        finally:
+            if not left:
+                server.leave()
+
+    return api
+
+
+def _final_text(final: ReplyUpdate, stops: StopScanner) -> tuple[str, str]:
+    cut = stops.cut(final.text)
+    if cut is not None:
+        return final.text[:cut], "stop"
+    return final.text, FINISH_REASONS.get(final.stats.finish_reason, "stop")
+
+
+def _drain(engine: ChatBackend, stream: Iterator[ReplyUpdate], update: ReplyUpdate, stops: StopScanner,
+           session: str) -> ReplyUpdate:
+    """Run the reply to its end (stopping the engine at a stop sequence); the final update."""
+    stopped = False
+    try:
+        while not update.done:
+            if not stopped and stops.cut(update.text) is not None:
+                engine.stop(session)  # halts the decode loop; the engine still yields its final numbers
+                stopped = True
+            update = next(stream)
+        return update
+    finally:
+        _close(stream)  # runs the engine's clean-up now: the session is free for its next request
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
+                  stops: StopScanner, session: str, completion_id: str, created: int, include_usage: bool,
+                  model_id: str) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format; the last content chunk carries finish_reason and `stats`."""
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                     "model": model_id, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                                            "logprobs": None}], **extra})
+
+    sent = 0
+    update = first
+    cut: int | None = None
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            if cut is None:
+                cut = stops.cut(update.text)
+                if cut is not None:
+                    engine.stop(session)
+            end = cut if cut is not None else (len(update.text) if update.done else stops.safe_length(update.text))
+            if end > sent:
+                yield chunk({"content": update.text[sent:end]})
+                sent = end
+            if update.done:
+                break
+            update = await run_in_threadpool(next, stream)
+        reason = "stop" if cut is not None else FINISH_REASONS.get(update.stats.finish_reason, "stop")
+        yield chunk({}, reason, stats=_stats_field(update.stats))
+        if include_usage:
+            yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
+                        "model": model_id, "choices": [], "usage": _usage(update)})
+        yield b"data: [DONE]\n\n"
+    except LLMCoreError as exc:  # after the first token the status is sent: the error travels as an event
+        status, type_, code = server.describe_error(exc)
+        yield _sse(error_body(str(exc), type_, code) | {"status": status})
+    finally:
+        # Client gone, error or done: closing the generator halts this request's decode loop and releases its slot
+        # (the engine's own clean-up, which waits for its worker: off the event loop). Not engine.stop(session):
+        # that would also cancel the session's other request waiting for its turn.
+        asyncio.get_running_loop().run_in_executor(None, _close, stream)
+        server.leave()
+
+
+def _close(stream: Iterator[ReplyUpdate]) -> None:
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
+
