@@ -184,7 +184,7 @@ def test_malformed_and_oversized_bodies_are_refused_with_their_status(api: dict[
 
 
 def test_a_key_gets_one_running_and_one_waiting_reply_and_a_third_is_refused_as_busy(
-        client: Any, api: dict[str, Any]) -> None:
+        client: Any, api: dict[str, Any], nf4_engine: ChatEngine) -> None:
     """The engine's per-session admission (SESSION_MAX_WAITING=1) through the API: while a reply runs, a second
     request of the same key waits its turn, a third gets 429; when the client drops the first, the second runs."""
     stream = ask(client, api, messages=[{"role": "user", "content": "Write a long story about a dragon."}],
@@ -194,16 +194,15 @@ def test_a_key_gets_one_running_and_one_waiting_reply_and_a_third_is_refused_as_
     result: list[Any] = []
     second = threading.Thread(target=lambda: result.append(ask(client, api, max_tokens=2)))
     second.start()
-    refused = None
-    for _ in range(100):  # bounded: until the second request is waiting in the engine
-        try:
-            ask(client, api, max_tokens=2)
-        except openai.RateLimitError as exc:
-            refused = exc
+    for _ in range(600):  # bounded (30 s): until the second request waits in the engine
+        if nf4_engine.waiting() == 1:
             break
         time.sleep(0.05)
-    assert refused is not None and refused.status_code == 429
-    assert "already has a reply being written and 1 waiting" in refused.body["message"]
+    assert nf4_engine.waiting() == 1
+    with pytest.raises(openai.RateLimitError) as refused:
+        ask(client, api, max_tokens=2)
+    assert refused.value.status_code == 429
+    assert "already has a reply being written and 1 waiting" in refused.value.body["message"]
     stream.close()  # the client goes away mid-reply: that reply stops, and the waiting one gets its turn
     second.join(timeout=60)
     assert result and result[0].usage.completion_tokens > 0

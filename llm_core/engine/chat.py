@@ -407,6 +407,10 @@ class ChatEngine:
         """Replies whose generation work is still running on a worker thread."""
         return self._workers.running
 
+    def waiting(self, session_id: str | None = None) -> int:
+        """Requests admitted and waiting for their turn (of one session, or of all)."""
+        return self._lock.waiting(session_id)
+
     @property
     def max_concurrent_replies(self) -> int:
         """Replies served at once (the batch size when batching, else 1): the UI's queue concurrency."""
