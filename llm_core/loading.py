@@ -17,6 +17,7 @@ import torch
 
 from .config import ModelSettings, parse_max_memory
 from .errors import ModelLoadError, SettingsError
+from .memory.device import free_memory
 from .models import ModelSource, resolve_source
 
 Progress = Callable[[str], None]
@@ -246,6 +247,7 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
 
         say(f"Quantizing {source.display_name} for the CPU path ({cpu_format})…")
         extra["cpu_weights"] = quantize_for_cpu(model, cpu_format)
+        free_memory(device)  # the float weights' heap pages back to the OS: RSS is what the CPU path holds
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0

@@ -44,7 +44,7 @@ ACT_DTYPE = torch.bfloat16  # what torch's int4/int8 weight-only CPU kernels tak
 # QUANTIZATION (what the user asked for) -> the weight format the CPU path computes with
 CPU_FORMATS = {"nf4": "int4", "fp4": "int4", "int8": "int8", "none": "dense"}
 # the lm_head's format for each: see docs/cpu.md for the int4-vs-int8 head measurement
-HEAD_FORMATS = {"int4": "int4", "int8": "int8", "dense": "dense"}
+HEAD_FORMATS = {"int4": "int8", "int8": "int8", "dense": "dense"}
 
 
 def cpu_weight_format(quantization: str) -> str:
@@ -239,6 +239,10 @@ def quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWe
             inner.embed_tokens.register_buffer("w0", table.tensors[0], persistent=False)
             if len(table.tensors) > 1:
                 inner.embed_tokens.register_buffer("w1", table.tensors[1], persistent=False)
+        # What is left of the checkpoint (norms; embeddings for dense) may be views into transformers' memory map of
+        # the weights file: give each its own copy, so the map (the whole file, resident once read) is released
+        for param in model.parameters():
+            param.data = param.data.clone()
     return CPUWeights(fmt, layers, head, table)
 
 
