@@ -263,6 +263,10 @@ class StepSpec:
     splits_gate_up: tuple[int, int]
 
 
+def _no_guards(entries: Sequence[Any]) -> list[bool]:
+    return [False for _ in entries]
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm, op for op."""
     xf = x.to(torch.float32)
@@ -311,10 +315,14 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
 
 def head_forward(spec: StepSpec, h: torch.Tensor, norm: torch.Tensor, head: Sequence[torch.Tensor]) -> torch.Tensor:
     """The last row of h (S, H) -> logits (1, V) fp32."""
-    last = _rms_norm(h[-1:], norm, spec.eps)
+    return head_logits(spec, _rms_norm(h[-1:], norm, spec.eps), head)
+
+
+def head_logits(spec: StepSpec, last: torch.Tensor, head: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Final-normed hidden (1, H) -> logits (1, V) fp32. Compiled (int8): one row against the int8 table as one
+    inductor reduction, fp32 products and the row scale after the sum, 2x faster than _weight_int8pack_mm on
+    49152 x 576; the norm stays outside that graph, as inductor would recompute it for every row (docs/cpu.md)."""
     if spec.head_fmt == "int8" and torch.compiler.is_compiling():
-        # one row against the int8 table, as one inductor reduction (fp32 products, per-row scale after the sum):
-        # 2x faster than _weight_int8pack_mm on 49152 x 576 (docs/cpu.md)
         return ((last.float() * head[0].float()).sum(-1) * head[1].float())[None]
     return fused_linear(spec.head_fmt, last, head).float()
 
@@ -375,9 +383,13 @@ class CPUDecoder:
             # attended length dynamic. One graph for the whole step was no faster per token and took 12x longer to
             # compile (docs/cpu.md).
             spec = self.spec
+            # No guards: these graphs are only called from _layered_step with the shapes they were traced with (the
+            # attended length symbolic), and checking ~15 tensors' guards costs ~25 µs a call, 31 calls a token
+            opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards}
             self._layer_c = torch.compile(lambda *a: layer_forward(spec, a[0], a[1], 0, *a[2:]), fullgraph=True,
-                                          dynamic=False)
-            self._head_c = torch.compile(lambda h, n, w: head_forward(spec, h, n, w), fullgraph=True, dynamic=False)
+                                          dynamic=False, options=opts)
+            self._head_c = torch.compile(lambda last, w: head_logits(spec, last, w), fullgraph=True, dynamic=False,
+                                         options=opts)
             self._step = self._layered_step
         elif compile != "off":
             raise GenerationError(f"Unknown CPU compile mode {compile!r}; choose layer or off.")
@@ -399,7 +411,7 @@ class CPUDecoder:
             torch._dynamo.maybe_mark_dynamic(k, 0)
             torch._dynamo.maybe_mark_dynamic(v, 0)
             h = self._layer_c(h, pos, cos, sin, k, v, norms[2 * i], norms[2 * i + 1], self._w[i])
-        return self._head_c(h, norms[-1], self._head)
+        return self._head_c(_rms_norm(h, norms[-1], self.spec.eps), self._head)
 
     def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
         cos, sin = self._cos_sin(pos)
