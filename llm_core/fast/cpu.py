@@ -280,10 +280,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 
 def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
-                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, norm_in: torch.Tensor,
-                  norm_post: torch.Tensor, w: Sequence[torch.Tensor]) -> torch.Tensor:
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int,
+                  norm_in: torch.Tensor, norm_post: torch.Tensor, w: Sequence[torch.Tensor]) -> torch.Tensor:
     """One decoder layer over S tokens at positions pos = start..start+S-1. h (S, H) fp32 residual; cos/sin (S, D);
-    k/v_cache (n, Hkv, D) with n = start + S rows (rows pos are written here; attention reads rows 0..n-1 only);
+    k/v_cache (L, Hkv, D): this layer's whole static cache, its own tensor (rows pos are written in place here;
+    attention reads rows 0..n-1 only, n = start + S);
     w: the tensors of qkv, o, gate_up, down in order."""
     seq = h.shape[0]
     per = 2 if spec.fmt in ("int4", "int8") else 1
@@ -294,8 +295,8 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
     k = _rope(k.view(seq, hkv, d), cos[:, None], sin[:, None])
     k_cache.index_copy_(0, pos, k.to(k_cache.dtype))
     v_cache.index_copy_(0, pos, v.view(seq, hkv, d).to(v_cache.dtype))
-    keys = k_cache.transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, n, D)
-    values = v_cache.transpose(0, 1)[None].to(q.dtype)
+    keys = k_cache[:n].transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, n, D)
+    values = v_cache[:n].transpose(0, 1)[None].to(q.dtype)
     qh = q.transpose(0, 1)[None]  # (1, H, S, D)
     gqa = hkv != nh
     if seq == 1:
@@ -328,14 +329,15 @@ def head_logits(spec: StepSpec, last: torch.Tensor, head: Sequence[torch.Tensor]
 
 
 def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
-                   sin: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, norms: Sequence[torch.Tensor],
-                   weights: Sequence[Sequence[torch.Tensor]], head: Sequence[torch.Tensor],
-                   embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """S tokens `ids` (S,) through every layer -> the last position's logits (1, V) fp32. ks/vs (layers, n, Hkv, D)
-    views of the static cache; norms: per layer (input, post-attention), then the final norm."""
+                   sin: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                   norms: Sequence[torch.Tensor], weights: Sequence[Sequence[torch.Tensor]],
+                   head: Sequence[torch.Tensor], embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """S tokens `ids` (S,) through every layer -> the last position's logits (1, V) fp32. ks/vs: each layer's static
+    cache; norms: per layer (input, post-attention), then the final norm."""
     h = embed(ids)  # (S, H)
     for i in range(spec.n_layers):
-        h = layer_forward(spec, h, pos, start, cos, sin, ks[i], vs[i], norms[2 * i], norms[2 * i + 1], weights[i])
+        h = layer_forward(spec, h, pos, start, cos, sin, ks[i], vs[i], start + ids.shape[0], norms[2 * i],
+                          norms[2 * i + 1], weights[i])
     return head_forward(spec, h, norms[-1], head)
 
 
@@ -372,8 +374,9 @@ class CPUDecoder:
         self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
-        self._k: torch.Tensor | None = None
-        self._v: torch.Tensor | None = None
+        self._k: list[torch.Tensor] = []  # per layer (L, Hkv, D), each its own tensor: written in place by the graph
+        self._v: list[torch.Tensor] = []
+        self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
         self._rows_used = 0
         self._step: Callable[..., torch.Tensor] = self._eager_step
         self.compile_error: str | None = None
@@ -386,8 +389,10 @@ class CPUDecoder:
             # No guards: these graphs are only called from _layered_step with the shapes they were traced with (the
             # attended length symbolic), and checking ~15 tensors' guards costs ~25 µs a call, 31 calls a token
             opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards}
-            self._layer_c = torch.compile(lambda *a: layer_forward(spec, a[0], a[1], 0, *a[2:]), fullgraph=True,
-                                          dynamic=False, options=opts)
+            self._layer_c = torch.compile(
+                lambda h, pos, cos, sin, k, v, length, n1, n2, w: layer_forward(
+                    spec, h, pos, 0, cos, sin, k, v, length.shape[0], n1, n2, w), fullgraph=True, dynamic=False,
+                options=opts)
             self._head_c = torch.compile(lambda last, w: head_logits(spec, last, w), fullgraph=True, dynamic=False,
                                          options=opts)
             self._step = self._layered_step
@@ -402,29 +407,31 @@ class CPUDecoder:
         cos, sin = self._rotary(probe, pos[None])
         return cos[0], sin[0]
 
-    def _layered_step(self, ids: torch.Tensor, pos: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    def _layered_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
         cos, sin = self._cos_sin(pos)
         h = self._embed(ids)
         norms = self._norms
+        length = self._lengths[:n]
+        torch._dynamo.maybe_mark_dynamic(length, 0)
         for i in range(self.spec.n_layers):
-            k, v = ks[i], vs[i]
-            torch._dynamo.maybe_mark_dynamic(k, 0)
-            torch._dynamo.maybe_mark_dynamic(v, 0)
-            h = self._layer_c(h, pos, cos, sin, k, v, norms[2 * i], norms[2 * i + 1], self._w[i])
+            h = self._layer_c(h, pos, cos, sin, self._k[i], self._v[i], length, norms[2 * i], norms[2 * i + 1],
+                              self._w[i])
         return self._head_c(_rms_norm(h, norms[-1], self.spec.eps), self._head)
 
-    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor) -> torch.Tensor:
+    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
         cos, sin = self._cos_sin(pos)
-        return forward_tokens(self.spec, ids, pos, 0, cos, sin, ks, vs, self._norms, self._w, self._head,
-                              self._embed)
+        return forward_tokens(self.spec, ids, pos, n - 1, cos, sin, self._k, self._v, self._norms, self._w,
+                              self._head, self._embed)
 
     def _allocate(self, tokens: int) -> None:
-        """torch.empty: pages are touched (and count in RSS) only as rows are written; no row is read unwritten."""
+        """torch.empty: pages are touched (and count in RSS) only as rows are written; no row is read unwritten.
+        One tensor per layer: a graph that writes into a view of a larger tensor copies more than the row."""
         s = self.spec
-        shape = (s.n_layers, tokens, s.n_kv_heads, s.head_dim)
-        self._k = self._v = None
-        self._k = torch.empty(shape, dtype=self.cache_dtype)
-        self._v = torch.empty(shape, dtype=self.cache_dtype)
+        self._k, self._v = [], []
+        for _ in range(s.n_layers):
+            self._k.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
+            self._v.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
+        self._lengths = torch.empty(tokens, dtype=torch.int8)
 
     @property
     def rows_used(self) -> int:
@@ -436,34 +443,31 @@ class CPUDecoder:
         """The rows the last reply wrote, in the layout metrics.cache_bytes reads (the rest is never touched)."""
         from .generate import KVCacheView, _KVLayer
 
-        if self._k is None or self._v is None:
+        if not self._k:
             return None
         n = self._rows_used
-        return KVCacheView([_KVLayer(self._k[i, :n], self._v[i, :n]) for i in range(self._k.shape[0])])
+        return KVCacheView([_KVLayer(k[:n], v[:n]) for k, v in zip(self._k, self._v, strict=True)])
 
     def kv_bytes_per_token(self) -> int:
         s = self.spec
         return 2 * s.n_layers * s.n_kv_heads * s.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
 
     def _decode(self, token: int, position: int) -> torch.Tensor:
-        assert self._k is not None and self._v is not None
         n = position + 1
-        ks, vs = self._k[:, :n], self._v[:, :n]
         ids = torch.tensor([token])
         pos = torch.tensor([position])
         try:
-            return self._step(ids, pos, ks, vs)
+            return self._step(ids, pos, n)
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an inductor bug: the eager step is the same math
             if self._step == self._eager_step:
                 raise
             log.warning("CPU decode step not compiled (%s: %s); running it eagerly", type(exc).__name__, exc)
             self.compile_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             self._step = self._eager_step
-            return self._step(ids, pos, ks, vs)
+            return self._step(ids, pos, n)
 
     def _prefill(self, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Eager over the prompt (chunks of `chunk` tokens); the last position's logits (1, V) fp32."""
-        assert self._k is not None and self._v is not None
         total = ids.numel()
         chunk = chunk or total
         logits = None
@@ -471,9 +475,8 @@ class CPUDecoder:
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel())
             cos, sin = self._cos_sin(pos)
-            n = start + part.numel()
-            logits = forward_tokens(self.spec, part, pos, start, cos, sin, self._k[:, :n], self._v[:, :n],
-                                    self._norms, self._w, self._head, self._embed)
+            logits = forward_tokens(self.spec, part, pos, start, cos, sin, self._k, self._v, self._norms, self._w,
+                                    self._head, self._embed)
         assert logits is not None
         return logits
 
@@ -496,7 +499,7 @@ class CPUDecoder:
         token through the decode step (no penalty). For the agreement tests and benchmarks."""
         ids = input_ids[0]
         with self._lock, torch.inference_mode(False), torch.no_grad():
-            if self._k is None:
+            if not self._k:
                 self._allocate(self.max_cache_len)
             rows = [self._prefill(ids.to(torch.long))]
             for j, token in enumerate(forced):
@@ -534,7 +537,7 @@ class CPUDecoder:
         if prompt_len + limit > self.max_cache_len:
             raise GenerationError(f"The prompt ({prompt_len:,} tokens) plus max new tokens ({limit:,}) exceed the "
                                   f"CPU path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
-        if self._k is None:
+        if not self._k:
             self._allocate(self.max_cache_len)
         if streamer is not None:
             streamer.put(input_ids.cpu())
