@@ -147,11 +147,20 @@ def gguf_types(path: Path) -> dict[str, int]:
 # --- ours (a worker process) ----------------------------------------------------------------------------------------
 
 
-def _vm_hwm() -> int:
+def _status_bytes(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def _vm_hwm() -> int:
+    return _status_bytes("VmHWM")
+
+
+def _vm_rss() -> int:
+    """RSS with the runtime imported and no model: what the process holds before any weight."""
+    return _status_bytes("VmRSS")
 
 
 def run_ours(model: str | None, prompts: list[str], new_tokens: int, threads: int, repeats: int,
@@ -161,6 +170,9 @@ def run_ours(model: str | None, prompts: list[str], new_tokens: int, threads: in
     from llm_core.engine.chat import ChatEngine
 
     torch.set_num_threads(threads)
+    import transformers  # noqa: F401 - imported before the baseline, as the engine imports it
+
+    baseline = _vm_rss()
     env = {"DEVICE": "cpu", "CACHE_DIR": cache_dir, **({"MODEL_ID": model} if model else {})}
     settings = Settings.from_env(environ=env, env_file=None)
     t0 = time.perf_counter()
@@ -184,7 +196,8 @@ def run_ours(model: str | None, prompts: list[str], new_tokens: int, threads: in
     report = engine.report
     return {"engine": "ours", "decode_path": report.decode_path, "decode_path_reason": report.decode_path_reason,
             "quantization": report.quantization, "weights_bytes": report.weights_bytes, "load_s": load_s,
-            "warmup_s": report.warmup_s, "load_peak_rss_bytes": load_peak, "threads": torch.get_num_threads(),
+            "warmup_s": report.warmup_s, "baseline_rss_bytes": baseline, "load_peak_rss_bytes": load_peak,
+            "threads": torch.get_num_threads(),
             "versions": report.versions, "replies": replies, "prompt_ids": prompt_ids}
 
 
@@ -200,7 +213,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     replies = result["replies"]
     return {"decode_tokens_per_s": _median(replies, "decode_tokens_per_s"), "ttft_s": _median(replies, "ttft_s"),
             "peak_rss_bytes": _median(replies, "peak_rss_bytes"),
-            "load_peak_rss_bytes": result.get("load_peak_rss_bytes"), "replies": len(replies)}
+            "load_peak_rss_bytes": result.get("load_peak_rss_bytes"),
+            "baseline_rss_bytes": result.get("baseline_rss_bytes"), "replies": len(replies)}
 
 
 def _worker(argv: list[str]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ def run(model: str, job_file: str) -> dict:
     from llama_cpp import Llama
 
     job = json.loads(Path(job_file).read_text())
+    baseline = _status_bytes("VmRSS")  # llama_cpp imported, no model
     threads, n = int(job["threads"]), int(job["new_tokens"])
     t0 = time.perf_counter()
     llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads, n_ctx=int(job.get("n_ctx", 2048)),
@@ -74,7 +75,8 @@ def run(model: str, job_file: str) -> dict:
                             "peak_rss_bytes": _status_bytes("VmHWM") if hwm_reset else None,
                             "token_ids": tokens[:16]})
     return {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "model_file": model,
-            "load_s": load_s, "load_peak_rss_bytes": load_peak, "process_peak_rss_bytes": _status_bytes("VmHWM"),
+            "load_s": load_s, "baseline_rss_bytes": baseline, "load_peak_rss_bytes": load_peak,
+            "process_peak_rss_bytes": _status_bytes("VmHWM"),
             "threads": threads, "replies": replies}
 
 
