@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,18 @@ def test_cpu_bench_smoke_runs_ours_on_a_tiny_model_without_llama_cpp(tmp_path: P
     assert [r["new_tokens"] for r in ours["replies"]] == [8]
     assert row["ours_summary"]["decode_tokens_per_s"] > 0 and row["ours_summary"]["peak_rss_bytes"] > 0
     assert result["machine"]["cores"] and result["command"].startswith("python -m bench.cpu --smoke")
+
+
+def test_a_failed_compile_falls_back_to_the_eager_step_with_the_same_tokens(cpu_engine: ChatEngine) -> None:
+    loaded = cpu_engine.loaded
+    decoder = CPUDecoder(loaded, loaded.extra["cpu_weights"], max_cache_len=256)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no C++ compiler")
+
+    decoder._layer_c = broken
+    ids = encode(cpu_engine, PROMPTS[0])
+    gen = cpu_engine.request_options(max_new_tokens=6, repetition_penalty=1.0)
+    got = decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
+    assert decoder.compile_error == "RuntimeError: no C++ compiler"
+    assert got == cpu_engine.backend.decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])

@@ -34,6 +34,8 @@ class CPUBackend:
                                   gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, eos_ids=self.eos_ids(),
                                   prefill_chunk=self.prefill_chunk_tokens)
         finally:
+            if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
+                self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
             if isinstance(cache, RowKV):
                 cache.nbytes = self.decoder.rows_used * self.decoder.kv_bytes_per_token()
 
