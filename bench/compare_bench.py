@@ -345,7 +345,7 @@ class CompareBench:
             return str(self.args.decode_path)
         if self.smoke and MODE_PRESETS[mode][0] in ("nf4", "none"):
             return "fast"
-        return "auto"
+        return "plain" if self.smoke else "auto"  # CPU smoke: as bitsandbytes loads the mode (auto: the CPU path)
 
     # --- run ---------------------------------------------------------------------------------------------------
     def run(self) -> None:

@@ -130,7 +130,8 @@ def summarize(runs: list[RunResult]) -> dict[str, Any]:
 
 def load(model_id: str, quantization: str, device: str, cache_dir: Path, compute_dtype: str) -> LoadedModel:
     env = {"MODEL_ID": model_id, "QUANTIZATION": quantization, "DEVICE": device, "CACHE_DIR": str(cache_dir),
-           "COMPUTE_DTYPE": compute_dtype, "ATTN_IMPLEMENTATION": "sdpa"}
+           "COMPUTE_DTYPE": compute_dtype, "ATTN_IMPLEMENTATION": "sdpa",
+           "DECODE_PATH": "plain"}  # bitsandbytes weights for both recipes; on CPU, auto would load for the CPU path
     settings = Settings.from_env(environ=env, env_file=None).model
     try:
         loaded = load_model(settings)

@@ -20,7 +20,7 @@ QUANTIZATION_MODES = ("nf4", "fp4", "int8", "none")
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 DEVICES = ("auto", "cuda", "cpu")
-DECODE_PATHS = ("auto", "fast", "plain")
+DECODE_PATHS = ("auto", "fast", "plain", "cpu")
 # Fast path: prompts up to this many tokens are prefilled from CUDA graphs, right-padded to 64s (H200, Llama-2-7B,
 # 512 tokens: TTFT 10.8 ms bf16 / 18.4 ms NF4 with no spread, against 17-28 / 21-46 ms compiled and launched per
 # reply; the graphs' pool holds 180 / 260 MB at 704 tokens: bench/results/2026-11-30-h200-prefill-probe.json)
@@ -461,7 +461,8 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("TRUST_REMOTE_CODE", "model", "trust_remote_code", _parse_bool,
                 "run Python code shipped with the model repo (off unless you trust it)"),
     SettingSpec("DECODE_PATH", "model", "decode_path", _parse_choice(DECODE_PATHS),
-                "auto = fast static-cache path where it can run, else plain generate"),
+                "auto = fast static-cache path where it can run (CUDA: compiled + CUDA graphs; CPU: int4/int8 "
+                "weight-only + compiled, the cpu path), else plain generate; cpu = the CPU path or an error"),
     SettingSpec("PREFILL_GRAPH_TOKENS", "model", "prefill_graph_tokens", _parse_int,
                 "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
                 "the graphs hold ~0.3 GB on a 7B model); 0 = off"),

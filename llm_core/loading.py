@@ -17,6 +17,7 @@ import torch
 
 from .config import ModelSettings, parse_max_memory
 from .errors import ModelLoadError, SettingsError
+from .memory.device import free_memory
 from .models import ModelSource, resolve_source
 
 Progress = Callable[[str], None]
@@ -217,6 +218,10 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
     source = resolve_source(settings)
     common: dict[str, Any] = {"revision": source.revision, "token": settings.hf_token,
                               "trust_remote_code": settings.trust_remote_code}
+    cpu_format, cpu_note = _cpu_path_format(settings, device, source, common)
+    if cpu_format is not None:  # the CPU path quantizes the float weights itself (llm_core.fast.cpu), not bitsandbytes
+        quant_config, compute_dtype = None, torch.float32
+        notes.append(cpu_note)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -230,7 +235,8 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
 
     dtype_name = str(compute_dtype).removeprefix("torch.")
     say(f"Loading weights of {source.display_name} ({settings.quantization}, {dtype_name})…")
-    kwargs: dict[str, Any] = dict(common, dtype=compute_dtype, attn_implementation=attention, device_map=device_map)
+    kwargs: dict[str, Any] = dict(common, dtype="auto" if cpu_format else compute_dtype, attn_implementation=attention,
+                                  device_map=device_map)
     if quant_config is not None:
         kwargs["quantization_config"] = quant_config
     if settings.max_memory is not None:
@@ -245,6 +251,13 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
     except Exception as exc:
         raise ModelLoadError(_load_failure_message(source, "model", exc)) from exc
     model.eval()
+    extra: dict[str, Any] = {}
+    if cpu_format is not None:
+        from .fast.cpu import quantize_for_cpu
+
+        say(f"Quantizing {source.display_name} for the CPU path ({cpu_format})…")
+        extra["cpu_weights"] = quantize_for_cpu(model, cpu_format)
+        free_memory(device)  # the float weights' heap pages back to the OS: RSS is what the CPU path holds
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
@@ -255,9 +268,9 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
         model=source.display_name,
         origin=source.origin,
         revision=source.revision,
-        quantization=settings.quantization,
-        double_quant=settings.use_double_quant,
-        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        quantization=cpu_format if cpu_format in ("int4", "int8") else settings.quantization,
+        double_quant=settings.use_double_quant and cpu_format is None,
+        compute_dtype="bfloat16" if cpu_format in ("int4", "int8") else str(compute_dtype).removeprefix("torch."),
         attention=getattr(model.config, "_attn_implementation", attention),
         device=str(device),
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
@@ -270,7 +283,37 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
         quantized_linear_layers=count_quantized_linears(model),
     )
     say(f"Loaded {source.display_name} in {load_s:.1f} s.")
-    return LoadedModel(model, tokenizer, settings, device, compute_dtype, report, source)
+    return LoadedModel(model, tokenizer, settings, device, compute_dtype, report, source, extra)
+
+
+def _cpu_path_format(settings: ModelSettings, device: torch.device, source: ModelSource,
+                     common: dict[str, Any]) -> tuple[str | None, str]:
+    """The CPU path's weight format (llm_core.fast.cpu) and the note saying why, or (None, "") where it does not
+    run: off CPU, DECODE_PATH=plain/fast, MAX_MEMORY, or a model it does not implement (DECODE_PATH=cpu: an error)."""
+    if device.type != "cpu" or settings.decode_path not in ("auto", "cpu") or settings.max_memory is not None:
+        if settings.decode_path == "cpu":
+            raise SettingsError("DECODE_PATH=cpu runs on the CPU only (DEVICE=cpu, no MAX_MEMORY); "
+                                "use DECODE_PATH=auto.")
+        return None, ""
+    from transformers import AutoConfig
+
+    from .fast.cpu import cpu_path_support, cpu_weight_format
+
+    try:
+        config = AutoConfig.from_pretrained(source.name_or_path, **common)
+    except Exception as exc:
+        raise ModelLoadError(_load_failure_message(source, "config", exc)) from exc
+    ok, why = cpu_path_support(config)
+    if not ok:
+        if settings.decode_path == "cpu":
+            raise SettingsError(f"DECODE_PATH=cpu cannot run this model: {why}. Use DECODE_PATH=auto.")
+        return None, ""
+    fmt = cpu_weight_format(settings.quantization)
+    if fmt == "dense":
+        return fmt, "CPU decode path: weights as stored (QUANTIZATION=none)."
+    return fmt, (f"CPU decode path: QUANTIZATION={settings.quantization} computes with {fmt} weight-only kernels "
+                 "(torch's AVX-512/AVX2 CPU kernels, bf16 activations) instead of bitsandbytes, which is several "
+                 "times slower on CPU (docs/cpu.md).")
 
 
 def estimate_weights_bytes(settings: ModelSettings) -> int:

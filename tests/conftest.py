@@ -27,12 +27,14 @@ def _isolated_settings_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> N
 
 
 def make_settings(**values: str) -> Settings:
-    return Settings.from_env(environ={"CACHE_DIR": str(MODEL_CACHE), **values}, env_file=None)
+    """Settings for tests. DECODE_PATH defaults to plain: on CPU, auto serves replies from the CPU path (int4, compiled;
+    tests/test_cpu_path.py passes DECODE_PATH=auto), while these tests are about bitsandbytes and generate."""
+    return Settings.from_env(environ={"CACHE_DIR": str(MODEL_CACHE), "DECODE_PATH": "plain", **values}, env_file=None)
 
 
 @pytest.fixture(scope="session")
 def nf4_engine() -> Iterator[ChatEngine]:
-    """The embedded model as the demo serves it by default: nf4 + double quant, plain generate on CPU."""
+    """The embedded model in nf4 + double quant through bitsandbytes, plain generate on CPU (make_settings)."""
     torch.manual_seed(0)
     yield ChatEngine.load(make_settings())
 

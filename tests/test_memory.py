@@ -68,7 +68,7 @@ HELD_PROMPTS = (
 @pytest.fixture(scope="module")
 def loaded() -> LoadedModel:
     torch.manual_seed(0)
-    settings = Settings.from_env(environ={"CACHE_DIR": str(MODEL_CACHE)}, env_file=None)
+    settings = Settings.from_env(environ={"CACHE_DIR": str(MODEL_CACHE), "DECODE_PATH": "plain"}, env_file=None)
     return load_model(settings.model)
 
 

@@ -280,6 +280,13 @@ class ChatEngine:
         mode = self.settings.model.decode_path
         if mode == "plain":
             return
+        weights = self.loaded.extra.get("cpu_weights")
+        if weights is not None:  # loaded for the CPU path (DECODE_PATH auto/cpu on CPU): llm_core.fast.cpu
+            from .cpu_backend import cpu_backend
+
+            self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(), lambda: _eos_ids(self.loaded),
+                                       self.settings.memory.prefill_chunk_tokens or None)
+            return
         try:
             from .. import fast
         except ImportError as exc:  # the fast path is optional: the plain path always works
@@ -373,7 +380,7 @@ class ChatEngine:
     @property
     def context_limit(self) -> int:
         """Tokens one reply (prompt + new tokens) may span: the model's context, or the fast path's cache."""
-        decoder = self.fast_decoder
+        decoder = getattr(self.backend, "decoder", None)  # the fast or CPU path's static cache
         if decoder is not None:
             return min(self.loaded.context_length, int(decoder.max_cache_len))
         return self.loaded.context_length

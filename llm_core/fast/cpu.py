@@ -1,0 +1,569 @@
+"""CPU decode path: weight-only int4/int8 linears and a static-cache decode step compiled by inductor's CPU code
+generation; knows nothing of chat, settings files or the UI.
+
+Why this route (measured on a 2-core AMD EPYC, docs/cpu.md): decoding one token of a small model reads every weight
+once, so on CPU it is bound by bytes of weights per token and by per-op dispatch (30 layers x ~15 ops). fp32 weights
+read 540 MB per token for SmolLM2-135M; torch's weight-only int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
+activations, AVX-512) reads 0.625 byte per weight, the bytes llama.cpp's Q4_1 reads, and one compiled graph for the
+whole step removes the Python per op. The pipeline:
+
+- quantize_for_cpu (at load, instead of bitsandbytes): every decoder linear becomes int4, groups of 32 along the
+  input with a scale and a float zero (min/max per group: for a Q4_1 GGUF, whose blocks are 32 wide and whose
+  extremes hit 0 and 15, this gives back the file's own grid); the tied lm_head/embedding becomes int8 per row (the
+  GGUF's token table is Q8_0). q/k/v and gate/up are quantized as one fused matrix each; the transformers modules
+  are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
+  reference) and memory is not doubled.
+- prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
+- decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled once by inductor (fullgraph), the
+  attended length dynamic (one graph for every length: attention reads exactly the live rows).
+- select: llm_core.sampling (repetition penalty, warpers, argmax or multinomial) on the step's fp32 scores.
+- stream: each token goes to the streamer as it is produced; Stop is checked before every step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import GenerationSettings
+from ..errors import GenerationError
+from ..sampling import logits_processors, next_token
+
+log = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # int4 group along the input dimension: Q4_1's block
+ACT_DTYPE = torch.bfloat16  # what torch's int4/int8 weight-only CPU kernels take (their fp32 forms are scalar loops)
+# QUANTIZATION (what the user asked for) -> the weight format the CPU path computes with
+CPU_FORMATS = {"nf4": "int4", "fp4": "int4", "int8": "int8", "none": "dense"}
+# the lm_head's format for each: see docs/cpu.md for the int4-vs-int8 head measurement
+HEAD_FORMATS = {"int4": "int8", "int8": "int8", "dense": "dense"}
+
+
+def cpu_weight_format(quantization: str) -> str:
+    """int4 | int8 | dense: the CPU path's weight format for a requested quantization."""
+    return CPU_FORMATS[quantization]
+
+
+CPU_MODEL_TYPES = ("llama", "mistral")  # the layer forward_tokens implements: no biases, no q/k norms
+
+
+def cpu_path_support(config: Any) -> tuple[bool, str]:
+    """(can the CPU path run a model of this config, why not): read before loading, since the path decides how the
+    weights are loaded (float, then quantized here, instead of bitsandbytes)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in CPU_MODEL_TYPES:
+        return False, f"model type {model_type!r} is not implemented by the CPU path ({', '.join(CPU_MODEL_TYPES)})"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return False, "linear biases are not implemented by the CPU path"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False, f"activation {config.hidden_act!r} is not implemented by the CPU path (silu only)"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", model_type == "mistral"):
+        return False, "sliding-window attention is not implemented by the CPU path"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in ("dynamic", "longrope"):
+        return False, f"RoPE type {rope_type!r} changes with the sequence length; not supported by the CPU path"
+    hidden = int(config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", hidden))
+    if hidden % GROUP_SIZE or inter % GROUP_SIZE:
+        return False, f"hidden/MLP sizes ({hidden}, {inter}) are not multiples of the int4 group ({GROUP_SIZE})"
+    return True, ""
+
+
+# --- weights ---------------------------------------------------------------------------------------------------
+
+
+def quantize_int4(w: torch.Tensor, group: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (packed (N, K/2) uint8 in torch's CPU int4 layout, scales_and_zeros (K/group, N, 2) bf16).
+    Asymmetric: w ~ (q - 8) * scale + zero with q in 0..15, scale = (max - min) / 15, zero = min + 8 * scale."""
+    n, k = w.shape
+    g = w.float().view(n, k // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
+    return packed, sz
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> (int8 (N, K), per-row scale (N,) bf16): symmetric, absmax / 127 per row."""
+    wf = w.float()
+    scale = (wf.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale.to(ACT_DTYPE)
+
+
+@dataclass
+class FusedWeights:
+    """One (possibly fused) matrix in the CPU path's format; `splits` are the output rows of its parts."""
+
+    fmt: str  # int4 | int8 | dense
+    n: int
+    k: int
+    splits: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]  # int4: (packed, scales_and_zeros); int8: (w, scale); dense: (w,)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N), in x's dtype (the product in bf16 for int4/int8)."""
+        return fused_linear(self.fmt, x, self.tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+def fused_linear(fmt: str, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    if fmt == "dense":
+        return F.linear(x.to(ts[0].dtype), ts[0]).to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)
+    if fmt == "int4":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, ts[0], GROUP_SIZE, ts[1])
+    else:
+        y = torch._weight_int8pack_mm(flat, ts[0], ts[1])
+    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
+
+
+class CPULinear(nn.Module):
+    """A transformers linear re-pointed at rows [start, stop) of a FusedWeights matrix. The int4 kernel reads its
+    scales contiguously, so a row view of them would be read wrongly: it computes the fused product and keeps its
+    rows (exactly the values the CPU decode step uses; the plain path is the reference, not the fast one)."""
+
+    def __init__(self, fused: FusedWeights, start: int, stop: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = fused.k, stop - start
+        self.fused, self.start, self.stop = fused, start, stop
+        for i, t in enumerate(fused.tensors):  # counted by get_memory_footprint (the first module of a group)
+            self.register_buffer(f"w{i}", t if start == 0 else t[:0], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fused.linear(x)
+        return y if self.stop - self.start == self.fused.n else y[..., self.start:self.stop]
+
+
+class CPUEmbedding(nn.Module):
+    """The token table read from the int8 lm_head (tied embeddings): rows dequantized on lookup, as llama.cpp reads
+    its Q8_0 token table; one copy of the table serves both."""
+
+    def __init__(self, head: FusedWeights, dtype: torch.dtype, padding_idx: int | None = None) -> None:
+        super().__init__()
+        self.head, self.dtype, self.padding_idx = head, dtype, padding_idx
+        self.num_embeddings, self.embedding_dim = head.n, head.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return embed_rows(self.head, ids, self.dtype)
+
+
+def embed_rows(head: FusedWeights, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if head.fmt == "int8":
+        w, scale = head.tensors
+        return (F.embedding(ids, w).to(dtype) * F.embedding(ids, scale[:, None]).to(dtype))
+    return F.embedding(ids, head.tensors[0]).to(dtype)
+
+
+def _quantize_group(modules: Sequence[nn.Linear], fmt: str) -> FusedWeights:
+    w = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
+    if any(getattr(m, "bias", None) is not None for m in modules):
+        raise GenerationError("The CPU path does not implement linear layers with a bias.")
+    n, k = w.shape
+    if fmt == "int4":
+        tensors: tuple[torch.Tensor, ...] = quantize_int4(w)
+    elif fmt == "int8":
+        tensors = quantize_int8(w)
+    else:
+        tensors = (w.contiguous(),)
+    return FusedWeights(fmt, n, k, tuple(int(m.weight.shape[0]) for m in modules), tensors)
+
+
+def _repoint(owner: nn.Module, names: Sequence[str], fused: FusedWeights) -> None:
+    start = 0
+    for name, rows in zip(names, fused.splits, strict=True):
+        setattr(owner, name, CPULinear(fused, start, start + rows))
+        start += rows
+
+
+@dataclass
+class CPUWeights:
+    """What quantize_for_cpu made: per layer [qkv, o, gate_up, down], the lm_head, and the token table the embedding
+    reads rows of (the head itself when it is int8 or dense and tied)."""
+
+    fmt: str
+    layers: list[list[FusedWeights]]
+    head: FusedWeights
+    embed: FusedWeights
+
+    @property
+    def nbytes(self) -> int:
+        tables = [self.head] + ([self.embed] if self.embed is not self.head else [])
+        return sum(f.nbytes for layer in self.layers for f in layer) + sum(t.nbytes for t in tables)
+
+
+def quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWeights:
+    """Quantize a llama-family model's linears in place (int4 | int8 | dense = fuse only); the float originals are
+    freed module by module. The lm_head takes `head_fmt` (default: HEAD_FORMATS[fmt]); the embedding reads an int8
+    (dense for dense) table: the head's own when they are tied and it has that format, else one of its own."""
+    inner = model.model
+    layers: list[list[FusedWeights]] = []
+    head_fmt = head_fmt or HEAD_FORMATS[fmt]
+    with torch.no_grad():
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _quantize_group([attn.q_proj, attn.k_proj, attn.v_proj], fmt)
+            _repoint(attn, ("q_proj", "k_proj", "v_proj"), qkv)
+            o = _quantize_group([attn.o_proj], fmt)
+            _repoint(attn, ("o_proj",), o)
+            gate_up = _quantize_group([mlp.gate_proj, mlp.up_proj], fmt)
+            _repoint(mlp, ("gate_proj", "up_proj"), gate_up)
+            down = _quantize_group([mlp.down_proj], fmt)
+            _repoint(mlp, ("down_proj",), down)
+            layers.append([qkv, o, gate_up, down])
+        lm_head = model.get_output_embeddings()
+        embed = model.get_input_embeddings()
+        tied = lm_head.weight.data_ptr() == embed.weight.data_ptr()
+        dtype = embed.weight.dtype
+        table_fmt = "dense" if fmt == "dense" else "int8"
+        head = _quantize_group([lm_head], head_fmt)
+        table = head if tied and head_fmt == table_fmt else _quantize_group([embed], table_fmt)
+        model.lm_head = CPULinear(head, 0, head.n)
+        model.config.tie_word_embeddings = False  # nothing may re-tie the modules to a float table
+        inner.embed_tokens = CPUEmbedding(table, dtype, getattr(embed, "padding_idx", None))
+        if table is not head:
+            inner.embed_tokens.register_buffer("w0", table.tensors[0], persistent=False)
+            if len(table.tensors) > 1:
+                inner.embed_tokens.register_buffer("w1", table.tensors[1], persistent=False)
+        # What is left of the checkpoint (norms; embeddings for dense) may be views into transformers' memory map of
+        # the weights file: give each its own copy, so the map (the whole file, resident once read) is released
+        for param in model.parameters():
+            param.data = param.data.clone()
+    return CPUWeights(fmt, layers, head, table)
+
+
+# --- the step ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scale: float
+    eps: float
+    fmt: str
+    head_fmt: str
+    splits_qkv: tuple[int, int, int]
+    splits_gate_up: tuple[int, int]
+
+
+def _no_guards(entries: Sequence[Any]) -> list[bool]:
+    return [False for _ in entries]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int,
+                  norm_in: torch.Tensor, norm_post: torch.Tensor, w: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One decoder layer over S tokens at positions pos = start..start+S-1. h (S, H) fp32 residual; cos/sin (S, D);
+    k/v_cache (L, Hkv, D): this layer's whole static cache, its own tensor (rows pos are written in place here;
+    attention reads rows 0..n-1 only, n = start + S);
+    w: the tensors of qkv, o, gate_up, down in order."""
+    seq = h.shape[0]
+    per = 2 if spec.fmt in ("int4", "int8") else 1
+    hkv, nh, d = spec.n_kv_heads, spec.n_heads, spec.head_dim
+    x = _rms_norm(h, norm_in, spec.eps)
+    q, k, v = fused_linear(spec.fmt, x, w[0:per]).split(spec.splits_qkv, dim=-1)
+    q = _rope(q.view(seq, nh, d), cos[:, None], sin[:, None])
+    k = _rope(k.view(seq, hkv, d), cos[:, None], sin[:, None])
+    k_cache.index_copy_(0, pos, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, pos, v.view(seq, hkv, d).to(v_cache.dtype))
+    keys = k_cache[:n].transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, n, D)
+    values = v_cache[:n].transpose(0, 1)[None].to(q.dtype)
+    qh = q.transpose(0, 1)[None]  # (1, H, S, D)
+    gqa = hkv != nh
+    if seq == 1:
+        attn = F.scaled_dot_product_attention(qh, keys, values, scale=spec.scale, enable_gqa=gqa)
+    elif start == 0:
+        attn = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=spec.scale, enable_gqa=gqa)
+    else:  # a later chunk: every cached row before it, causal within it
+        n = keys.shape[2]
+        mask = torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]
+        attn = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=spec.scale, enable_gqa=gqa)
+    attn = attn[0].transpose(0, 1).reshape(seq, nh * d)
+    h = h + fused_linear(spec.fmt, attn, w[per:2 * per])
+    x = _rms_norm(h, norm_post, spec.eps)
+    gate, up = fused_linear(spec.fmt, x, w[2 * per:3 * per]).split(spec.splits_gate_up, dim=-1)
+    return h + fused_linear(spec.fmt, F.silu(gate) * up, w[3 * per:4 * per])
+
+
+def head_forward(spec: StepSpec, h: torch.Tensor, norm: torch.Tensor, head: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The last row of h (S, H) -> logits (1, V) fp32."""
+    return head_logits(spec, _rms_norm(h[-1:], norm, spec.eps), head)
+
+
+def head_logits(spec: StepSpec, last: torch.Tensor, head: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Final-normed hidden (1, H) -> logits (1, V) fp32. Compiled (int8): one row against the int8 table as one
+    inductor reduction, fp32 products and the row scale after the sum, 2x faster than _weight_int8pack_mm on
+    49152 x 576; the norm stays outside that graph, as inductor would recompute it for every row (docs/cpu.md)."""
+    if spec.head_fmt == "int8" and torch.compiler.is_compiling():
+        return ((last.float() * head[0].float()).sum(-1) * head[1].float())[None]
+    return fused_linear(spec.head_fmt, last, head).float()
+
+
+def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
+                   sin: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                   norms: Sequence[torch.Tensor], weights: Sequence[Sequence[torch.Tensor]],
+                   head: Sequence[torch.Tensor], embed: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """S tokens `ids` (S,) through every layer -> the last position's logits (1, V) fp32. ks/vs: each layer's static
+    cache; norms: per layer (input, post-attention), then the final norm."""
+    h = embed(ids)  # (S, H)
+    for i in range(spec.n_layers):
+        h = layer_forward(spec, h, pos, start, cos, sin, ks[i], vs[i], start + ids.shape[0], norms[2 * i],
+                          norms[2 * i + 1], weights[i])
+    return head_forward(spec, h, norms[-1], head)
+
+
+class CPUDecoder:
+    """Static KV cache, quantized weights and the compiled decode step of one loaded (CPU-quantized) model.
+
+    One reply at a time (a lock). `generate` has FastDecoder's contract: it streams token ids into a
+    TextIteratorStreamer-like object and honours a stop event."""
+
+    def __init__(self, loaded: Any, weights: CPUWeights, *, max_cache_len: int | None = None,
+                 compile: str = "layer") -> None:
+        model = loaded.model
+        cfg = model.config
+        inner = model.model
+        self.loaded, self.weights = loaded, weights
+        self.dtype = torch.float32  # the residual stream, norms and RoPE: fp32 whatever the checkpoint's dtype
+        n_heads = int(cfg.num_attention_heads)
+        n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+        attn0 = inner.layers[0].self_attn
+        self.spec = StepSpec(len(inner.layers), n_heads, n_kv, head_dim, float(attn0.scaling),
+                             float(inner.norm.variance_epsilon), weights.fmt, weights.head.fmt,
+                             tuple(weights.layers[0][0].splits), tuple(weights.layers[0][2].splits))  # type: ignore[arg-type]
+        self._norms = [t.detach().float() for layer in inner.layers
+                       for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+        self._norms.append(inner.norm.weight.detach().float())
+        self._w = [[t for f in layer for t in f.tensors] for layer in weights.layers]
+        self._head = list(weights.head.tensors)
+        self._rotary = inner.rotary_emb
+        table = weights.embed
+        self._embed: Callable[[torch.Tensor], torch.Tensor] = lambda ids: embed_rows(table, ids, self.dtype)
+        # dense weights: the cache in their dtype (fp32: the token-equality reference); int4/int8: bf16, as llama.cpp
+        # keeps its cache in f16
+        self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
+        self.max_cache_len = int(max_cache_len or loaded.context_length)
+        self._lock = threading.Lock()
+        self._k: list[torch.Tensor] = []  # per layer (L, Hkv, D), each its own tensor: written in place by the graph
+        self._v: list[torch.Tensor] = []
+        self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
+        self._rows_used = 0
+        self._step: Callable[..., torch.Tensor] = self._eager_step
+        self.compile_error: str | None = None
+        self.compile_mode = compile
+        if compile == "layer":
+            # One graph for every layer (its weights are inputs) and one for the head, each compiled once, the
+            # attended length dynamic. One graph for the whole step was no faster per token and took 12x longer to
+            # compile (docs/cpu.md).
+            spec = self.spec
+            # No guards: these graphs are only called from _layered_step with the shapes they were traced with (the
+            # attended length symbolic), and checking ~15 tensors' guards costs ~25 µs a call, 31 calls a token
+            opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards}
+            self._layer_c = torch.compile(
+                lambda h, pos, cos, sin, k, v, length, n1, n2, w: layer_forward(
+                    spec, h, pos, 0, cos, sin, k, v, length.shape[0], n1, n2, w), fullgraph=True, dynamic=False,
+                options=opts)
+            self._head_c = torch.compile(lambda last, w: head_logits(spec, last, w), fullgraph=True, dynamic=False,
+                                         options=opts)
+            self._step = self._layered_step
+        elif compile != "off":
+            raise GenerationError(f"Unknown CPU compile mode {compile!r}; choose layer or off.")
+        self.compile_s: float | None = None
+        self.warmup_s: float | None = None
+
+    # --- pieces ---------------------------------------------------------------------------------------------
+    def _cos_sin(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(1, 1, 1, dtype=self.dtype)
+        cos, sin = self._rotary(probe, pos[None])
+        return cos[0], sin[0]
+
+    def _layered_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+        cos, sin = self._cos_sin(pos)
+        h = self._embed(ids)
+        norms = self._norms
+        length = self._lengths[:n]
+        torch._dynamo.maybe_mark_dynamic(length, 0)
+        for i in range(self.spec.n_layers):
+            h = self._layer_c(h, pos, cos, sin, self._k[i], self._v[i], length, norms[2 * i], norms[2 * i + 1],
+                              self._w[i])
+        return self._head_c(_rms_norm(h, norms[-1], self.spec.eps), self._head)
+
+    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
+        cos, sin = self._cos_sin(pos)
+        return forward_tokens(self.spec, ids, pos, n - 1, cos, sin, self._k, self._v, self._norms, self._w,
+                              self._head, self._embed)
+
+    def _allocate(self, tokens: int) -> None:
+        """torch.empty: pages are touched (and count in RSS) only as rows are written; no row is read unwritten.
+        One tensor per layer: a graph that writes into a view of a larger tensor copies more than the row."""
+        s = self.spec
+        self._k, self._v = [], []
+        for _ in range(s.n_layers):
+            self._k.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
+            self._v.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
+        self._lengths = torch.empty(tokens, dtype=torch.int8)
+
+    @property
+    def rows_used(self) -> int:
+        """Cache rows the last reply wrote (prompt + new tokens fed back)."""
+        return self._rows_used
+
+    @property
+    def cache(self) -> Any:
+        """The rows the last reply wrote, in the layout metrics.cache_bytes reads (the rest is never touched)."""
+        from .generate import KVCacheView, _KVLayer
+
+        if not self._k:
+            return None
+        n = self._rows_used
+        return KVCacheView([_KVLayer(k[:n], v[:n]) for k, v in zip(self._k, self._v, strict=True)])
+
+    def kv_bytes_per_token(self) -> int:
+        s = self.spec
+        return 2 * s.n_layers * s.n_kv_heads * s.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
+
+    def _decode(self, token: int, position: int) -> torch.Tensor:
+        n = position + 1
+        ids = torch.tensor([token])
+        pos = torch.tensor([position])
+        try:
+            return self._step(ids, pos, n)
+        except Exception as exc:  # noqa: BLE001 - no C++ compiler, an inductor bug: the eager step is the same math
+            if self._step == self._eager_step:
+                raise
+            log.warning("CPU decode step not compiled (%s: %s); running it eagerly", type(exc).__name__, exc)
+            self.compile_error = f"{type(exc).__name__}: {str(exc)[:200]}"
+            self._step = self._eager_step
+            return self._step(ids, pos, n)
+
+    def _prefill(self, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+        """Eager over the prompt (chunks of `chunk` tokens); the last position's logits (1, V) fp32."""
+        total = ids.numel()
+        chunk = chunk or total
+        logits = None
+        for start in range(0, total, chunk):
+            part = ids[start:start + chunk]
+            pos = torch.arange(start, start + part.numel())
+            cos, sin = self._cos_sin(pos)
+            logits = forward_tokens(self.spec, part, pos, start, cos, sin, self._k, self._v, self._norms, self._w,
+                                    self._head, self._embed)
+        assert logits is not None
+        return logits
+
+    # --- warm-up and generation -------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Allocate the cache and compile the step (its attended length dynamic from the second call on)."""
+        t0 = time.perf_counter()
+        with self._lock, torch.inference_mode(False), torch.no_grad():
+            self._allocate(self.max_cache_len)
+            self._prefill(torch.arange(4))
+            t1 = time.perf_counter()
+            for p in (4, 5, 6):
+                self._decode(1, p)
+            self.compile_s = round(time.perf_counter() - t1, 3) if self.compile_mode != "off" else None
+        self.warmup_s = round(time.perf_counter() - t0, 3)
+        return self.warmup_s
+
+    def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
+        """Teacher forcing: fp32 logits (1 + len(forced), V) at the last prompt position and after feeding each forced
+        token through the decode step (no penalty). For the agreement tests and benchmarks."""
+        ids = input_ids[0]
+        with self._lock, torch.inference_mode(False), torch.no_grad():
+            if not self._k:
+                self._allocate(self.max_cache_len)
+            rows = [self._prefill(ids.to(torch.long))]
+            for j, token in enumerate(forced):
+                rows.append(self._decode(int(token), ids.numel() + j))
+            return torch.cat(rows, 0)
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                 streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
+                 min_new_tokens: int = 0, eos_ids: Sequence[int] = (), prefill_chunk: int | None = None
+                 ) -> list[int]:
+        """Like model.generate for batch 1 (repetition penalty, sampling, min_new_tokens as generate applies them):
+        streamer.put(prompt), then every new token as it is made, then streamer.end() (also on stop or error).
+        Returns the new token ids."""
+        try:
+            with self._lock, torch.inference_mode(False), torch.no_grad():
+                return self._generate(input_ids, attention_mask, gen, streamer, stop_event, int(max_new_tokens),
+                                      int(min_new_tokens), set(eos_ids), prefill_chunk)
+        finally:
+            if streamer is not None:
+                streamer.end()
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
+                  streamer: Any, stop_event: threading.Event, limit: int, min_new: int, eos: set[int],
+                  prefill_chunk: int | None) -> list[int]:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise GenerationError(f"The CPU decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
+        ids = input_ids[0]
+        if attention_mask is not None and not bool(attention_mask.all()):
+            ids = ids[attention_mask[0].bool()]
+        prompt_len = ids.numel()
+        if prompt_len == 0:
+            raise GenerationError("The prompt is empty.")
+        if limit < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        if prompt_len + limit > self.max_cache_len:
+            raise GenerationError(f"The prompt ({prompt_len:,} tokens) plus max new tokens ({limit:,}) exceed the "
+                                  f"CPU path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
+        if not self._k:
+            self._allocate(self.max_cache_len)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        processors = logits_processors(gen)
+        generator = None
+        if gen.do_sample:
+            generator = torch.Generator()
+            if gen.seed is not None:
+                generator.manual_seed(int(gen.seed))
+            else:
+                generator.seed()
+        seen = torch.empty(1, prompt_len + limit, dtype=torch.long)  # prompt + new ids: what the penalty reads
+        seen[0, :prompt_len] = ids
+        banned = sorted(eos) if min_new > 0 else []
+        self._rows_used = prompt_len
+        scores = self._prefill(ids.to(torch.long), prefill_chunk)
+        out: list[int] = []
+        while True:
+            if len(out) < min_new and banned:
+                scores[:, banned] = float("-inf")
+            token = int(next_token(scores, gen.do_sample, processors, seen[:, :prompt_len + len(out)], generator))
+            seen[0, prompt_len + len(out)] = token
+            out.append(token)
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if token in eos or len(out) >= limit or stop_event.is_set():
+                return out
+            self._rows_used = prompt_len + len(out)
+            scores = self._decode(token, prompt_len + len(out) - 1)

@@ -1,0 +1,194 @@
+"""The CPU decode path (llm_core.fast.cpu) on the real embedded model: what runs by default without a GPU.
+
+Bounds, stated before measuring (docs/cpu.md):
+- fp32 (QUANTIZATION=none): the compiled CPU path equals `generate` token for token.
+- int4 (the default): its own reference is `generate` over the same int4 weights (the transformers modules are
+  re-pointed at them). The decode step's logits, teacher-forced on the reference's tokens, stay within 0.5 of the
+  reference's, and its greedy token is the reference's wherever the reference's top-2 margin exceeds 1.0.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.engine.chat import ChatEngine
+from llm_core.fast.cpu import CPUDecoder, quantize_int4
+from llm_core.history import Turn
+from tests.conftest import make_settings
+
+PROMPTS = ["What is the capital of France? Answer in one sentence.",
+           "Write a short poem about the sea."]
+
+
+def last(updates: Any) -> Any:
+    return collections.deque(updates, maxlen=1)[0]
+
+
+@pytest.fixture(scope="module")
+def cpu_engine() -> Iterator[ChatEngine]:
+    """The demo's default settings on this (GPU-less) machine: NF4 asked, the CPU path runs int4, compiled."""
+    torch.manual_seed(0)
+    yield ChatEngine.load(make_settings(DECODE_PATH="auto"))
+
+
+def encode(engine: ChatEngine, text: str) -> torch.Tensor:
+    messages = [{"role": "user", "content": text}]
+    return engine.loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                       return_dict=True)["input_ids"]
+
+
+def reference(engine: ChatEngine, ids: torch.Tensor, n: int) -> list[int]:
+    """Plain generate, greedy, no penalty, on the engine's own (possibly re-pointed) modules."""
+    with torch.no_grad():
+        out = engine.loaded.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                           do_sample=False, repetition_penalty=1.0, temperature=None, top_p=None,
+                                           top_k=None, pad_token_id=2)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def greedy(engine: ChatEngine, text: str, n: int, **options: Any) -> Any:
+    gen = engine.request_options(max_new_tokens=n, repetition_penalty=1.0, **options)
+    return last(engine.stream_chat(text, [], gen=gen, history_turns=0, system_prompt=None))
+
+
+def test_default_settings_without_a_gpu_take_the_cpu_path_and_say_why(cpu_engine: ChatEngine) -> None:
+    report = cpu_engine.report
+    assert cpu_engine.backend.name == "cpu" and report.decode_path == "cpu"
+    assert (report.quantization, report.double_quant) == ("int4", False)
+    assert "int4 weight-only" in report.decode_path_reason and "QUANTIZATION=nf4 was asked" in report.decode_path_reason
+    assert any("bitsandbytes" in note for note in report.notes)
+    assert "Decode path | cpu (CPU path: int4" in report.as_markdown()
+
+
+def test_int4_requantizing_a_q4_1_grid_gives_back_its_codes() -> None:
+    """The embedded GGUF is Q4_1 (blocks of 32, w = d*q + m, extremes at q = 0 and 15): min/max groups of 32 recover
+    every code, so int4 on CPU computes with the file's own grid (scale and zero rounded to bf16)."""
+    torch.manual_seed(0)
+    n, k = 64, 128
+    q = torch.randint(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    d, m = torch.rand(n, k // 32, 1) * 0.01 + 1e-3, torch.randn(n, k // 32, 1) * 0.05
+    w = (q * d + m).view(n, k)
+    _, sz = quantize_int4(w)
+    scale, zero = sz[..., 0].float().T[..., None], sz[..., 1].float().T[..., None]  # (n, k/32, 1)
+    codes = torch.round((w.view(n, k // 32, 32) - (zero - 8 * scale)) / scale)
+    assert torch.equal(codes.long(), q)
+
+
+def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:
+    engine = ChatEngine.load(make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="cpu"))
+    assert engine.backend.name == "cpu" and engine.backend.decoder.cache_dtype == torch.float32
+    for text in PROMPTS:
+        ids = encode(engine, text)
+        got = greedy(engine, text, 24)
+        expected = reference(engine, ids, 24)
+        assert list(got.token_ids) == expected[:len(got.token_ids)] and len(got.token_ids) >= min(len(expected), 8)
+
+
+def test_int4_decode_step_agrees_with_generate_on_the_same_weights_within_the_bound(cpu_engine: ChatEngine) -> None:
+    decoder: CPUDecoder = cpu_engine.backend.decoder
+    for text in PROMPTS:
+        ids = encode(cpu_engine, text)
+        forced = reference(cpu_engine, ids, 24)
+        with torch.no_grad():
+            ref = cpu_engine.loaded.model(torch.cat([ids, torch.tensor([forced[:-1]])], 1)).logits[0, ids.shape[1] - 1:]
+        ours = decoder.forced_scores(ids, forced[:-1])
+        assert ours.shape == ref.shape
+        assert (ours - ref).abs().max().item() <= 0.5
+        top2 = ref.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 1.0
+        assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear]) and int(clear.sum()) >= 4
+
+
+def test_stop_halts_the_cpu_path_worker(cpu_engine: ChatEngine) -> None:
+    gen = cpu_engine.request_options(max_new_tokens=400, min_new_tokens=400)
+    updates = []
+    for update in cpu_engine.stream_chat("Count from one to five hundred in words.", [], gen=gen,
+                                         request_id="cpu-stop"):
+        updates.append(update)
+        if len(updates) == 3:
+            assert cpu_engine.stop("cpu-stop") is True
+    final = updates[-1]
+    assert final.done and final.stats.finish_reason == "stopped" and final.stats.new_tokens < 20
+    assert cpu_engine.generating == 0 and cpu_engine.stop("cpu-stop") is False
+
+
+def test_eos_ends_a_cpu_reply_and_min_new_tokens_holds_it_back(cpu_engine: ChatEngine) -> None:
+    text = "Name a colour."
+    free = greedy(cpu_engine, text, 6)
+    config = cpu_engine.loaded.model.generation_config
+    saved = config.eos_token_id
+    config.eos_token_id = free.token_ids[0]  # the first greedy token is now EOS: the reply ends there
+    try:
+        cut = greedy(cpu_engine, text, 6)
+        held = greedy(cpu_engine, text, 6, min_new_tokens=6)
+    finally:
+        config.eos_token_id = saved
+    assert (cut.stats.new_tokens, cut.stats.finish_reason, cut.token_ids) == (1, "eos", free.token_ids[:1])
+    assert (held.stats.new_tokens, held.stats.finish_reason) == (6, "length")
+    assert free.token_ids[0] not in held.token_ids
+
+
+def test_sampling_on_the_cpu_path_is_seeded_and_uses_the_one_sampler(cpu_engine: ChatEngine) -> None:
+    text = "Tell me about cats."
+    a = greedy(cpu_engine, text, 12, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, seed=7)
+    b = greedy(cpu_engine, text, 12, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, seed=7)
+    c = greedy(cpu_engine, text, 12, do_sample=True, temperature=1.5, top_k=0, top_p=1.0, seed=8)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+    top1 = greedy(cpu_engine, text, 12, do_sample=True, top_k=1, seed=9)  # top-k 1 (a warper) leaves argmax
+    assert top1.token_ids == greedy(cpu_engine, text, 12).token_ids
+
+
+def test_cpu_reply_stats_count_rss_and_the_live_kv_rows(cpu_engine: ChatEngine) -> None:
+    reply = greedy(cpu_engine, PROMPTS[0], 8)
+    stats = reply.stats
+    assert stats.decode_path == "cpu" and stats.quantization == "int4"
+    assert stats.peak_rss_bytes and stats.peak_rss_bytes > cpu_engine.report.weights_bytes
+    rows = stats.prompt_tokens + stats.new_tokens - 1  # the last token is never fed back
+    assert stats.kv_cache_bytes == rows * cpu_engine.backend.decoder.kv_bytes_per_token()
+    assert stats.decode_tokens_per_s and stats.ttft_s and stats.ttft_s > 0
+
+
+def test_history_is_trimmed_on_the_cpu_path_as_on_the_others(cpu_engine: ChatEngine) -> None:
+    turns = [Turn(f"Hello number {i}, tell me something.", f"Something {i}.") for i in range(6)]
+    reply = last(cpu_engine.stream_chat("And now?", turns, gen=cpu_engine.request_options(max_new_tokens=4),
+                                        history_turns=2))
+    assert reply.stats.dropped_turns == 4 and reply.stats.new_tokens >= 1
+
+
+def test_cpu_bench_smoke_runs_ours_on_a_tiny_model_without_llama_cpp(tmp_path: Path) -> None:
+    from bench import cpu
+
+    out = tmp_path / "smoke.json"
+    assert cpu.main(["--smoke", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]) == 0
+    result = json.loads(out.read_text())
+    (row,) = result["models"]
+    ours = row["ours"]
+    assert row["model"] == "tiny" and "llama_cpp" not in row
+    assert ours["decode_path"] == "cpu" and ours["quantization"] == "int4" and ours["threads"] == 2
+    assert [r["new_tokens"] for r in ours["replies"]] == [8]
+    assert row["ours_summary"]["decode_tokens_per_s"] > 0 and row["ours_summary"]["peak_rss_bytes"] > 0
+    assert result["machine"]["cores"] and result["command"].startswith("python -m bench.cpu --smoke")
+
+
+def test_a_failed_compile_falls_back_to_the_eager_step_with_the_same_tokens(cpu_engine: ChatEngine) -> None:
+    loaded = cpu_engine.loaded
+    decoder = CPUDecoder(loaded, loaded.extra["cpu_weights"], max_cache_len=256)
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("no C++ compiler")
+
+    decoder._layer_c = broken
+    ids = encode(cpu_engine, PROMPTS[0])
+    gen = cpu_engine.request_options(max_new_tokens=6, repetition_penalty=1.0)
+    got = decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
+    assert decoder.compile_error == "RuntimeError: no C++ compiler"
+    assert got == cpu_engine.backend.decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
