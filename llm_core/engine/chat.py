@@ -284,7 +284,8 @@ class ChatEngine:
         if weights is not None:  # loaded for the CPU path (DECODE_PATH auto/cpu on CPU): llm_core.fast.cpu
             from .cpu_backend import cpu_backend
 
-            self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(), lambda: _eos_ids(self.loaded),
+            self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(),
+                                       lambda: self.loaded.eos_token_ids,
                                        self.settings.memory.prefill_chunk_tokens or None)
             return
         try:

@@ -17,7 +17,7 @@ class CPUBackend:
 
     decoder: Any  # llm_core.fast.cpu.CPUDecoder
     reason: str
-    eos_ids: Callable[[], set[int]]  # read at every reply, as generate reads the model's generation_config
+    eos_ids: Callable[[], frozenset[int]]  # read at every reply, as generate reads the model's generation_config
     prefill_chunk_tokens: int | None
     name: str = "cpu"
     cache_at_start: bool = True
@@ -40,7 +40,7 @@ class CPUBackend:
                 cache.nbytes = self.decoder.rows_used * self.decoder.kv_bytes_per_token()
 
 
-def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, eos_ids: Callable[[], set[int]],
+def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, eos_ids: Callable[[], frozenset[int]],
                 prefill_chunk_tokens: int | None) -> CPUBackend:
     """The backend for a model that loading.py quantized for the CPU path; the reason is what the model panel shows."""
     from ..fast.cpu import CPUDecoder
