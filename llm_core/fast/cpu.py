@@ -14,8 +14,9 @@ whole step removes the Python per op. The pipeline:
   are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
   reference) and memory is not doubled.
 - prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
-- decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled once by inductor (fullgraph), the
-  attended length dynamic (one graph for every length: attention reads exactly the live rows).
+- decode_step: embedding -> 30 layers -> norm -> lm_head for one token; each layer is one inductor-compiled graph
+  (the same graph for every layer, its weights as inputs; the attended length dynamic, so attention reads exactly the
+  live rows), the head another; eager if compiling fails.
 - select: llm_core.sampling (repetition penalty, warpers, argmax or multinomial) on the step's fp32 scores.
 - stream: each token goes to the streamer as it is produced; Stop is checked before every step.
 """
