@@ -14,8 +14,9 @@ whole step removes the Python per op. The pipeline:
   are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
   reference) and memory is not doubled.
 - prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
-- decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled once by inductor (fullgraph), the
-  attended length dynamic (one graph for every length: attention reads exactly the live rows).
+- decode_step: embedding -> 30 layers -> norm -> lm_head for one token; each layer is one inductor-compiled graph
+  (the same graph for every layer, its weights as inputs; the attended length dynamic, so attention reads exactly the
+  live rows), the head another; eager if compiling fails.
 - select: llm_core.sampling (repetition penalty, warpers, argmax or multinomial) on the step's fp32 scores.
 - stream: each token goes to the streamer as it is produced; Stop is checked before every step.
 """
@@ -207,6 +208,27 @@ class CPUWeights:
 
 
 def quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWeights:
+    """_quantize_for_cpu on a short-lived thread. Why: torch's GNU OpenMP keeps one thread team per calling thread; had
+    the loading thread run these parallel ops, its team would outlive them beside the one the engine's worker thread
+    decodes with, and with more OpenMP threads than cores libgomp stops spin-waiting: the same decoder measured 34-59
+    tok/s on the worker thread against 92-105 with a single team (docs/cpu.md). A thread that exits frees its team."""
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            out["weights"] = _quantize_for_cpu(model, fmt, head_fmt)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
+            out["error"] = exc
+
+    thread = threading.Thread(target=work, name="cpu-quantize")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["weights"]
+
+
+def _quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWeights:
     """Quantize a llama-family model's linears in place (int4 | int8 | dense = fuse only); the float originals are
     freed module by module. The lm_head takes `head_fmt` (default: HEAD_FORMATS[fmt]); the embedding reads an int8
     (dense for dense) table: the head's own when they are tied and it has that format, else one of its own."""
