@@ -285,7 +285,6 @@ class ChatEngine:
             from .cpu_backend import cpu_backend
 
             self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(),
-                                       lambda: self.loaded.eos_token_ids,
                                        self.settings.memory.prefill_chunk_tokens or None)
             return
         try:

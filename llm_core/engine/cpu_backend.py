@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +16,6 @@ class CPUBackend:
 
     decoder: Any  # llm_core.fast.cpu.CPUDecoder
     reason: str
-    eos_ids: Callable[[], frozenset[int]]  # read at every reply, as generate reads the model's generation_config
     prefill_chunk_tokens: int | None
     name: str = "cpu"
     cache_at_start: bool = True
@@ -31,8 +29,8 @@ class CPUBackend:
         gen = prepared.gen
         try:
             self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
-                                  gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, eos_ids=self.eos_ids(),
-                                  prefill_chunk=self.prefill_chunk_tokens)
+                                  gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
+                                  eos_ids=self.decoder.loaded.eos_token_ids, prefill_chunk=self.prefill_chunk_tokens)
         finally:
             if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
                 self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
@@ -40,8 +38,7 @@ class CPUBackend:
                 cache.nbytes = self.decoder.rows_used * self.decoder.kv_bytes_per_token()
 
 
-def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, eos_ids: Callable[[], frozenset[int]],
-                prefill_chunk_tokens: int | None) -> CPUBackend:
+def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_chunk_tokens: int | None) -> CPUBackend:
     """The backend for a model that loading.py quantized for the CPU path; the reason is what the model panel shows."""
     from ..fast.cpu import CPUDecoder
 
@@ -56,4 +53,4 @@ def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, eos_ids: C
             what += f"; QUANTIZATION={asked} was asked: bitsandbytes' {asked.upper()} is several times slower on CPU"
     reason = (f"CPU path: {what}; static KV cache ({str(decoder.cache_dtype).removeprefix('torch.')}); decode step "
               f"{'eager' if decoder.compile_mode == 'off' else 'compiled by inductor (C++)'} (docs/cpu.md)")
-    return CPUBackend(decoder, reason, eos_ids, prefill_chunk_tokens)
+    return CPUBackend(decoder, reason, prefill_chunk_tokens)

@@ -28,6 +28,7 @@ from ..errors import GenerationError, OutOfMemoryError
 from ..loading import LoadedModel
 from ..sampling import sample_from_scores
 from . import kvquant
+from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .layer import (
     HeadSpec,
@@ -73,9 +74,6 @@ class KVCacheView:
 
     layers: list[_KVLayer] = field(default_factory=list)
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class FastDecoder:
@@ -327,7 +325,7 @@ class FastDecoder:
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
     def resize_cache(self, tokens: int) -> None:
         """Allocate the static cache for `tokens` (rounded up to 16) and capture its buckets; frees the old one."""
-        tokens = _round_up(max(int(tokens), 1), 16)
+        tokens = round_up(max(int(tokens), 1), 16)
         if tokens > self.max_cache_len:
             raise GenerationError(f"{tokens:,} tokens exceed the fast path's cache limit ({self.max_cache_len:,}).")
         with self._lock, torch.no_grad():
@@ -347,7 +345,7 @@ class FastDecoder:
             self._host_tokens = torch.zeros(tokens + 1, dtype=torch.long, pin_memory=True)
             self._events = [torch.cuda.Event() for _ in range(3)]
         if self.options.prefill_graph_tokens:
-            top = _round_up(self.options.prefill_graph_tokens, PREFILL_BUCKET_TOKENS)
+            top = round_up(self.options.prefill_graph_tokens, PREFILL_BUCKET_TOKENS)
             self._pf_ids = torch.zeros(top, dtype=torch.long, device=self.device)
             self._pf_pos = torch.arange(top, device=self.device)
         if self.use_graphs:
@@ -386,12 +384,12 @@ class FastDecoder:
                 self.compile_cache_loaded = _load_compile_artifacts(cache_file)
             if self.compile and not self._compiled:
                 t1 = time.perf_counter()
-                self._allocate_plain(_round_up(min(self.max_cache_len, MIN_BUCKET_TOKENS), 16))
+                self._allocate_plain(round_up(min(self.max_cache_len, MIN_BUCKET_TOKENS), 16))
                 self._warm_step(self._cache_len)  # compiles prologue, layer(s), head with a dynamic length
                 self.sync()
                 self.compile_s = round(time.perf_counter() - t1, 3)
                 self._compiled = True
-            self._allocate(_round_up(min(cache_tokens or self.max_cache_len, self.max_cache_len), 16))
+            self._allocate(round_up(min(cache_tokens or self.max_cache_len, self.max_cache_len), 16))
             self._warm_prefill_and_sampling()
             if self.compile and cache_file is not None:
                 _save_compile_artifacts(cache_file)
@@ -566,7 +564,7 @@ class FastDecoder:
         total = ids.numel()
         self._seen.index_fill_(0, ids, True)
         chunk = self.options.prefill_chunk_tokens or total
-        bucket = _round_up(total, PREFILL_BUCKET_TOKENS)
+        bucket = round_up(total, PREFILL_BUCKET_TOKENS)
         if self._pf_ids is not None and chunk >= total and bucket in self._prefill_buckets():
             # right-padded to the bucket: static ids, the last real row picked on the device
             self._pf_ids[:total].copy_(ids)
@@ -674,7 +672,7 @@ class FastDecoder:
                                   f"fast path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
         if need > self._cache_len:  # only after resize_cache() shrank it: allocation and capture, never compile
             log.warning("Fast decode cache grows to %d tokens inside a reply (capture only).", need)
-            self._allocate(_round_up(need, 16))
+            self._allocate(round_up(need, 16))
         if streamer is not None:
             streamer.put(input_ids.cpu())
         eos = self.loaded.eos_token_ids
@@ -771,7 +769,7 @@ class FastDecoder:
         need = ids.numel() + len(forced) + 1
         with self._lock, torch.no_grad():
             if need > self._cache_len:
-                self._allocate(_round_up(need, 16))
+                self._allocate(round_up(need, 16))
             self._seen.zero_()
             self._penalty.fill_(1.0)
             self._eos_bias.zero_()
@@ -787,7 +785,7 @@ class FastDecoder:
         """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
         with self._lock, torch.no_grad():
             if context_tokens + steps > self._cache_len:
-                self._allocate(_round_up(context_tokens + steps, 16))
+                self._allocate(round_up(context_tokens + steps, 16))
             self._pos.fill_(context_tokens)
             self.sync()
             t0 = time.perf_counter()

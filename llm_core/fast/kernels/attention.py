@@ -119,9 +119,10 @@ def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple
     """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     target = max(1, -(-4 * sms // kv_heads))
-    chunk = max(ATTENTION_BLOCK, _round_up(-(-length // target), ATTENTION_BLOCK))
+    chunk = max(ATTENTION_BLOCK, round_up(-(-length // target), ATTENTION_BLOCK))
     return chunk, -(-length // chunk)
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
+    """n rounded up to a multiple of `multiple`."""
     return -(-n // multiple) * multiple
