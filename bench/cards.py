@@ -42,6 +42,7 @@ class Scale:
     new_tokens: int = 64
     history_limit_tokens: int = 32768
     device: str = "cuda"
+    seed_expandable: bool = False  # --seed-expandable: the seed recipe with expandable segments too
 
 
 SCALE = Scale()
@@ -96,6 +97,19 @@ def cap_card(card_gib: int) -> None:
     torch.cuda.set_per_process_memory_fraction(min(1.0, card_gib * GiB / total))
 
 
+def set_allocator(expandable: bool) -> str:
+    """The CUDA caching allocator's mode for the next case: ours runs as the app does (expandable segments, set by
+    llm_core.loading.configure_cuda_allocator); the seed recipe as published (the default allocator) unless
+    --seed-expandable. Applies to segments made from now on; release() has returned the old ones."""
+    if SCALE.device != "cuda":
+        return ""
+    from llm_core.loading import set_allocator_settings
+
+    conf = f"expandable_segments:{expandable}"
+    set_allocator_settings(conf)
+    return conf
+
+
 def release() -> None:
     gc.collect()
     if SCALE.device != "cuda":
@@ -115,6 +129,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     from llm_core.errors import ContextBudgetError, OutOfMemoryError
     from llm_core.history import Turn
 
+    base["alloc_conf"] = set_allocator(True)
     cap_card(case.card_gib)
     env = {"MODEL_ID": str(folder), "QUANTIZATION": case.quantization, "VRAM_BUDGET": f"{case.card_gib - 0.5}GiB",
            "KV_CACHE": case.kv_cache, "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens),
@@ -137,6 +152,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             decode_path=engine.backend.name, reason=engine.backend.reason[:300],
             static_cache_tokens=decoder.cache_len if decoder else None,
             warmup_s=engine.report.warmup_s, resident_extra_bytes=engine.memory_facts.resident_extra_bytes,
+            fast_memory_profile=engine.fast_memory_profile,
             memory_budget_bytes=engine.memory_budget.budget_bytes,
             allocated_after_startup_bytes=torch.cuda.memory_allocated() if SCALE.device == "cuda" else None,
             reserved_after_startup_bytes=torch.cuda.memory_reserved() if SCALE.device == "cuda" else None)
@@ -233,6 +249,7 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     from llm_core.history import build_messages
     from llm_core.memory.model import ModelMemoryFacts, model_weights_bytes, predict_peak_bytes
 
+    base["alloc_conf"] = set_allocator(SCALE.seed_expandable)
     cap_card(case.card_gib)
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                            bnb_4bit_compute_dtype=torch.bfloat16)
@@ -294,9 +311,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cases after this")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/cards-ckpt"))
+    parser.add_argument("--seed-expandable", action="store_true",
+                        help="run the seed recipe with expandable segments too (default: the allocator as published)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny random llama on the CPU: checks the harness")
     args = parser.parse_args(argv)
     plan = PLAN
+    SCALE.seed_expandable = bool(args.seed_expandable)
+    if not args.cpu_smoke:
+        from llm_core.loading import configure_cuda_allocator
+
+        configure_cuda_allocator()  # as the app does, before anything touches CUDA (the cap would initialise it)
     if args.cpu_smoke:
         SCALE.words_per_turn, SCALE.new_tokens, SCALE.history_limit_tokens, SCALE.device = 100, 8, 700, "cpu"
         plan = [Case("tiny", 512, 8, "ours", "dynamic"), Case("tiny", 512, 8, "seed"),

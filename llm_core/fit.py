@@ -30,7 +30,7 @@ from .memory.model import (
     DEFAULT_CUDA_MARGIN_BYTES,
     GiB,
     ModelMemoryFacts,
-    _gib,
+    human_bytes,
     kv_bytes_per_token,
     max_context_tokens,
     static_kv_bytes,
@@ -129,13 +129,14 @@ class FitReport:
         return asdict(self) | {"fits": self.fits}
 
     def summary(self) -> str:
-        card = _gib(self.card_bytes)
+        card = human_bytes(self.card_bytes)
         if not self.fits:
             return (f"{self.model} does not fit a {card} card with {self.quantization} weights: the weights alone "
-                    f"need {_gib(self.weights_bytes)} of the {_gib(self.budget_bytes)} budget. {self.offload_note}")
+                    f"need {human_bytes(self.weights_bytes)} of the {human_bytes(self.budget_bytes)} budget. "
+                    f"{self.offload_note}")
         lines = [
             f"{self.model} on a {card} card ({self.quantization} weights, KV cache {self.kv_cache}):",
-            f"  weights            {_gib(self.weights_bytes)}",
+            f"  weights            {human_bytes(self.weights_bytes)}",
             f"  KV cache per token {self.kv_bytes_per_token:,} B",
             f"  decode path        {self.decode_path} ({self.decode_path_reason})",
             f"  longest prompt     {self.longest_prompt_tokens:,} tokens with {self.max_new_tokens:,} new "
@@ -149,14 +150,15 @@ class FitReport:
     def to_markdown(self) -> str:
         if not self.fits:
             return f"**Does not fit.** {self.summary()}"
-        rows = [("Weights", _gib(self.weights_bytes)), ("KV cache per token", f"{self.kv_bytes_per_token:,} B"),
+        rows = [("Weights", human_bytes(self.weights_bytes)), ("KV cache per token", f"{self.kv_bytes_per_token:,} B"),
                 ("Decode path", f"{self.decode_path}: {self.decode_path_reason}"),
                 ("Longest prompt", f"{self.longest_prompt_tokens:,} tokens (+{self.max_new_tokens:,} new) of "
                  f"{self.context_length:,}"),
                 ("Seed recipe (plain generate)", f"{self.seed_prompt_tokens:,} tokens")]
         if self.static_cache_tokens:
             rows.insert(3, ("Fast-path KV cache", f"{self.static_cache_tokens:,} tokens"))
-        head = f"**{self.model}** on a {_gib(self.card_bytes)} card, {self.quantization}, KV cache {self.kv_cache}\n\n"
+        head = (f"**{self.model}** on a {human_bytes(self.card_bytes)} card, {self.quantization}, "
+                f"KV cache {self.kv_cache}\n\n")
         return head + "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
@@ -182,7 +184,8 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed)
     if weights + facts.workspace_bytes >= budget:
         offload = weights - budget + GiB  # leave ~1 GiB for the KV cache and the prefill
-        note = (f"With MAX_MEMORY offload about {_gib(max(offload, 0))} of weights would cross PCIe every token: "
+        note = (f"With MAX_MEMORY offload about {human_bytes(max(offload, 0))} of weights would cross PCIe every "
+                "token: "
                 f"about {OFFLOAD_BYTES_PER_S / max(offload, 1):.1f} tokens/s at best (a last resort).")
         return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype), decode_path="none",
                          decode_path_reason="the weights alone exceed the budget", longest_prompt_tokens=0,
@@ -224,9 +227,10 @@ def check_weights_fit(settings: Any) -> None:
         quant = settings.model.quantization
         offload = weights - budget + GiB
         raise ModelLoadError(
-            f"{model or 'The embedded model'} does not fit: its weights alone need about {_gib(weights)} with "
-            f"QUANTIZATION={quant}, more than VRAM_BUDGET={_gib(budget)}. Use QUANTIZATION=nf4, a smaller model or a "
-            f"larger budget; MAX_MEMORY offload would move about {_gib(offload)} over PCIe every token (about "
+            f"{model or 'The embedded model'} does not fit: its weights alone need about {human_bytes(weights)} "
+            f"with QUANTIZATION={quant}, more than VRAM_BUDGET={human_bytes(budget)}. Use QUANTIZATION=nf4, a smaller "
+            "model or a "
+            f"larger budget; MAX_MEMORY offload would move about {human_bytes(offload)} over PCIe every token (about "
             f"{OFFLOAD_BYTES_PER_S / offload:.1f} tokens/s at best). `python -m llm_core.fit` says what fits.")
 
 

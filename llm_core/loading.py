@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -19,6 +20,9 @@ from .config import ModelSettings, parse_max_memory
 from .errors import ModelLoadError, SettingsError
 from .memory.device import free_memory
 from .models import ModelSource, resolve_source
+
+log = logging.getLogger(__name__)
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 Progress = Callable[[str], None]
 
@@ -194,11 +198,33 @@ def context_length_of(config: Any, tokenizer: Any) -> int:
     return tok_max if isinstance(tok_max, int) and 0 < tok_max < 10**7 else 2048
 
 
-def configure_cuda_allocator() -> None:
+def configure_cuda_allocator() -> str:
     """Use expandable segments unless the operator configured the allocator: a KV cache that grows step by step
     otherwise fragments the caching allocator (measured on an H200 under an 8 GiB cap: 1.6 GiB reserved but
-    unusable, and an OOM at 6.95 GiB allocated). Takes effect only before the first CUDA allocation."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    unusable, and an OOM at 6.95 GiB allocated; and ~0.9 GiB of unusable fragments after the fast path's graph
+    captures, issue 17). Before the first CUDA allocation the environment variable does it; when something already
+    initialised CUDA's allocator (a notebook, another library, a benchmark that capped the process first) the
+    setting is applied to the live allocator, so segments made from now on expand. Returns what is in effect."""
+    configured = any(os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if configured:
+        return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        try:
+            set_allocator_settings(EXPANDABLE_SEGMENTS)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the budget guard still counts what is reserved
+            log.info("Could not switch the live CUDA allocator to expandable segments: %s", exc)
+            return ""
+    return EXPANDABLE_SEGMENTS
+
+
+def set_allocator_settings(conf: str) -> None:
+    """Apply PYTORCH_CUDA_ALLOC_CONF-style settings to the live caching allocator (torch's accelerator API where
+    this torch has it, else the CUDA one it replaced)."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:
+        setter = torch.cuda.memory._set_allocator_settings
+    setter(conf)
 
 
 def load_model(settings: ModelSettings, progress: Progress | None = None) -> LoadedModel:

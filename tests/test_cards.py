@@ -14,6 +14,7 @@ from transformers import LlamaConfig
 
 from llm_core.config import GenerationSettings
 from llm_core.engine.chat import ChatEngine
+from llm_core.errors import ContextBudgetError
 from llm_core.fast import FastDecodeOptions, FastDecoder, kvquant, layer
 from llm_core.history import Turn
 from llm_core.loading import LoadedModel, load_model
@@ -26,7 +27,13 @@ from llm_core.memory.model import (
     predict_peak_bytes,
     static_kv_bytes,
 )
-from llm_core.memory.plan import CACHE_ROUND_TOKENS, fast_resident_estimate, static_cache_plan
+from llm_core.memory.plan import (
+    CACHE_ROUND_TOKENS,
+    MIN_FAST_CACHE_TOKENS,
+    fast_resident_estimate,
+    size_cache_by_measurement,
+    static_cache_plan,
+)
 from tests.conftest import make_settings
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -142,6 +149,92 @@ def test_resident_estimate_is_the_prefill_graph_pool_plus_buffers() -> None:
     assert est == (forward_activation_bytes(facts, 704) + logits_bytes(facts, 1) + 64 * 2**20 + 32000 * 13)
     assert 0.9 * 315_009_024 <= est <= 1.25 * 315_009_024
     assert fast_resident_estimate(facts, 0, 704) < est  # graphs off: only buffers
+
+
+# --- sizing the cache by measurement (CUDA start-up), with a simulated device --------------------------------
+
+
+class SimulatedCard:
+    """A card whose worst reply reserves `fixed` bytes + `per_token` per cache token (weights, pools, working
+    memory, fragments: what the start-up profile reads), and that runs out of memory above `cap`."""
+
+    def __init__(self, fixed: int, per_token: int, cap: int) -> None:
+        self.fixed, self.per_token, self.cap = fixed, per_token, cap
+        self.sizes: list[int] = []
+
+    def __call__(self, tokens: int) -> int | None:
+        self.sizes.append(tokens)
+        peak = self.fixed + self.per_token * tokens
+        return None if peak > self.cap else peak
+
+
+def test_measured_sizing_shrinks_an_overestimated_cache_until_the_worst_reply_fits() -> None:
+    """The 8 GiB Llama-2 case: the plan gave 4,976 tokens but pools and fragments were larger than estimated.
+    Measured over the budget, the cache shrinks by the excess and the kept size's worst reply fits."""
+    budget, per_token = int(7.5 * GiB), 512 * 1024
+    card = SimulatedCard(fixed=int(5.3 * GiB), per_token=per_token, cap=8 * GiB)
+    tokens = size_cache_by_measurement(card, 4976, per_token, budget, 32768)
+    assert tokens % CACHE_ROUND_TOKENS == 0
+    assert card.fixed + per_token * tokens <= budget
+    assert tokens >= 0.85 * (budget - card.fixed) // per_token  # not shrunk far beyond the excess
+    assert card.sizes[0] == 4976 and len(card.sizes) <= 4
+
+
+def test_measured_sizing_grows_an_underestimated_cache_once_and_keeps_what_fits() -> None:
+    """A plan that left ~1.5 GiB unused: one grow by 90% of the headroom, measured again, kept; never beyond the
+    model's context."""
+    budget, per_token = int(11.5 * GiB), 512 * 1024
+    card = SimulatedCard(fixed=int(5.0 * GiB), per_token=per_token, cap=12 * GiB)
+    tokens = size_cache_by_measurement(card, 9000 // 16 * 16, per_token, budget, 32768)
+    assert len(card.sizes) == 2 and tokens == card.sizes[1] > card.sizes[0]
+    assert card.fixed + per_token * tokens <= budget
+    assert budget - (card.fixed + per_token * tokens) < 0.15 * (budget - card.fixed - per_token * card.sizes[0])
+    capped = SimulatedCard(fixed=int(5.0 * GiB), per_token=per_token, cap=12 * GiB)
+    assert size_cache_by_measurement(capped, 2048, per_token, budget, 4096) == 4096
+
+
+def test_measured_sizing_recovers_from_an_oom_and_refuses_when_nothing_useful_fits() -> None:
+    """An OOM while profiling counts as 'over' (shrink by a quarter); weights that leave less than the minimum
+    cache raise the error that says what to change."""
+    budget, per_token = int(7.5 * GiB), 512 * 1024
+    card = SimulatedCard(fixed=int(5.5 * GiB), per_token=per_token, cap=int(7.6 * GiB))
+    tokens = size_cache_by_measurement(card, 8192, per_token, budget, 32768)  # 8192 tokens: OOM at first
+    assert card(tokens) is not None and card.fixed + per_token * tokens <= budget
+    full = SimulatedCard(fixed=int(7.45 * GiB), per_token=per_token, cap=8 * GiB)
+    with pytest.raises(ContextBudgetError, match="KV_CACHE=quantized"):
+        size_cache_by_measurement(full, 1024, per_token, budget, 32768)
+    assert MIN_FAST_CACHE_TOKENS * per_token > budget - full.fixed
+
+
+def test_a_measured_cache_answers_every_message_that_fits_it(fp32_loaded: LoadedModel) -> None:
+    """With the start-up profile in place (CUDA), the fast path admits by the cache alone: a budget the predictor
+    would call too small for the prompt does not refuse it (the measured worst reply fit), history is trimmed to
+    the cache, and the panel still shows the prediction. Simulated here by setting the profile on CPU."""
+    settings = _fast_settings()
+    engine = ChatEngine(fp32_loaded, settings)
+    engine.warmup()
+    greedy = replace(engine.settings.generation, do_sample=False, max_new_tokens=12)
+
+    def reply() -> str:
+        last = None
+        for update in engine.stream_chat("Name a color.", [], gen=greedy):
+            last = update
+        assert last is not None and last.done
+        return last.text
+
+    before = reply()
+    engine.fast_decoder.profile_worst_reply()  # fills the whole cache with the profile's tokens
+    assert reply() == before  # a reply overwrites what it reads: the profile leaves no trace in the next one
+    tiny = engine.memory_facts.weights_bytes + 1  # the predictor would refuse everything
+    engine.memory_budget = replace(engine.memory_budget, budget_bytes=tiny)
+    with pytest.raises(ContextBudgetError):
+        engine.prepare("Hello there", [], gen=engine.settings.generation, history_turns=8, system_prompt=None)
+    engine._fast_profile = {"peak_reserved_bytes": tiny, "peak_allocated_bytes": tiny, "tokens": 512}
+    long_turns = [Turn("word " * 300, "reply " * 50) for _ in range(30)]  # ~11k tokens: more than the cache
+    prepared = engine.prepare("Hello there", long_turns, gen=engine.settings.generation, history_turns=64,
+                              system_prompt=None)
+    assert prepared.input_ids.shape[-1] + prepared.gen.max_new_tokens <= engine.context_limit
+    assert prepared.fitted.dropped_turns > 0 and prepared.predicted is not None
 
 
 # --- the engine, forced onto the fast path on CPU with a tiny budget ------------------------------------------

@@ -38,12 +38,16 @@ from ..memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_c
 from ..memory.model import (
     MemoryBudget,
     ModelMemoryFacts,
+    ReplyPlan,
+    human_bytes,
     max_context_tokens,
     plan_reply,
+    predict_peak_bytes,
     refit_reserve,
     require_fit,
     resident_extra_bytes,
 )
+from ..memory.plan import MIN_FAST_CACHE_TOKENS
 from ..metrics import ReplyStats, TokenClock
 from .serving import BatchScheduler, ReplySlots, RowKV
 
@@ -258,6 +262,7 @@ class ChatEngine:
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
         self.scheduler: BatchScheduler | None = None
+        self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
 
@@ -373,6 +378,12 @@ class ChatEngine:
         return plan.tokens
 
     @property
+    def fast_memory_profile(self) -> dict[str, int] | None:
+        """CUDA fast path: the start-up measurement that sized its KV cache (peak reserved/allocated bytes of the
+        worst reply the cache allows, and its tokens); None elsewhere (the plan's arithmetic is the bound there)."""
+        return dict(self._fast_profile) if self._fast_profile else None
+
+    @property
     def fast_decoder(self) -> Any | None:
         """The llm_core.fast FastDecoder when the fast path serves replies, else None."""
         return self.backend.decoder if isinstance(self.backend, FastBackend) else None
@@ -429,23 +440,84 @@ class ChatEngine:
         say(f"Warming up ({self.backend.name} decode path)…")
         t0 = time.perf_counter()
         decoder = self.fast_decoder
+        measured = decoder is not None and self.loaded.device.type == "cuda"
         if decoder is not None:
-            decoder.warmup()
+            self._warm_fast_decoder(decoder, say)
             self._measure_fast_resident(decoder)
-            self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
+            if measured:
+                self._profile_fast_cache(decoder, say)
+            else:
+                self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
-        if decoder is not None:  # what the warm-up reply taught the reserve: re-plan now, not in a user's reply
+        if decoder is not None and not measured:  # what the warm-up reply taught the reserve: re-plan now
             self._measure_fast_resident(decoder)
             for _ in range(3):  # a recapture leaves its own fragments: re-plan until the split holds
                 if not self._fit_fast_cache(self.settings.generation.max_new_tokens, say):
                     break
+        elif decoder is not None:
+            self._measure_fast_resident(decoder)
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _warm_fast_decoder(self, decoder: Any, say: Callable[[str], None]) -> None:
+        """decoder.warmup(); a CUDA OOM there (the planned cache, its graphs and the prefill's working memory did
+        not fit after all: the plan is an estimate) shrinks the cache by a third and tries again, twice."""
+        for attempt in range(3):
+            try:
+                decoder.warmup()
+                return
+            except torch.cuda.OutOfMemoryError as exc:
+                traceback.clear_frames(exc.__traceback__)
+                free_memory(self.loaded.device)
+                tokens = int(decoder.max_cache_len) * 2 // 3 // 16 * 16
+                if attempt == 2 or tokens < MIN_FAST_CACHE_TOKENS:
+                    raise ContextBudgetError(
+                        f"The fast decode path ran out of memory while warming up with a KV cache of "
+                        f"{decoder.max_cache_len:,} tokens in a budget of "
+                        f"{human_bytes(self.memory_budget.budget_bytes)}. "
+                        "Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller "
+                        "model, or DECODE_PATH=plain.") from None
+                say(f"Out of memory while warming up: retrying with a KV cache of {tokens:,} tokens…")
+                log.warning("fast path warm-up OOM with %d cache tokens; retrying with %d",
+                            decoder.max_cache_len, tokens)
+                decoder.max_cache_len = tokens
+
+    def _profile_fast_cache(self, decoder: Any, say: Callable[[str], None]) -> None:
+        """CUDA: size the fast path's static cache by measurement, not prediction (issue 17; vLLM sizes its KV cache
+        the same way): llm_core.memory.plan.size_cache_by_measurement over the decoder's worst-reply profile. The
+        final cache is the per-reply bound: a reply whose prompt + new tokens fit the cache fits the card."""
+        from ..memory.plan import size_cache_by_measurement
+
+        profiles: dict[int, dict[str, int]] = {}
+
+        def measure(tokens: int) -> int | None:
+            if tokens != decoder.cache_len:
+                say(f"Sizing the KV cache from measured memory: {decoder.cache_len:,} -> {tokens:,} tokens…")
+                log.info("fast path KV cache re-sized from measurement: %d -> %d tokens", decoder.cache_len, tokens)
+                decoder.max_cache_len = tokens
+                decoder.resize_cache(tokens)
+            try:
+                profiles[tokens] = decoder.profile_worst_reply()
+            except torch.cuda.OutOfMemoryError as exc:
+                traceback.clear_frames(exc.__traceback__)
+                free_memory(self.loaded.device)
+                return None
+            return profiles[tokens]["peak_reserved_bytes"]
+
+        budget = self.memory_budget.budget_bytes
+        tokens = size_cache_by_measurement(measure, decoder.cache_len, decoder.cache_bytes_per_token, budget,
+                                           int(self.loaded.context_length))
+        if tokens != decoder.cache_len:  # the last size measured was not the one kept
+            measure(tokens)
+        self._fast_profile = profiles[tokens]
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
+        log.info("fast path KV cache: %d tokens; worst reply's peak reserved %s of %s", decoder.cache_len,
+                 human_bytes(self._fast_profile["peak_reserved_bytes"]), human_bytes(budget))
 
     def _measure_fast_resident(self, decoder: Any) -> None:
         """What the fast path holds beyond weights and cache, after giving back every cached block the allocator
@@ -548,7 +620,8 @@ class ChatEngine:
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
         fast = self._fast_serves(gen.kv_cache)
-        if fast:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan the split first
+        measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
+        if fast and not measured:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan
             self._fit_fast_cache(self.settings.generation.max_new_tokens)
         context = self.context_limit if fast else self.loaded.context_length
         budget_tokens = context - gen.max_new_tokens
@@ -568,16 +641,22 @@ class ChatEngine:
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
         plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
-        plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                      gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
-                                      prefill_chunk_tokens=chunk))
+        if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
+            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, plan_mode,
+                                           prefill_chunk_tokens=chunk)
+            plan = ReplyPlan(True, fitted.prompt_tokens, gen.max_new_tokens, predicted, "",
+                             budget_bytes=self.memory_budget.budget_bytes)
+        else:
+            plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
+                                          gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
+                                          prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count)
         encoded = self._encode(fitted.messages, memo)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
+        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
         allowed = plan.allowed_new_tokens
         resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
@@ -742,7 +821,8 @@ class ChatEngine:
             kv = cache_bytes(cache if cache is not None else backend.make_cache()) or None
         measured = peak.stop().reply_fields()
         reserved = measured.get("peak_vram_reserved_bytes")
-        if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
+        profiled = backend.name == "fast" and self._fast_profile is not None  # bounded by measurement instead
+        if reserved and prepared.predicted is not None and not profiled:  # learn the allocator's reserve
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
             # the reserved peak without being this reply's doing, and the allocator frees them before it would
             # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).

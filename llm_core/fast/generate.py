@@ -737,6 +737,48 @@ class FastDecoder:
             return int(self._host_tokens[index])
         return self._cpu_tokens.pop(index)
 
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Device bytes one token of the static cache takes (all layers, K and V, scales included)."""
+        if self._k is None or self._v is None or not self._cache_len:
+            return 0
+        return (self._k.nbytes + self._v.nbytes) // self._cache_len
+
+    def profile_worst_reply(self) -> dict[str, int]:
+        """Run the most memory any reply can take on this cache and measure it (issue 17: measured, not predicted,
+        like vLLM's start-up profile): the last prefill chunk of a prompt that fills the cache, attending to every
+        cached row before it, then its head and a decode step at the top bucket (graph replay). Prompts up to
+        PREFILL_GRAPH_TOKENS replay graphs whose pool is already reserved; longer prompts run in chunks of
+        `prefill_chunk_tokens` (or one pass), so this is each reply's bound. Returns the peak bytes reserved and
+        allocated on the device (CUDA; 0 elsewhere, where the same pass runs unmeasured). The cache's contents are
+        left as garbage, which every reply overwrites from position 0 before reading."""
+        if self.device.type != "cuda":
+            with self._lock, torch.no_grad():
+                self._worst_reply_pass()
+            return {"peak_reserved_bytes": 0, "peak_allocated_bytes": 0, "tokens": self._cache_len}
+        with self._lock, torch.no_grad():
+            self.sync()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._worst_reply_pass()
+            self.sync()
+            return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
+                    "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),
+                    "tokens": self._cache_len}
+
+    def _worst_reply_pass(self) -> None:
+        end = self._cache_len - 1
+        chunk = min(self.options.prefill_chunk_tokens or end, end)
+        start = end - chunk
+        ids = (torch.arange(chunk, device=self.device) * 7 + 3) % self._arch.vocab
+        self._seen.zero_()
+        with _prefill_attention_scope(self.options.prefill_attention, self.device):
+            hn = self._prefill_pass(ids, torch.arange(start, end, device=self.device), start)
+        last = hn[0, -1:].clone()
+        del hn
+        self._head_fn(last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
+        self._pos.fill_(end)
+        self._run_step(self._bucket_for(end + 1))
+
     # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
     def prefill_only(self, ids: torch.Tensor) -> torch.Tensor:
         """One prefill of `ids` (1, S) into the cache as a reply runs it, no decode: the last position's scores

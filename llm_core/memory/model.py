@@ -700,7 +700,7 @@ def plan_reply(
     p, n = int(prompt_tokens), int(max_new_tokens)
     floor_p = p if min_prompt_tokens is None else min(p, int(min_prompt_tokens))
     common = dict(budget_bytes=int(budget_bytes), requested_prompt_tokens=p, requested_new_tokens=n)
-    budget_text = _gib(budget_bytes)
+    budget_text = human_bytes(budget_bytes)
 
     asked = predict_peak_bytes(facts, p, n, kv_mode, **kw)
     if asked.total_bytes <= budget_bytes:
@@ -711,7 +711,7 @@ def plan_reply(
         pred = predict_peak_bytes(facts, fit_p, n, kv_mode, **kw)
         msg = (f"Older turns were dropped to fit the memory budget ({budget_text}): the prompt may use at most "
                f"{fit_p:,} of its {p:,} tokens with a reply of up to {n:,} tokens "
-               f"(predicted peak {_gib(asked.total_bytes)} as asked).")
+               f"(predicted peak {human_bytes(asked.total_bytes)} as asked).")
         return ReplyPlan(True, fit_p, n, pred, msg, **common)
 
     # Not even the newest message fits with n new tokens: keep only it and lower n (largest that fits).
@@ -733,7 +733,7 @@ def plan_reply(
     most = max_context_tokens(facts, budget_bytes, max(1, min_new_tokens), kv_mode, **kw)
     hint = " Try KV cache mode 'quantized'." if kv_mode == "dynamic" else ""
     msg = (f"This message does not fit in memory: it needs {floor_p:,} prompt tokens (system prompt and your "
-           f"message), predicted peak {_gib(pred.total_bytes)}, but the budget of {budget_text} fits at most "
+           f"message), predicted peak {human_bytes(pred.total_bytes)}, but the budget of {budget_text} fits at most "
            f"{most:,} prompt tokens with kv cache '{kv_mode}'. Shorten the message or raise the memory budget."
            + hint + " The conversation is kept.")
     return ReplyPlan(False, 0, 0, pred, msg, **common)
@@ -764,7 +764,8 @@ def refit_reserve(facts: ModelMemoryFacts, predicted: PeakPrediction, measured_r
     return replace(facts, reserve_fixed_bytes=facts.reserve_fixed_bytes + int(headroom * excess))
 
 
-def _gib(n: int) -> str:
+def human_bytes(n: int) -> str:
+    """Bytes for people: GiB with two decimals, MiB below a quarter GiB."""
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 4 else f"{n / MiB:.0f} MiB"
 
 

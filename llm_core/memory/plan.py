@@ -16,14 +16,15 @@ the engine re-plans with the measured value and shrinks the cache if needed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from ..errors import ContextBudgetError
 from .model import (
     MiB,
     ModelMemoryFacts,
-    _gib,
     forward_activation_bytes,
+    human_bytes,
     logits_bytes,
     predict_peak_bytes,
     static_kv_bytes,
@@ -110,7 +111,45 @@ def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
     if plan.tokens:
         return plan
     raise ContextBudgetError(
-        f"The model's weights ({_gib(facts.weights_bytes)}) leave no room in the memory budget "
-        f"({_gib(plan.budget_bytes)}) for a KV cache of {MIN_FAST_CACHE_TOKENS} tokens with the fast path's "
-        f"prefill and graphs ({_gib(plan.resident_extra_bytes)}). Use a smaller model, QUANTIZATION=nf4, "
+        f"The model's weights ({human_bytes(facts.weights_bytes)}) leave no room in the memory budget "
+        f"({human_bytes(plan.budget_bytes)}) for a KV cache of {MIN_FAST_CACHE_TOKENS} tokens with the fast path's "
+        f"prefill and graphs ({human_bytes(plan.resident_extra_bytes)}). Use a smaller model, QUANTIZATION=nf4, "
         "KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
+
+
+def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int, bytes_per_token: int,
+                              budget_bytes: int, context_length: int, *, attempts: int = 8) -> int:
+    """The static cache size, in tokens, found by measuring instead of predicting: `measure(t)` re-sizes the
+    cache to t tokens, runs the worst reply it allows and returns the device's peak reserved bytes (None: it ran
+    out of memory). Over the budget: shrink by the excess (+10%, at least 1/32 of the cache); under it by more than max(256 tokens, 1/16 of
+    the cache) and short of the context: grow once by 90% of the headroom, then measure again. Returns the largest
+    size measured within the budget (the engine keeps that one), or raises ContextBudgetError when not even
+    MIN_FAST_CACHE_TOKENS fit. Sizes are multiples of CACHE_ROUND_TOKENS."""
+    r = CACHE_ROUND_TOKENS
+    ceiling = max(MIN_FAST_CACHE_TOKENS, int(context_length) // r * r)
+    per = max(1, int(bytes_per_token))
+    fits: list[int] = []
+    grown = False
+    t = int(tokens)
+    for _ in range(attempts):
+        peak = measure(t)
+        if peak is not None and peak <= budget_bytes:
+            fits.append(t)
+            room = int((budget_bytes - peak) * 0.9) // per // r * r
+            if grown or t >= ceiling or room < max(256, t // 16):
+                break
+            t, grown = min(ceiling, t + room), True
+            continue
+        over = (peak - budget_bytes) if peak is not None else t * per // 4
+        smaller = (t - max(int(over * 1.1) // per + r, t // 32)) // r * r  # at least 3%: always converges
+        if fits and smaller <= max(fits):  # grown too far: the last size that fitted is the answer
+            break
+        if smaller < MIN_FAST_CACHE_TOKENS:
+            break
+        t = smaller
+    if fits:
+        return max(fits)
+    raise ContextBudgetError(
+        f"The fast decode path does not fit a useful KV cache ({MIN_FAST_CACHE_TOKENS} tokens) beside the model in "
+        f"the memory budget ({human_bytes(budget_bytes)}), measured at start-up. Use KV_CACHE=quantized, a lower "
+        "PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, or DECODE_PATH=plain.")
