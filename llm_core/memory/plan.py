@@ -121,10 +121,10 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
                               budget_bytes: int, context_length: int, *, attempts: int = 8) -> int:
     """The static cache size, in tokens, found by measuring instead of predicting: `measure(t)` re-sizes the
     cache to t tokens, runs the worst reply it allows and returns the device's peak reserved bytes (None: it ran
-    out of memory). Over the budget: shrink by the excess (+10%, at least 1/32 of the cache); under it by more than max(256 tokens, 1/16 of
-    the cache) and short of the context: grow once by 90% of the headroom, then measure again. Returns the largest
-    size measured within the budget (the engine keeps that one), or raises ContextBudgetError when not even
-    MIN_FAST_CACHE_TOKENS fit. Sizes are multiples of CACHE_ROUND_TOKENS."""
+    out of memory). Over the budget: shrink by the excess (+10%, at least 1/32 of the cache); under it by more
+    than max(256 tokens, 1/16 of the cache) and short of the context: grow once by 90% of the headroom, then
+    measure again. Returns the largest size measured within the budget (the engine keeps that one), or raises
+    ContextBudgetError when not even MIN_FAST_CACHE_TOKENS fit. Sizes are multiples of CACHE_ROUND_TOKENS."""
     r = CACHE_ROUND_TOKENS
     ceiling = max(MIN_FAST_CACHE_TOKENS, int(context_length) // r * r)
     per = max(1, int(bytes_per_token))
