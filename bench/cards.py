@@ -72,7 +72,9 @@ PLAN = [
     Case("llama-3-8b", 131072, 8, "ours", "quantized"),
     Case("llama-3-8b", 131072, 8, "seed"),
     Case("llama-2-7b", 32768, 12, "ours", "dynamic"),
+    Case("llama-2-7b", 32768, 12, "seed"),
     Case("llama-2-7b", 32768, 16, "ours", "dynamic"),
+    Case("llama-2-7b", 32768, 16, "seed"),
     Case("llama-3-8b", 131072, 8, "ours", "dynamic"),
     Case("llama-2-7b", 4096, 8, "ours", "dynamic"),
 ]
@@ -153,6 +155,8 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             static_cache_tokens=decoder.cache_len if decoder else None,
             warmup_s=engine.report.warmup_s, resident_extra_bytes=engine.memory_facts.resident_extra_bytes,
             fast_memory_profile=engine.fast_memory_profile,
+            prefill_graph_tokens=decoder.options.prefill_graph_tokens if decoder else None,
+            graph_pool_idle_bytes=decoder.graph_pool_idle_bytes() if decoder else None,
             memory_budget_bytes=engine.memory_budget.budget_bytes,
             allocated_after_startup_bytes=torch.cuda.memory_allocated() if SCALE.device == "cuda" else None,
             reserved_after_startup_bytes=torch.cuda.memory_reserved() if SCALE.device == "cuda" else None)
@@ -309,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--budget-s", type=float, default=500.0, help="stop starting new cases after this")
-    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--only", default="", help="run only cases whose name contains one of these (comma-separated)")
     parser.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/cards-ckpt"))
     parser.add_argument("--seed-expandable", action="store_true",
                         help="run the seed recipe with expandable segments too (default: the allocator as published)")
@@ -341,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     rec = Recorder(args.out, {}, head=meta)
     conversations: dict[tuple[str, int], list[Any]] = {}
     for case in plan:
-        if args.only and args.only not in case.name:
+        if args.only and not any(part and part in case.name for part in args.only.split(",")):
             continue
         base = dict(recipe=case.recipe, card_gib=case.card_gib, model=case.model, max_positions=case.positions,
                     quantization=case.quantization, kv_cache=case.kv_cache if case.recipe == "ours" else "dynamic",

@@ -25,6 +25,7 @@ DECODE_PATHS = ("auto", "fast", "plain", "cpu")
 # 512 tokens: TTFT 10.8 ms bf16 / 18.4 ms NF4 with no spread, against 17-28 / 21-46 ms compiled and launched per
 # reply; the graphs' pool holds 180 / 260 MB at 704 tokens: bench/results/2026-11-30-h200-prefill-probe.json)
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
+SMALL_CARD_PREFILL_GRAPH_TOKENS = 256  # auto where memory bounds the fast path's cache: the graph pool costs context
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
 KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.memory.kv_cache
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
@@ -63,8 +64,9 @@ class ModelSettings:
     max_memory: str | None = None  # e.g. "0=6GiB,cpu=24GiB": enables CPU offload (slow, last resort)
     trust_remote_code: bool = False
     decode_path: str = "auto"  # auto: the fast static-cache path where it can run, else plain generate
-    prefill_graph_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS  # fast path: prompts up to this many tokens prefilled
-    # from CUDA graphs; 0 = off
+    # fast path: prompts up to this many tokens prefilled from CUDA graphs; 0 = off; None = auto
+    # (llm_core.memory.plan.resolve_prefill_graph_tokens)
+    prefill_graph_tokens: int | None = None
     cache_dir: str | None = None  # where the embedded model is converted to; default ~/.cache/llm_core
     hf_token: str | None = field(default=None, repr=False)  # never printed, logged or shown
 
@@ -254,7 +256,7 @@ class Settings:
             parse_auth(self.server.auth)
         for mode in self.compare.modes:
             _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
-        if self.model.prefill_graph_tokens < 0:
+        if self.model.prefill_graph_tokens is not None and self.model.prefill_graph_tokens < 0:
             raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
         if self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
@@ -290,6 +292,11 @@ def _parse_bool(name: str, value: Any) -> bool:
 
 def _parse_opt_bool(name: str, value: Any) -> bool | None:
     return None if str(value).strip() == "" else _parse_bool(name, value)
+
+
+def _parse_auto_int(name: str, value: Any) -> int | None:
+    """A whole number, or None for `auto` / empty (the engine decides)."""
+    return None if str(value).strip().lower() in ("", "auto") else _parse_int(name, value)
 
 
 def _parse_int(name: str, value: Any) -> int:
@@ -463,9 +470,10 @@ SPECS: tuple[SettingSpec, ...] = (
     SettingSpec("DECODE_PATH", "model", "decode_path", _parse_choice(DECODE_PATHS),
                 "auto = fast static-cache path where it can run (CUDA: compiled + CUDA graphs; CPU: int4/int8 "
                 "weight-only + compiled, the cpu path), else plain generate; cpu = the CPU path or an error"),
-    SettingSpec("PREFILL_GRAPH_TOKENS", "model", "prefill_graph_tokens", _parse_int,
+    SettingSpec("PREFILL_GRAPH_TOKENS", "model", "prefill_graph_tokens", _parse_auto_int,
                 "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
-                "the graphs hold ~0.3 GB on a 7B model); 0 = off"),
+                f"the graphs hold ~0.3 GB on a 7B model); 0 = off; auto (default) = {DEFAULT_PREFILL_GRAPH_TOKENS}, "
+                f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards)"),
     SettingSpec("CACHE_DIR", "model", "cache_dir", _parse_opt_str,
                 "where converted models live; empty = ~/.cache/llm_core"),
     SettingSpec("HF_TOKEN", "model", "hf_token", _parse_opt_str,

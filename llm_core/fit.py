@@ -35,7 +35,7 @@ from .memory.model import (
     max_context_tokens,
     static_kv_bytes,
 )
-from .memory.plan import MIN_FAST_CACHE_TOKENS, static_cache_plan
+from .memory.plan import MIN_FAST_CACHE_TOKENS, resolve_prefill_graph_tokens, static_cache_plan
 
 # Host-to-device bandwidth an offloaded weight crosses every token (PCIe 4.0 x16, practical): what offload costs.
 OFFLOAD_BYTES_PER_S = 25e9
@@ -164,7 +164,7 @@ class FitReport:
 
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
                kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
-               prefill_chunk_tokens: int | None = 2048, prefill_graph_tokens: int = DEFAULT_PREFILL_GRAPH_TOKENS,
+               prefill_chunk_tokens: int | None = 2048, prefill_graph_tokens: int | None = None,
                compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
     """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there)."""
     if quantization not in QUANTIZATION_MODES:
@@ -193,9 +193,11 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     fast_ok, reason = config_fast_path_support(text, quantization)
     if fast_ok and kv_cache != "offload":
         kv_format = "int8" if kv_cache == "quantized" else "bf16"
-        plan = static_cache_plan(replace(facts, fused_dequant=True), budget, max_new_tokens=n,
-                                 prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format,
-                                 prefill_graph_tokens=prefill_graph_tokens)
+        fused = replace(facts, fused_dequant=True)
+        graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
+                                              prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format)
+        plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=prefill_chunk_tokens,
+                                 kv_format=kv_format, prefill_graph_tokens=graphs)
         if plan.tokens >= MIN_FAST_CACHE_TOKENS or plan.tokens == facts.context_length:
             per_token = static_kv_bytes(replace(facts, static_kv_format=kv_format), 1)
             return FitReport(kv_bytes_per_token=per_token, decode_path="fast", decode_path_reason=reason,
@@ -263,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--margin", default="", help="kept free on the card (default 512MiB)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
-    parser.add_argument("--prefill-graph-tokens", type=int, default=DEFAULT_PREFILL_GRAPH_TOKENS)
+    parser.add_argument("--prefill-graph-tokens", type=int, default=None,
+                        help=f"as PREFILL_GRAPH_TOKENS; default auto ({DEFAULT_PREFILL_GRAPH_TOKENS}, less on small "
+                        "cards)")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)

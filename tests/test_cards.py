@@ -31,6 +31,7 @@ from llm_core.memory.plan import (
     CACHE_ROUND_TOKENS,
     MIN_FAST_CACHE_TOKENS,
     fast_resident_estimate,
+    resolve_prefill_graph_tokens,
     size_cache_by_measurement,
     static_cache_plan,
 )
@@ -235,6 +236,63 @@ def test_a_measured_cache_answers_every_message_that_fits_it(fp32_loaded: Loaded
                               system_prompt=None)
     assert prepared.input_ids.shape[-1] + prepared.gen.max_new_tokens <= engine.context_limit
     assert prepared.fitted.dropped_turns > 0 and prepared.predicted is not None
+
+
+def test_auto_prefill_graphs_are_small_where_memory_bounds_the_cache() -> None:
+    """PREFILL_GRAPH_TOKENS=auto: the default 1,024 where the whole context fits beside the graphs (24 GiB, 4k
+    positions), 256 where memory bounds the cache (8 GiB, 32k positions: the graph pool would take context from
+    every chat); a number set by the operator is kept as is."""
+    def resolve(model: str, positions: int, card_gib: int, setting: int | None = None) -> int:
+        return resolve_prefill_graph_tokens(setting, facts_for(model, positions), int((card_gib - 0.5) * GiB),
+                                            max_new_tokens=256, prefill_chunk_tokens=2048)
+
+    assert resolve("llama-2-7b", 4096, 24) == 1024
+    assert resolve("llama-2-7b", 32768, 8) == 256
+    assert resolve("llama-3-8b", 131072, 8) == 256
+    assert resolve("llama-2-7b", 32768, 8, setting=1024) == 1024
+    assert resolve("llama-2-7b", 4096, 24, setting=0) == 0
+    small = plan_for("llama-2-7b", 32768, 8)
+    roomier = static_cache_plan(facts_for("llama-2-7b", 32768), int(7.5 * GiB), max_new_tokens=256,
+                                prefill_chunk_tokens=2048, prefill_graph_tokens=256)
+    assert roomier.tokens > small.tokens  # what the smaller pool gives back to the cache
+
+
+def test_prefill_graph_tokens_setting_accepts_auto() -> None:
+    assert make_settings(PREFILL_GRAPH_TOKENS="auto").model.prefill_graph_tokens is None
+    assert make_settings(PREFILL_GRAPH_TOKENS="").model.prefill_graph_tokens is None
+    assert make_settings(PREFILL_GRAPH_TOKENS="512").model.prefill_graph_tokens == 512
+    from llm_core.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="PREFILL_GRAPH_TOKENS"):
+        make_settings(PREFILL_GRAPH_TOKENS="-5")
+
+
+def test_a_fast_path_that_cannot_fit_at_start_up_falls_back_to_plain_generate(
+        fp32_loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up never fails for a model whose weights fit: when warm-up finds no room for the fast path's cache
+    (on CUDA: the start-up measurement; simulated here), DECODE_PATH=auto releases the cache and graphs and serves
+    from plain generate, saying why in the model panel; the first reply works."""
+    settings = _fast_settings()
+    engine = ChatEngine(fp32_loaded, settings)
+    decoder = engine.fast_decoder
+    engine.settings = replace(settings, model=replace(settings.model, decode_path="auto"))
+
+    def no_room(*_a: Any, **_k: Any) -> bool:
+        raise ContextBudgetError("measured: no room")
+
+    monkeypatch.setattr(engine, "_fit_fast_cache", no_room)
+    engine.warmup()
+    assert engine.backend.name == "plain" and engine.fast_decoder is None
+    assert "no room for the fast path's KV cache" in engine.report.decode_path_reason
+    assert decoder.cache_len == 0  # released
+    last = None
+    for update in engine.stream_chat("Say hi.", []):
+        last = update
+    assert last is not None and last.done and last.stats.decode_path == "plain"
+    strict = ChatEngine(fp32_loaded, settings)  # DECODE_PATH=fast: the operator asked for it, so it says why
+    monkeypatch.setattr(strict, "_fit_fast_cache", no_room)
+    with pytest.raises(ContextBudgetError, match="no room"):
+        strict.warmup()
 
 
 # --- the engine, forced onto the fast path on CPU with a tiny budget ------------------------------------------

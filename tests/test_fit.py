@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from llm_core.fit import estimate_weights_bytes, fit_config, load_config, main
 from llm_core.loading import load_model
 from llm_core.memory.model import GiB, ModelMemoryFacts, max_context_tokens, model_weights_bytes
-from llm_core.memory.plan import static_cache_plan
+from llm_core.memory.plan import resolve_prefill_graph_tokens, static_cache_plan
 from tests.conftest import MODEL_CACHE, make_settings
 
 LLAMA2_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -62,9 +62,12 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
     assert report.fits and report.decode_path == "fast"
     assert report.kv_bytes_per_token == per_token[name]
     facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4"), "bfloat16")
-    plan = static_cache_plan(replace(facts, fused_dequant=True), card_gib * GiB - 512 * 2**20, max_new_tokens=256,
-                             prefill_chunk_tokens=2048, kv_format="int8" if kv_cache == "quantized" else "bf16",
-                             prefill_graph_tokens=1024)
+    fused, budget = replace(facts, fused_dequant=True), card_gib * GiB - 512 * 2**20
+    kv_format = "int8" if kv_cache == "quantized" else "bf16"
+    graphs = resolve_prefill_graph_tokens(None, fused, budget, max_new_tokens=256, prefill_chunk_tokens=2048,
+                                          kv_format=kv_format)  # auto: smaller graphs where memory bounds the cache
+    plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=2048, kv_format=kv_format,
+                             prefill_graph_tokens=graphs)
     assert report.static_cache_tokens == plan.tokens and report.longest_prompt_tokens == plan.max_prompt_tokens
     assert report.seed_prompt_tokens == max_context_tokens(facts, card_gib * GiB, 256)
     assert report.longest_prompt_tokens >= report.seed_prompt_tokens

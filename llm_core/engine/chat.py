@@ -263,6 +263,8 @@ class ChatEngine:
             loaded.device, settings.memory.margin_bytes)
         self.scheduler: BatchScheduler | None = None
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
+        self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
+        self._plain_facts = self.memory_facts  # the memory facts of plain generate (restored on a fallback)
         self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
 
@@ -311,7 +313,8 @@ class ChatEngine:
                 raise SettingsError(f"DECODE_PATH=fast cannot run here: {why}. Use DECODE_PATH=auto.")
             reason = (f"DECODE_PATH=fast on {self.loaded.device.type.upper()}: static KV cache, eager decode loop "
                       "(no compile, no CUDA graphs)")
-        options = fast.FastDecodeOptions(prefill_graph_tokens=self.settings.model.prefill_graph_tokens,
+        self._prefill_graph_tokens = self._resolve_prefill_graph_tokens()
+        options = fast.FastDecodeOptions(prefill_graph_tokens=self._prefill_graph_tokens,
                                          prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
                                          kv_cache=self._fast_kv_format)
         plain_facts = self.memory_facts
@@ -362,6 +365,14 @@ class ChatEngine:
             return self.backend if self._fast_serves(kv_cache) else self._plain
         return self.backend if kv_cache == "dynamic" else self._plain
 
+    def _resolve_prefill_graph_tokens(self) -> int:
+        from ..memory.plan import resolve_prefill_graph_tokens
+
+        return resolve_prefill_graph_tokens(
+            self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fused_dequant=True),
+            self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
+            prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None, kv_format=self._fast_kv_format)
+
     def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
         it (prompt + the default reply length) fits the budget beside the weights, the largest prefill chunk, the
@@ -373,7 +384,7 @@ class ChatEngine:
                                  max_new_tokens=self.settings.generation.max_new_tokens,
                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
                                  kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
-                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+                                 prefill_graph_tokens=self._prefill_graph_tokens)
         self._cache_plan = require_cache(plan, self.memory_facts)
         return plan.tokens
 
@@ -442,12 +453,18 @@ class ChatEngine:
         decoder = self.fast_decoder
         measured = decoder is not None and self.loaded.device.type == "cuda"
         if decoder is not None:
-            self._warm_fast_decoder(decoder, say)
-            self._measure_fast_resident(decoder)
-            if measured:
-                self._profile_fast_cache(decoder, say)
-            else:
-                self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
+            try:
+                self._warm_fast_decoder(decoder, say)
+                self._measure_fast_resident(decoder)
+                if measured:
+                    self._profile_fast_cache(decoder, say)
+                else:
+                    self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
+            except ContextBudgetError as exc:  # weights fit, the fast path's cache does not: plain generate serves
+                if self.settings.model.decode_path != "auto":
+                    raise
+                self._fall_back_to_plain(decoder, exc)
+                decoder, measured = None, False
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
@@ -463,6 +480,18 @@ class ChatEngine:
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _fall_back_to_plain(self, decoder: Any, exc: Exception) -> None:
+        """Start-up never fails for a model whose weights fit: when the fast path's cache cannot fit beside them
+        (found while warming up or measuring), its cache and graphs are released and plain generate serves, with
+        the reason in the model panel."""
+        log.warning("fast path released at start-up: %s", exc)
+        decoder.release()
+        self.backend = self._plain_backend(f"no room for the fast path's KV cache on this card: {exc}")
+        self.memory_facts = self._plain_facts
+        self._fast_profile = None
+        self._prefill_graph_tokens = 0
+        free_memory(self.loaded.device)
 
     def _warm_fast_decoder(self, decoder: Any, say: Callable[[str], None]) -> None:
         """decoder.warmup(); a CUDA OOM there (the planned cache, its graphs and the prefill's working memory did
@@ -551,7 +580,7 @@ class ChatEngine:
                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
                                  kv_format=self._fast_kv_format,
                                  resident_extra_bytes=self.memory_facts.resident_extra_bytes,
-                                 prefill_graph_tokens=self.settings.model.prefill_graph_tokens)
+                                 prefill_graph_tokens=self._prefill_graph_tokens)
         tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply
         resized = tokens < decoder.cache_len
         if resized:

@@ -737,6 +737,20 @@ class FastDecoder:
             return int(self._host_tokens[index])
         return self._cpu_tokens.pop(index)
 
+    def release(self) -> None:
+        """Give back the static cache, the captured graphs and their pools (the engine then serves from plain
+        generate; the fused weights stay, shared with the model)."""
+        with self._lock:
+            self._graphs.clear()
+            self._pf_graphs.clear()
+            self._pool = self._pf_pool = None
+            self._k = self._v = None
+            self._pf_ids = self._pf_pos = None
+            self._cache_len = 0
+            self._buckets = []
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
     @property
     def cache_bytes_per_token(self) -> int:
         """Device bytes one token of the static cache takes (all layers, K and V, scales included)."""
