@@ -264,6 +264,7 @@ class ChatEngine:
         self.scheduler: BatchScheduler | None = None
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
+        self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
         self._plain_facts = self.memory_facts  # the memory facts of plain generate (restored on a fallback)
         self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
@@ -490,7 +491,7 @@ class ChatEngine:
         self.backend = self._plain_backend(f"no room for the fast path's KV cache on this card: {exc}")
         self.memory_facts = self._plain_facts
         self._fast_profile = None
-        self._prefill_graph_tokens = 0
+        self._prefill_graph_tokens = self._held_free_bytes = 0
         free_memory(self.loaded.device)
 
     def _warm_fast_decoder(self, decoder: Any, say: Callable[[str], None]) -> None:
@@ -673,6 +674,10 @@ class ChatEngine:
         if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
             predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, plan_mode,
                                            prefill_chunk_tokens=chunk)
+            # the graph pools' and fragments' bytes are reserved, never allocated: as reserve, so that the panel's
+            # predicted allocated peak compares with torch's allocated one
+            held = self._held_free_bytes
+            predicted = replace(predicted, reserve_bytes=predicted.reserve_bytes + held)
             plan = ReplyPlan(True, fitted.prompt_tokens, gen.max_new_tokens, predicted, "",
                              budget_bytes=self.memory_budget.budget_bytes)
         else:
@@ -855,7 +860,7 @@ class ChatEngine:
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
             # the reserved peak without being this reply's doing, and the allocator frees them before it would
             # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).
-            releasable = max(0, cached_free - getattr(self, "_held_free_bytes", 0))  # pools, fragments: counted
+            releasable = max(0, cached_free - self._held_free_bytes)  # pools, fragments: counted
             self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,

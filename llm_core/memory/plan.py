@@ -37,6 +37,10 @@ PREFILL_BUCKET_TOKENS = 64  # llm_core.fast.options.PREFILL_BUCKET_TOKENS (kept 
 # (one step's temporaries, split-K attention partials): measured 0.05 GB on the H200 for Llama-2-7B beside the
 # prefill graphs' pool (bench/results/2026-11-30-h200-prefill-probe.json: 315 MB resident, 260 MB of it prefill).
 FAST_FIXED_RESIDENT_BYTES = 64 * MiB
+# Kept free below the budget when the cache is sized by measurement: a real reply's reserved peak came out 40 MiB
+# above the start-up profile's once (Llama-3-8B shape, int8 cache, 8 GiB card: bench/results/
+# 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
+MEASURED_SAFETY_BYTES = 128 * MiB
 
 
 def fast_resident_estimate(facts: ModelMemoryFacts, prefill_graph_tokens: int, cache_tokens: int) -> int:
@@ -139,13 +143,15 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
                               budget_bytes: int, context_length: int, *, attempts: int = 8) -> int:
     """The static cache size, in tokens, found by measuring instead of predicting: `measure(t)` re-sizes the
     cache to t tokens, runs the worst reply it allows and returns the device's peak reserved bytes (None: it ran
-    out of memory). Over the budget: shrink by the excess (+10%, at least 1/32 of the cache); under it by more
-    than max(256 tokens, 1/16 of the cache) and short of the context: grow once by 90% of the headroom, then
-    measure again. Returns the largest size measured within the budget (the engine keeps that one), or raises
-    ContextBudgetError when not even MIN_FAST_CACHE_TOKENS fit. Sizes are multiples of CACHE_ROUND_TOKENS."""
+    out of memory), which must stay MEASURED_SAFETY_BYTES under the budget. Over that: shrink by the excess
+    (+10%, at least 1/32 of the cache); under it by more than max(256 tokens, 1/16 of the cache) and short of the
+    context: grow once by 90% of the headroom, then measure again. Returns the largest size measured within it
+    (the engine keeps that one), or raises ContextBudgetError when not even MIN_FAST_CACHE_TOKENS fit. Sizes are
+    multiples of CACHE_ROUND_TOKENS."""
     r = CACHE_ROUND_TOKENS
     ceiling = max(MIN_FAST_CACHE_TOKENS, int(context_length) // r * r)
     per = max(1, int(bytes_per_token))
+    budget_bytes = int(budget_bytes) - MEASURED_SAFETY_BYTES
     fits: list[int] = []
     grown = False
     t = int(tokens)
