@@ -125,7 +125,7 @@ class ServerSettings:
     auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
     queue_size: int = 64
     mcp_server: bool = False  # Gradio's MCP server for the chat endpoint (needs gradio[mcp])
-    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
+    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on CUDA, else 1)
     session_max_waiting: int = 1  # requests one session may have waiting beside its running one; more are refused
     allow_open_host: bool = False  # serve a non-loopback HOST or a SHARE link without AUTH (refused unless set)
     login_max_failures: int = 5  # failed logins one client address may make per login_window_s
@@ -244,10 +244,6 @@ class Settings:
         _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
         if self.server.max_batch_size is not None:
             _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
-            if self.server.max_batch_size > 1 and m.decode_path == "fast":
-                raise SettingsError(f"DECODE_PATH=fast serves one reply at a time, but MAX_BATCH_SIZE="
-                                    f"{self.server.max_batch_size}; set MAX_BATCH_SIZE=1 (or empty) or "
-                                    "DECODE_PATH=auto.")
         if not 0 < self.server.port < 65536:
             raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
         if self.server.auth is not None:
@@ -511,7 +507,7 @@ SPECS: tuple[SettingSpec, ...] = (
                 "GRADIO_MCP_SERVER if set"),
     SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
-                "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
+                "empty = auto: 8 on CUDA, 1 on CPU; 1 = one at a time"),
     SettingSpec("SESSION_MAX_WAITING", "server", "session_max_waiting", _parse_int,
                 "requests one session (tab / API client) may have waiting beside its running reply; more are "
                 "refused, and a free slot goes to the session served least recently"),

@@ -258,6 +258,7 @@ class ChatEngine:
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
         self.scheduler: BatchScheduler | None = None
+        self.fast_scheduler: Any = None  # llm_core.fast.batched.FastBatchScheduler when the fast path batches
         self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
 
@@ -348,12 +349,12 @@ class ChatEngine:
     def _fast_serves(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
         fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
-        return self.backend.name == "fast" and kv_cache == fast_mode
+        return self.backend.name in ("fast", "fast-batched") and kv_cache == fast_mode
 
     def _backend_for(self, kv_cache: str) -> DecodeBackend:
         """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
         (plain, batched) serve the dynamic cache themselves."""
-        if self.backend.name == "fast":
+        if self.backend.name in ("fast", "fast-batched"):
             return self.backend if self._fast_serves(kv_cache) else self._plain
         return self.backend if kv_cache == "dynamic" else self._plain
 
@@ -393,9 +394,17 @@ class ChatEngine:
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
                                       self.settings.model.decode_path, self.settings.server.is_shared)
+        selected = False
+        if size > 1 and self.settings.model.decode_path != "plain" and loaded.extra.get("cpu_weights") is None:
+            self._select_backend()  # the fast path, when it serves this model here, batches every reply itself
+            selected = True
+            if isinstance(self.backend, FastBackend):
+                self._serve_fast_batched(size)
+                return
         ok, why = batching_support(loaded.model) if size > 1 else (False, "")
         if not ok:
-            self._select_backend()
+            if not selected:
+                self._select_backend()
             if why:
                 self.backend.reason = "; ".join(filter(None, [self.backend.reason, f"batching off: {why}"]))
             return
@@ -408,6 +417,42 @@ class ChatEngine:
                                       f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
         self._lock = ReplySlots(size, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(size)
+
+    def _serve_fast_batched(self, size: int) -> None:
+        """Replace the single-reply fast backend by the batched fast loop: `size` KV slots (at most 32) sharing the
+        KV tokens that llm_core.memory.plan.static_cache_plan fits in the budget for `size` contexts; fewer slots when
+        that leaves a slot under MIN_FAST_CACHE_TOKENS."""
+        from ..fast.batched import MAX_SLOTS, FastBatchScheduler, SlotDecoder
+        from ..memory.plan import MIN_FAST_CACHE_TOKENS, require_cache, static_cache_plan
+        from .serving import FastBatchedBackend
+
+        fast = self.backend
+        assert isinstance(fast, FastBackend)
+        decoder = fast.decoder
+        context = int(self.loaded.context_length)
+        slots = min(size, MAX_SLOTS)
+        chunk = self.settings.memory.prefill_chunk_tokens or None
+        facts = replace(self.memory_facts, context_length=slots * context)  # the plan's ceiling: every slot full
+        plan = require_cache(static_cache_plan(
+            facts, self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
+            prefill_chunk_tokens=min(chunk or context, context), kv_format=self._fast_kv_format,
+            prefill_graph_tokens=0), facts)
+        slot_tokens = min(context, plan.tokens // slots) // 16 * 16
+        if slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
+            slots = max(1, plan.tokens // MIN_FAST_CACHE_TOKENS)
+            slot_tokens = min(context, plan.tokens // slots) // 16 * 16
+        decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
+                                       eos_token_ids=sorted(self.loaded.eos_token_ids))
+        reason = (f"{fast.reason}; batched: MAX_BATCH_SIZE={size}, {slots} KV slots of {slot_tokens:,} tokens "
+                  "(every reply is a row of one decode step)")
+        self.backend = FastBatchedBackend(scheduler, decoder, reason)
+        self.fast_scheduler = scheduler
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
+                                    static_kv_format=self._fast_kv_format,
+                                    resident_extra_bytes=plan.resident_extra_bytes)
+        self._lock = ReplySlots(slots, session_max_waiting=self.settings.server.session_max_waiting)
+        self._workers.grow(slots)
 
     @property
     def generating(self) -> int:
@@ -433,6 +478,9 @@ class ChatEngine:
             decoder.warmup()
             self._measure_fast_resident(decoder)
             self._fit_fast_cache(self.settings.generation.max_new_tokens, say)
+        start = getattr(self.backend, "warmup", None)  # the batched fast loop: slots, compile, graphs
+        if start is not None:
+            start()
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
@@ -690,7 +738,8 @@ class ChatEngine:
                 streamer.end()
 
         cached_free = _cached_free_bytes(loaded.device)
-        peak.start()
+        if not getattr(backend, "measures_peak", False):  # overlapping replies: the backend records each one's peak
+            peak.start()
         worker_done = self._workers.submit(work)
         reply = ""
         try:
@@ -741,6 +790,11 @@ class ChatEngine:
         else:
             kv = cache_bytes(cache if cache is not None else backend.make_cache()) or None
         measured = peak.stop().reply_fields()
+        if isinstance(cache, RowKV) and cache.peak_allocated_bytes is not None:  # the batch's peak in this reply
+            measured = {"peak_vram_allocated_bytes": cache.peak_allocated_bytes,
+                        "peak_vram_reserved_bytes": cache.peak_reserved_bytes}
+        if isinstance(cache, RowKV) and cache.peak_batch_rows is not None:
+            measured["peak_batch_rows"] = cache.peak_batch_rows
         reserved = measured.get("peak_vram_reserved_bytes")
         if reserved and prepared.predicted is not None:  # learn this allocator's reserve for the next plans
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in

@@ -553,6 +553,7 @@ class FastBatchScheduler:
         self.stats = BatchStats(slots=slots.slots, slot_tokens=slots.slot_tokens)
         self.fatal_error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
         self._name = name
 
     # --- public ------------------------------------------------------------------------------------------------------
@@ -570,16 +571,16 @@ class FastBatchScheduler:
 
     def start(self) -> None:
         """Allocate and warm the slots (compile and capture on CUDA) and start the loop thread. Idempotent."""
-        with self._cond:
+        with self._start_lock:  # held through the warm-up: the first replies may arrive on several threads at once
             if self._thread is not None:
                 return
-        if self.decoder.k is None:
-            self.decoder.warmup()
-        thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-        with self._cond:
-            self._thread = thread
-        thread.start()
-        _RUNNING.add(self)
+            if self.decoder.k is None:
+                self.decoder.warmup()
+            thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            with self._cond:
+                self._thread = thread
+            thread.start()
+            _RUNNING.add(self)
 
     def submit(self, prompt_ids: list[int], options: RowOptions, max_new_tokens: int, stop_event: threading.Event,
                record: Any = None) -> FastRequest:
