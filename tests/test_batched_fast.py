@@ -188,6 +188,27 @@ def test_eight_gradio_sessions_run_on_the_batched_fast_path(fast_batched_nf4: Ch
         demo.close()
 
 
+def test_bench_smoke_records_the_issue_fields_for_both_recipes(tmp_path: Any) -> None:
+    import json
+
+    from bench import batched
+
+    out = tmp_path / "batched.json"
+    assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]) == 0
+    doc = json.loads(out.read_text())
+    runs = [r for r in doc["records"] if "recipe" in r]
+    assert sorted((r["recipe"], r["concurrent_chats"]) for r in runs) == [
+        ("ours", 1), ("ours", 3), ("transformers-generate", 1), ("transformers-generate", 3)]
+    for r in runs:
+        for key in ("model", "quantization", "aggregate_decode_tokens_per_s", "per_chat_decode_tokens_per_s",
+                    "ttft_p50_s", "ttft_p95_s", "peak_vram_bytes", "device", "versions", "command"):
+            assert key in r, (r["recipe"], key)
+        assert r["aggregate_decode_tokens_per_s"] > 0 and r["per_chat_decode_tokens_per_s"]["min"] > 0
+    ours3 = next(r for r in runs if r["recipe"] == "ours" and r["concurrent_chats"] == 3)
+    assert ours3["completed"] == 3 and ours3["new_tokens"] == [8, 8, 8]  # min_new_tokens: every reply full length
+    assert ours3["step_profile"]["max_rows_in_step"] == 3
+
+
 # --- GPU ------------------------------------------------------------------------------------------------------------
 
 

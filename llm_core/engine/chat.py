@@ -419,28 +419,50 @@ class ChatEngine:
         self._workers.grow(size)
 
     def _serve_fast_batched(self, size: int) -> None:
-        """Replace the single-reply fast backend by the batched fast loop: `size` KV slots (at most 32) sharing the
-        KV tokens that llm_core.memory.plan.static_cache_plan fits in the budget for `size` contexts; fewer slots when
-        that leaves a slot under MIN_FAST_CACHE_TOKENS."""
+        """Replace the single-reply fast backend by the batched fast loop: `size` KV slots (at most 32) of the
+        largest length s (<= the context) for which llm_core.memory.plan.static_cache_plan still fits a reply filling
+        one slot with the other slots' blocks held as resident; fewer slots when s would be under
+        MIN_FAST_CACHE_TOKENS."""
         from ..fast.batched import MAX_SLOTS, FastBatchScheduler, SlotDecoder
-        from ..memory.plan import MIN_FAST_CACHE_TOKENS, require_cache, static_cache_plan
+        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, static_cache_plan
         from .serving import FastBatchedBackend
 
         fast = self.backend
         assert isinstance(fast, FastBackend)
         decoder = fast.decoder
         context = int(self.loaded.context_length)
-        slots = min(size, MAX_SLOTS)
+        per_token = int(decoder.kv_bytes_per_token())
         chunk = self.settings.memory.prefill_chunk_tokens or None
-        facts = replace(self.memory_facts, context_length=slots * context)  # the plan's ceiling: every slot full
-        plan = require_cache(static_cache_plan(
-            facts, self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            prefill_chunk_tokens=min(chunk or context, context), kv_format=self._fast_kv_format,
-            prefill_graph_tokens=0), facts)
-        slot_tokens = min(context, plan.tokens // slots) // 16 * 16
+
+        def fits(slots: int, tokens: int) -> bool:
+            others = (slots - 1) * tokens * per_token  # the other slots' blocks, resident beside this reply's
+            plan = static_cache_plan(
+                self.memory_facts, self.memory_budget.budget_bytes,
+                max_new_tokens=min(self.settings.generation.max_new_tokens, tokens - 1),
+                prefill_chunk_tokens=chunk, kv_format=self._fast_kv_format,
+                resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, tokens) + others)
+            return plan.tokens >= tokens
+
+        def longest(slots: int) -> int:
+            lo, hi = 0, context // 16  # in units of 16 tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(slots, mid * 16):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo * 16
+
+        slots = min(size, MAX_SLOTS)
+        slot_tokens = longest(slots)
+        while slots > 1 and slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
+            slots //= 2
+            slot_tokens = longest(slots)
         if slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
-            slots = max(1, plan.tokens // MIN_FAST_CACHE_TOKENS)
-            slot_tokens = min(context, plan.tokens // slots) // 16 * 16
+            raise ContextBudgetError(
+                f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
+                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=quantized or a "
+                "larger VRAM_BUDGET.")
         decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
                                        eos_token_ids=sorted(self.loaded.eos_token_ids))
@@ -450,7 +472,7 @@ class ChatEngine:
         self.fast_scheduler = scheduler
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
                                     static_kv_format=self._fast_kv_format,
-                                    resident_extra_bytes=plan.resident_extra_bytes)
+                                    resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, slot_tokens))
         self._lock = ReplySlots(slots, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(slots)
 

@@ -237,6 +237,7 @@ class SlotDecoder:
             if self.device.type == "cuda":
                 self._check_rows_kernel()
                 if self.compile:
+                    self._warm_prefill()
                     self._compile_step()
                 if self.use_graphs:
                     self._capture()
@@ -273,6 +274,25 @@ class SlotDecoder:
         except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
             log.warning("NF4 rows kernel unavailable: %s: %s", type(exc).__name__, exc)
             self.notes.append(f"NF4 rows kernel off ({type(exc).__name__}: {str(exc)[:120]})")
+
+    def _warm_prefill(self) -> None:
+        """Compile the fast path's prefill layer for every shape class a reply meets (FastDecoder never warms it here:
+        its own cache is not allocated): from position 0, and chunks after cached rows at two starts and lengths, so
+        that dynamo makes both the length and the start symbolic here, not inside a reply."""
+        if not self.fast._prefill_compiled_ok:
+            return
+        first = max(4, min(71, (self.slot_tokens - 2) // 3))
+        start = 0
+        try:
+            for length in (first, first - 1, first - 2):
+                ids = (torch.arange(length, device=self.device) * 7 + 3) % self.fast._arch.vocab
+                self.prefill(0, ids, start)
+                start += length
+            self.sync()
+        except Exception as exc:  # noqa: BLE001 - the eager prefill is the same math
+            log.warning("Compiled prefill unavailable (%s: %s); the prefill runs eagerly.", type(exc).__name__, exc)
+            self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
+            self.fast._prefill_compiled_ok = False
 
     def _make_functions(self, compiled: bool) -> None:
         """Closures over the static specs (one per distinct layer spec, as FastDecoder binds them), compiled or not."""
