@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (As run for issue 16: from /work/main with this worktree mirrored in .gpu/wt16; elsewhere, drop the cd.)
 # Issue 16 on the GPU: the batched fast path's GPU tests, then bench.batched (1/8/32 chats, Llama-2-7B shape, NF4,
 # 512 + 128, beside transformers' batched generate). Run from the repo root; results under $OUT.
 set -uo pipefail
