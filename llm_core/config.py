@@ -246,10 +246,6 @@ class Settings:
         _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
         if self.server.max_batch_size is not None:
             _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
-            if self.server.max_batch_size > 1 and m.decode_path == "fast":
-                raise SettingsError(f"DECODE_PATH=fast serves one reply at a time, but MAX_BATCH_SIZE="
-                                    f"{self.server.max_batch_size}; set MAX_BATCH_SIZE=1 (or empty) or "
-                                    "DECODE_PATH=auto.")
         if not 0 < self.server.port < 65536:
             raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
         if self.server.auth is not None:

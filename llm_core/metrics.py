@@ -47,6 +47,9 @@ class ReplyStats:
     peak_vram_allocated_bytes: int | None = None  # CUDA: max allocated during this reply (peak reset at start)
     peak_vram_reserved_bytes: int | None = None  # CUDA: max reserved by the caching allocator during this reply
     peak_rss_bytes: int | None = None  # CPU: peak resident set size of the process during this reply
+    # Batched fast path: replies overlap, so the peak above is the batch's during this reply (reset before and read
+    # after each decode step or prefill chunk), and this is how many rows were decoding at that peak.
+    peak_batch_rows: int | None = None
     kv_cache_bytes: int | None = None  # bytes held by the KV cache at the end of the reply
     predicted_peak_bytes: int | None = None  # memory model's peak allocated for prompt + max_new_tokens
     memory_budget_bytes: int | None = None  # what the memory guard planned this reply against

@@ -262,6 +262,7 @@ class ChatEngine:
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
         self.scheduler: BatchScheduler | None = None
+        self.fast_scheduler: Any = None  # llm_core.fast.batched.FastBatchScheduler when the fast path batches
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
         self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
@@ -357,12 +358,12 @@ class ChatEngine:
     def _fast_serves(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
         fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
-        return self.backend.name == "fast" and kv_cache == fast_mode
+        return self.backend.name in ("fast", "fast-batched") and kv_cache == fast_mode
 
     def _backend_for(self, kv_cache: str) -> DecodeBackend:
         """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
         (plain, batched) serve the dynamic cache themselves."""
-        if self.backend.name == "fast":
+        if self.backend.name in ("fast", "fast-batched"):
             return self.backend if self._fast_serves(kv_cache) else self._plain
         return self.backend if kv_cache == "dynamic" else self._plain
 
@@ -416,9 +417,17 @@ class ChatEngine:
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
                                       self.settings.model.decode_path, self.settings.server.is_shared)
+        selected = False
+        if size > 1 and self.settings.model.decode_path != "plain" and loaded.extra.get("cpu_weights") is None:
+            self._select_backend()  # the fast path, when it serves this model here, batches every reply itself
+            selected = True
+            if isinstance(self.backend, FastBackend):
+                self._serve_fast_batched(size)
+                return
         ok, why = batching_support(loaded.model) if size > 1 else (False, "")
         if not ok:
-            self._select_backend()
+            if not selected:
+                self._select_backend()
             if why:
                 self.backend.reason = "; ".join(filter(None, [self.backend.reason, f"batching off: {why}"]))
             return
@@ -431,6 +440,64 @@ class ChatEngine:
                                       f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
         self._lock = ReplySlots(size, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(size)
+
+    def _serve_fast_batched(self, size: int) -> None:
+        """Replace the single-reply fast backend by the batched fast loop: `size` KV slots (at most 32) of the
+        largest length s (<= the context) for which llm_core.memory.plan.static_cache_plan still fits a reply filling
+        one slot with the other slots' blocks held as resident; fewer slots when s would be under
+        MIN_FAST_CACHE_TOKENS."""
+        from ..fast.batched import MAX_SLOTS, FastBatchScheduler, SlotDecoder
+        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, static_cache_plan
+        from .serving import FastBatchedBackend
+
+        fast = self.backend
+        assert isinstance(fast, FastBackend)
+        decoder = fast.decoder
+        context = int(self.loaded.context_length)
+        per_token = int(decoder.kv_bytes_per_token())
+        chunk = self.settings.memory.prefill_chunk_tokens or None
+
+        def fits(slots: int, tokens: int) -> bool:
+            others = (slots - 1) * tokens * per_token  # the other slots' blocks, resident beside this reply's
+            plan = static_cache_plan(
+                self.memory_facts, self.memory_budget.budget_bytes,
+                max_new_tokens=min(self.settings.generation.max_new_tokens, tokens - 1),
+                prefill_chunk_tokens=chunk, kv_format=self._fast_kv_format,
+                resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, tokens) + others)
+            return plan.tokens >= tokens
+
+        def longest(slots: int) -> int:
+            lo, hi = 0, context // 16  # in units of 16 tokens
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if fits(slots, mid * 16):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo * 16
+
+        slots = min(size, MAX_SLOTS)
+        slot_tokens = longest(slots)
+        while slots > 1 and slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
+            slots //= 2
+            slot_tokens = longest(slots)
+        if slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
+            raise ContextBudgetError(
+                f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
+                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=quantized or a "
+                "larger VRAM_BUDGET.")
+        decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
+                                       eos_token_ids=sorted(self.loaded.eos_token_ids))
+        reason = (f"{fast.reason}; batched: MAX_BATCH_SIZE={size}, {slots} KV slots of {slot_tokens:,} tokens "
+                  "(every reply is a row of one decode step)")
+        self.backend = FastBatchedBackend(scheduler, decoder, reason)
+        self.fast_scheduler = scheduler
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
+                                    static_kv_format=self._fast_kv_format,
+                                    resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, slot_tokens))
+        self._lock = ReplySlots(slots, session_max_waiting=self.settings.server.session_max_waiting)
+        self._workers.grow(slots)
 
     @property
     def generating(self) -> int:
@@ -466,6 +533,9 @@ class ChatEngine:
                     raise
                 self._fall_back_to_plain(decoder, exc)
                 decoder, measured = None, False
+        start = getattr(self.backend, "warmup", None)  # the batched fast loop: slots, compile, graphs
+        if start is not None:
+            start()
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
@@ -803,7 +873,8 @@ class ChatEngine:
                 streamer.end()
 
         cached_free = _cached_free_bytes(loaded.device)
-        peak.start()
+        if not getattr(backend, "measures_peak", False):  # overlapping replies: the backend records each one's peak
+            peak.start()
         worker_done = self._workers.submit(work)
         reply = ""
         try:
@@ -854,6 +925,11 @@ class ChatEngine:
         else:
             kv = cache_bytes(cache if cache is not None else backend.make_cache()) or None
         measured = peak.stop().reply_fields()
+        if isinstance(cache, RowKV) and cache.peak_allocated_bytes is not None:  # the batch's peak in this reply
+            measured = {"peak_vram_allocated_bytes": cache.peak_allocated_bytes,
+                        "peak_vram_reserved_bytes": cache.peak_reserved_bytes}
+        if isinstance(cache, RowKV) and cache.peak_batch_rows is not None:
+            measured["peak_batch_rows"] = cache.peak_batch_rows
         reserved = measured.get("peak_vram_reserved_bytes")
         profiled = backend.name == "fast" and self._fast_profile is not None  # bounded by measurement instead
         if reserved and prepared.predicted is not None and not profiled:  # learn the allocator's reserve

@@ -113,6 +113,93 @@ if triton is not None:
         return torch.empty_like(q)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
+                                stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr):
+        """_attn_split_kernel with a row dimension (the batched fast path): program (row b, kv head h, split s)
+        attends row b's G query heads to rows [s*chunk, min((s+1)*chunk, pos[b]+1)) of row b's own cache slot.
+        A split past a row's length reads nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        length = tl.load(pos_ptr + b).to(tl.int32) + 1
+        hq = HKV * G
+        gi = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        qmask = gi < G
+        q = tl.load(q_ptr + (b * hq + h * G + gi)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
+        start = sp * chunk
+        end = tl.minimum(start + chunk, length)
+        base = b.to(tl.int64) * stride_b
+        for off in range(start, end, BLOCK_L):
+            li = off + tl.arange(0, BLOCK_L)
+            lmask = li < end
+            kv = base + li[:, None] * stride_l + h * stride_h + d[None, :]
+            k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
+            if INT8:
+                srow = base + li * stride_l + h * stride_h + D
+                k_scale = tl.exp2(tl.load(k_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(lmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
+            if INT8:
+                v_scale = tl.exp2(tl.load(v_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        row = (sp * B + b) * hq + h * G + gi  # partials laid out (split, row, query head)
+        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
+        tl.store(m_ptr + row, m_i, mask=qmask)
+        tl.store(l_ptr + row, l_i, mask=qmask)
+
+    @torch.library.custom_op("llm_core::decode_attention_rows", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_rows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+        """q (B, Hq, D); k/v (B, T, Hkv, row): each row's own cache slot; pos (B,) int64 -> (B, Hq, D)."""
+        rows, length, hkv, dim = k.shape
+        if k.dtype == torch.int8:
+            dim = q.shape[2]
+        hq = q.shape[1]
+        chunk, nsplit = _attention_splits(length, rows * hkv, k.device)
+        o = torch.empty(nsplit, rows * hq, dim, dtype=torch.float32, device=q.device)
+        m = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
+        lsum = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
+        if k.stride() != v.stride() or k.stride(3) != 1:
+            raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
+        groups = hq // hkv
+        _attn_rows_split_kernel[(rows, hkv, nsplit)](
+            q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2), rows,
+            HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
+            IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8)
+        out = torch.empty(rows * hq, dim, dtype=q.dtype, device=q.device)
+        _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
+                                           SP=triton.next_power_of_2(nsplit))
+        return out.view(rows, hq, dim)
+
+    @_decode_attention_rows_op.register_fake
+    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
+
+
 ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
 
 def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:

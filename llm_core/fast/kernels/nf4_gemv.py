@@ -249,3 +249,156 @@ if triton is not None:
     @_nf4_gemv_op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
         return x.new_empty(1, packed.shape[0])
+
+
+# --- a few rows at once (the batched fast path) ------------------------------------------------------------------
+
+
+def unpack8_asm(code: list[float]) -> str:
+    """PTX: one int32 word of 8 NF4 indices ($4) -> its 8 levels as four bf16x2 words ($0..$3): word p holds the
+    level of weight 2p in its low half and of weight 2p + 1 in its high half. The same register-table lookup as
+    dot8_asm (bf16x2), without the multiply: the rows kernel below feeds the levels to tensor-core dots."""
+    lo, hi = table_bytes(code)
+    consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
+    select = ("prmt.b32 la, L0, L1, {s};\nprmt.b32 lb, L2, L3, {s};\nprmt.b32 ha, H0, H1, {s};\n"
+              "prmt.b32 hb, H2, H3, {s};\nlop3.b32 lo, la, lb, {m}, 0xD8;\nlop3.b32 hi, ha, hb, {m}, 0xD8;\n")
+    return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, s7h, t, m, mh, la, lb, ha, hb, lo, hi;\n" + consts
+            + "and.b32 s7, $4, 0x77777777;\nshr.u32 s7h, s7, 16;\nshl.b32 t, $4, 4;\n"
+            + "prmt.b32 m, t, $4, 0xD9C8;\nprmt.b32 mh, t, $4, 0xFBEA;\n"
+            + select.format(s="s7", m="m") + "prmt.b32 $0, lo, hi, 0x4051;\nprmt.b32 $1, lo, hi, 0x6273;\n"
+            + select.format(s="s7h", m="mh") + "prmt.b32 $2, lo, hi, 0x4051;\nprmt.b32 $3, lo, hi, 0x6273;\n}")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bf16_pair(r):
+        """int32 holding two bf16 -> (low, high) as fp32 (exact: a bf16 is the top half of an fp32)."""
+        return (r << 16).to(tl.float32, bitcast=True), ((r >> 16) << 16).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nf4_rows_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, M, N,
+                         K: tl.constexpr, KW: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_W: tl.constexpr, SPLIT: tl.constexpr):
+        """y (M, N) += x (M, K) @ W.T over one K range: program (n tile, split) decodes each weight of its tile once
+        (levels from registers, block scale applied in fp32, rounded to bf16 as dequantize_4bit does) and feeds
+        all M rows through tensor-core dots. Weight k = 8j + q sits in word j; instead of interleaving the 8 decoded
+        planes back into k order, x is read in the same 8 planes (x[:, 8j + q]): the dot is order-free.
+        y is fp32, zeroed before (SPLIT > 1 adds partial sums atomically)."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        mi = tl.arange(0, MP)
+        mmask = mi < M
+        jj = tl.arange(0, BLOCK_W)
+        per_split = tl.cdiv(KW, SPLIT * BLOCK_W) * BLOCK_W
+        w_lo = pid_k * per_split
+        w_hi = tl.minimum(w_lo + per_split, KW)
+        acc = tl.zeros((MP, BLOCK_N), dtype=tl.float32)
+        for w0 in range(w_lo, w_hi, BLOCK_W):
+            wj = w0 + jj
+            wmask = wj < w_hi
+            m2 = rmask[:, None] & wmask[None, :]
+            words = tl.load(w_ptr + rows[:, None] * KW + wj[None, :], mask=m2, other=0)
+            blk = rows[:, None] * (KW // WPB) + (wj // WPB)[None, :]
+            if NESTED:
+                code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32))
+                scale = code * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0) + tl.load(
+                    offsets_ptr + blk // 256, mask=m2, other=0.0)
+            else:
+                scale = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [words],
+                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                       is_pure=True, pack=1)
+            xm = mmask[:, None] & wmask[None, :]
+            xbase = x_ptr + mi[:, None] * K + wj[None, :] * 8
+            a, b = _bf16_pair(r0)
+            acc += tl.dot(tl.load(xbase + 0, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
+            acc += tl.dot(tl.load(xbase + 1, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+            a, b = _bf16_pair(r1)
+            acc += tl.dot(tl.load(xbase + 2, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
+            acc += tl.dot(tl.load(xbase + 3, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+            a, b = _bf16_pair(r2)
+            acc += tl.dot(tl.load(xbase + 4, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
+            acc += tl.dot(tl.load(xbase + 5, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+            a, b = _bf16_pair(r3)
+            acc += tl.dot(tl.load(xbase + 6, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
+            acc += tl.dot(tl.load(xbase + 7, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + mi[:, None] * N + rows[None, :]
+        omask = mmask[:, None] & rmask[None, :]
+        if SPLIT == 1:
+            tl.store(out, acc, mask=omask)
+        else:
+            tl.atomic_add(out, acc, mask=omask)
+
+    ROWS_CONFIGS = [(bn, bw, s, w) for bn in (32, 64) for bw in (16, 32) for s in (1, 2, 4) for w in (4,)]
+    _rows_tuned = triton.autotune(
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_W": bw, "SPLIT": s}, num_warps=w)
+                 for bn, bw, s, w in ROWS_CONFIGS],
+        key=["N", "KW", "WPB", "NESTED", "MP"], reset_to_zero=["y_ptr"])(_nf4_rows_kernel)
+
+
+@functools.lru_cache(maxsize=8)
+def _unpack_asm_for(code: tuple[float, ...]) -> str:
+    return unpack8_asm(list(code))
+
+
+ROWS_MAX = 32  # the rows kernel's largest M (the batched fast path's largest batch bucket)
+
+
+def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
+             absmax: torch.Tensor | None = None,
+             nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x (M, K) bf16, 1 <= M <= ROWS_MAX -> (M, N) bf16 = x @ dequantize(W).T, each weight read once for all rows.
+    Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    m, k = x.shape
+    n, kw = words.shape
+    if (absmax is None) == (nested is None):
+        raise ValueError("give exactly one of absmax and nested")
+    wpb = blocksize // 8
+    if blocksize % 8 or wpb & (wpb - 1) or kw % wpb or kw * 8 != k:
+        raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
+    if x.dtype != torch.bfloat16 or not 1 <= m <= ROWS_MAX:
+        raise ValueError(f"the NF4 rows kernel reads 1-{ROWS_MAX} bf16 rows, not {m} of {x.dtype}")
+    y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
+    args: tuple[Any, ...] = (x.contiguous(), words, absmax if absmax is not None else y, q8, absmax2, offsets, code2,
+                             bias if bias is not None else y, y, m, n)
+    flags = {"K": k, "KW": kw, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
+             "ASM": _unpack_asm_for(tuple(float(v) for v in code)), "MP": max(16, triton.next_power_of_2(m))}
+    if config is not None:
+        bn, bw, split, warps = config
+        _nf4_rows_kernel[(triton.cdiv(n, bn), split)](*args, **flags, BLOCK_N=bn, BLOCK_W=bw, SPLIT=split,
+                                                      num_warps=warps)
+    else:
+        _rows_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags)
+    return y.to(x.dtype)
+
+
+if triton is not None:
+
+    @torch.library.custom_op(
+        "llm_core::nf4_rows", mutates_args=(),
+        schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
+               "Tensor? bias, int blocksize, bool nested, float[] code) -> Tensor")
+    def _nf4_rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
+                     absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None,
+                     blocksize: int, nested: bool, code: Sequence[float]) -> torch.Tensor:
+        words = words_view(packed)
+        if words is None:
+            raise ValueError("packed NF4 rows are not 16-byte aligned int32 words")
+        if nested:
+            return nf4_rows(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias)
+        return nf4_rows(x, words, blocksize, code, absmax=absmax, bias=bias)
+
+    @_nf4_rows_op.register_fake
+    def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0])

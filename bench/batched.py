@@ -1,0 +1,265 @@
+"""Batched fast path benchmark (issue 16): N concurrent chats through ChatEngine (every reply a row of the batched
+fast step), beside transformers' own batched `generate` on the same loaded model in the same run; one JSON document.
+
+GPU (one call; the random checkpoint is written once to --ckpt):
+    python -m bench.batched --out "$OUT/batched.json" [--chats 1,8,32] [--arch llama-2-7b] [--quantization nf4]
+CPU smoke (a tiny random llama, fp32, seconds):
+    python -m bench.batched --smoke --out /tmp/batched-smoke.json
+
+Load: --chats N chats started together (a barrier), each in its own thread as Gradio's workers call the engine; each
+prompt is --prompt-tokens tokens (the chat template included), each reply exactly --new-tokens tokens
+(min_new_tokens = max_new_tokens: EOS cannot end a random-weight reply early). Greedy.
+
+Records (recipe "ours" and "transformers-generate"), definitions as in llm_core.metrics (TTFT = request received ->
+first token on the host; a chat's decode tokens/s = (new - 1) / (last token - first token)):
+  aggregate_decode_tokens_per_s   sum over chats of (new - 1) / (latest last token - earliest first token)
+  per_chat_decode_tokens_per_s    {min, median} over the chats
+  ttft_p50_s / ttft_p95_s         nearest rank over the chats
+  peak_vram_bytes                 ours: the largest per-reply peak (the batch's peak during the reply, ReplyStats);
+                                  reference: torch.cuda.max_memory_allocated over its generate (reset before)
+  step profile (ours)             decode steps, mean host time per step (launch to tokens on the host), rows per
+                                  step, steps per batch bucket, prefill chunks
+Reference: the same prompt ids left-padded into one `model.generate(..., do_sample=False, min_new_tokens=n,
+max_new_tokens=n)`; its TTFT is a separate generate of 1 new token on the same batch (prefill + first token), and its
+aggregate = chats x (n - 1) / (full generate - that first-token time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, percentile
+from llm_core.config import Settings
+from llm_core.engine.chat import ChatEngine, ReplyUpdate
+
+CONTEXT_TOKENS = 4096
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def prompt_text(engine: ChatEngine, i: int, tokens: int) -> str:
+    """A user message whose chat-templated prompt is `tokens` tokens (or the nearest below), different per chat."""
+    base = f"chat {i}: " + " ".join(LETTERS[(i + j) % 26] * (1 + (i + j) % 5) for j in range(4 * tokens))
+
+    def count(n: int) -> int:
+        return engine.count_tokens([{"role": "user", "content": base[:n]}])
+
+    lo, hi = 1, len(base)
+    while lo < hi:  # the longest prefix whose prompt fits `tokens`
+        mid = (lo + hi + 1) // 2
+        if count(mid) <= tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    return base[:lo]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.device = torch.device("cpu" if args.smoke else "cuda")
+        self.ckpt = Path(args.ckpt or f"/tmp/batched-bench-{args.arch}-random")
+        import transformers
+
+        meta: dict[str, Any] = {
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "bench.batched", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "device": torch.cuda.get_device_name(0) if self.device.type == "cuda" else "cpu",
+            "model": f"{args.arch}-shape-random", "quantization": args.quantization,
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        }
+        try:
+            import bitsandbytes as bnb
+
+            meta["bitsandbytes"] = bnb.__version__
+        except ImportError:
+            meta["bitsandbytes"] = "missing"
+        self.meta = meta
+        self.rec = Recorder(Path(args.out), meta)
+
+    def load(self) -> ChatEngine:
+        a = self.args
+        environ = {"MODEL_ID": str(self.ckpt), "QUANTIZATION": a.quantization, "DEVICE": self.device.type,
+                   "DECODE_PATH": "fast", "MAX_BATCH_SIZE": str(max(a.chats)), "MAX_NEW_TOKENS": str(a.new_tokens),
+                   "STREAM_TIMEOUT_S": "300", "SESSION_MAX_WAITING": "1"}
+        if a.smoke:
+            environ["COMPUTE_DTYPE"] = "float32"
+        t = time.perf_counter()
+        engine = ChatEngine.load(Settings.from_env(environ=environ, env_file=None),
+                                 progress=lambda m: print(m, flush=True))
+        slots = engine.fast_scheduler.decoder if engine.fast_scheduler is not None else None
+        self.rec.add(phase="load", decode_path=engine.backend.name, decode_path_reason=engine.backend.reason,
+                     load_s=round(time.perf_counter() - t, 1), warmup_s=engine.report.warmup_s,
+                     weights_bytes=engine.report.weights_bytes,
+                     slots=slots.slots if slots else None, slot_tokens=slots.slot_tokens if slots else None,
+                     slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
+                     graphs=sorted(slots._graphs) if slots else None, compiled=slots.compiled if slots else None)
+        return engine
+
+    # --- ours -----------------------------------------------------------------------------------------------------
+    def ours(self, engine: ChatEngine, n: int, texts: list[str]) -> dict[str, Any]:
+        a = self.args
+        gen = engine.request_options(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
+        results: list[Any] = [None] * n
+        barrier = threading.Barrier(n)
+        scheduler = engine.fast_scheduler
+        before = scheduler.snapshot() if scheduler is not None else None
+
+        def run(i: int) -> None:
+            try:
+                barrier.wait(timeout=60)
+                sent = time.perf_counter()
+                last: ReplyUpdate = deque(engine.stream_chat(texts[i], [], gen=gen, system_prompt=None,
+                                                             request_id=f"n{n}-chat{i}"), maxlen=1)[0]
+                results[i] = (last, sent)
+            except BaseException as exc:  # recorded: one failure must not hide the others' numbers
+                results[i] = exc
+
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(a.phase_timeout_s)
+        done = [r for r in results if isinstance(r, tuple)]
+        failed = [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else "timed out" for r in results
+                  if not isinstance(r, tuple)]
+        out: dict[str, Any] = {"recipe": "ours", "concurrent_chats": n, "completed": len(done), "failed": failed}
+        if done:
+            stats = [r[0].stats for r in done]
+            first = [r[1] + (s.ttft_s or 0.0) for r, s in zip(done, stats, strict=True)]
+            last_t = [f + (s.decode_s or 0.0) for f, s in zip(first, stats, strict=True)]
+            span = max(last_t) - min(first)
+            rates = [s.decode_tokens_per_s for s in stats if s.decode_tokens_per_s]
+            ttfts = [s.ttft_s for s in stats if s.ttft_s is not None]
+            peaks = [s.peak_vram_allocated_bytes for s in stats if s.peak_vram_allocated_bytes]
+            out.update(
+                prompt_tokens=statistics.median(s.prompt_tokens for s in stats),
+                new_tokens=[s.new_tokens for s in stats] if n <= 8 else sorted({s.new_tokens for s in stats}),
+                aggregate_decode_tokens_per_s=sum(max(0, s.new_tokens - 1) for s in stats) / span if span > 0 else None,
+                per_chat_decode_tokens_per_s={"min": min(rates) if rates else None,
+                                              "median": statistics.median(rates) if rates else None},
+                ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
+                peak_vram_bytes=max(peaks) if peaks else None,
+                peak_batch_rows=max((s.peak_batch_rows or 0) for s in stats) or None,
+                kv_cache_bytes_per_chat=statistics.median(s.kv_cache_bytes or 0 for s in stats),
+            )
+        if scheduler is not None and before is not None:
+            s = scheduler.snapshot()
+            steps = s.decode_steps - before.decode_steps
+            out["step_profile"] = {
+                "decode_steps": steps,
+                "mean_step_s": (s.step_s - before.step_s) / steps if steps else None,
+                "mean_rows_per_step": (s.rows_decoded - before.rows_decoded) / steps if steps else None,
+                "max_rows_in_step": s.max_rows_in_step,
+                "steps_by_bucket": {b: c - before.rows_by_bucket.get(b, 0) for b, c in s.rows_by_bucket.items()
+                                    if c - before.rows_by_bucket.get(b, 0)},
+                "prefill_chunks": s.prefill_chunks - before.prefill_chunks,
+                "waited_for_slot": s.waited_for_slot - before.waited_for_slot, "errors": s.errors - before.errors}
+        return out
+
+    # --- transformers' batched generate (the reference) -------------------------------------------------------------
+    def reference(self, engine: ChatEngine, n: int, texts: list[str]) -> dict[str, Any]:
+        a = self.args
+        loaded = engine.loaded
+        tok = loaded.tokenizer
+        rows = [engine._encode([{"role": "user", "content": t}])["input_ids"][0].tolist() for t in texts[:n]]
+        width = max(len(r) for r in rows)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=loaded.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=loaded.device)
+
+        def generate(new: int) -> float:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                loaded.model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                                      min_new_tokens=new, pad_token_id=pad, temperature=None, top_p=None, top_k=None)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        generate(2)  # first-call costs out of the numbers
+        first_s = generate(1)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        total_s = generate(a.new_tokens)
+        peak = torch.cuda.max_memory_allocated() if self.device.type == "cuda" else None
+        decode_s = max(1e-9, total_s - first_s)
+        per_chat = (a.new_tokens - 1) / decode_s
+        return {"recipe": "transformers-generate", "concurrent_chats": n, "prompt_tokens": width,
+                "new_tokens": a.new_tokens, "aggregate_decode_tokens_per_s": n * per_chat,
+                "per_chat_decode_tokens_per_s": {"min": per_chat, "median": per_chat},
+                "ttft_p50_s": first_s, "ttft_p95_s": first_s, "peak_vram_bytes": peak, "generate_s": total_s}
+
+    def run(self) -> None:
+        a = self.args
+        t_all = time.perf_counter()
+        if not (self.ckpt / "config.json").is_file():
+            t = time.perf_counter()
+            shape = "tiny" if a.smoke else a.arch
+            make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")
+            self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
+        engine = self.load()
+        texts = [prompt_text(engine, i, a.prompt_tokens) for i in range(max(a.chats))]
+        common = {"model": self.meta["model"], "quantization": a.quantization, "device": self.meta["device"],
+                  "versions": {k: self.meta[k] for k in ("torch", "transformers", "bitsandbytes")},
+                  "command": self.meta["command"]}
+        for n in a.chats:
+            print(f"ours: {n} chats", flush=True)
+            self.rec.add(**common, **self.ours(engine, n, texts))
+            if a.reference:
+                print(f"transformers generate: {n} chats", flush=True)
+                try:
+                    self.rec.add(**common, **self.reference(engine, n, texts))
+                except Exception as exc:  # noqa: BLE001 - the reference failing must not lose our numbers
+                    self.rec.add(**common, recipe="transformers-generate", concurrent_chats=n,
+                                 error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        if engine.fast_scheduler is not None:
+            engine.fast_scheduler.close()
+        self.rec.set_summary(total_s=round(time.perf_counter() - t_all, 1))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "batched.json"))
+    parser.add_argument("--smoke", action="store_true", help="tiny random llama on CPU, fp32, in seconds")
+    parser.add_argument("--arch", default="llama-2-7b", choices=sorted(RANDOM_ARCHS))
+    parser.add_argument("--quantization", default=None, help="default nf4 (GPU) / none (smoke)")
+    parser.add_argument("--chats", default=None, help="comma-separated concurrent chats; default 1,8,32 (smoke 1,3)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="default 512 (smoke 48)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="default 128 (smoke 8)")
+    parser.add_argument("--no-reference", dest="reference", action="store_false",
+                        help="skip transformers' batched generate")
+    parser.add_argument("--ckpt", default=None, help="random checkpoint folder (written when missing)")
+    parser.add_argument("--phase-timeout-s", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    if smoke:
+        args.arch = "tiny"
+    args.quantization = args.quantization or ("none" if smoke else "nf4")
+    args.chats = [int(c) for c in (args.chats or ("1,3" if smoke else "1,8,32")).split(",")]
+    args.prompt_tokens = args.prompt_tokens or (48 if smoke else 512)
+    args.new_tokens = args.new_tokens or (8 if smoke else 128)
+    if smoke and args.ckpt is None:
+        args.ckpt = f"/tmp/batched-bench-tiny-random-{os.getpid()}"
+    if not smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: use --smoke")
+    Bench(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
