@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import collections
 import os
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from llm_core.config import SPECS, Settings
-from llm_core.engine.chat import ChatEngine
+from llm_core.engine.chat import ChatEngine, ReplyUpdate
 
 REPO = Path(__file__).resolve().parent.parent
 # Converted embedded model, reused across runs (the first conversion takes ~20 s).
@@ -49,3 +52,34 @@ def fp32_engine() -> Iterator[ChatEngine]:
 def artifacts_dir() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+# --- helpers for tests that run replies on several threads ------------------------------------------------------
+
+
+def drain(stream: Iterator[ReplyUpdate]) -> ReplyUpdate:
+    """The last update of a streamed reply."""
+    return collections.deque(stream, maxlen=1)[0]
+
+
+def run_threads(targets: list[Callable[[], None]], timeout_s: float = 240.0) -> None:
+    """Run each target on its own thread, wait for all (at most timeout_s in total), re-raise the first error."""
+    errors: list[BaseException] = []
+
+    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+        return run
+
+    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout_s:.0f} s"
+    if errors:
+        raise errors[0]

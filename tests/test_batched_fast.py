@@ -4,7 +4,6 @@ a slot and queues the rest, and the 8-session gradio_client load test runs on it
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,34 +22,9 @@ from llm_core.fast.batched import (
     attention_rows,
     batch_bucket,
 )
-from tests.conftest import make_settings
+from tests.conftest import drain, make_settings, run_threads
 
 SYSTEM = "You are a helpful assistant."
-
-
-def drain(stream: Iterator[ReplyUpdate]) -> ReplyUpdate:
-    return collections.deque(stream, maxlen=1)[0]
-
-
-def run_threads(targets: list[Callable[[], None]], timeout_s: float = 240.0) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                errors.append(exc)
-        return run
-
-    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout_s)
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout_s:.0f} s"
-    if errors:
-        raise errors[0]
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:

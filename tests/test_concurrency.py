@@ -5,7 +5,6 @@ Every wait is bounded (deadlines, `job.result(timeout=...)`), every server binds
 
 from __future__ import annotations
 
-import collections
 import re
 import threading
 import time
@@ -21,7 +20,7 @@ from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.engine.serving import BatchScheduler, ReplySlots, SamplingOptions, resolve_max_batch_size
 from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, SettingsError
 from llm_core.history import check_history_size
-from tests.conftest import make_settings
+from tests.conftest import drain, make_settings, run_threads
 from tests.test_app import free_port, text
 
 SYSTEM = "You are a helpful assistant."
@@ -93,32 +92,6 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
     while not condition():
         assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
         time.sleep(0.05)
-
-
-def drain(stream: Iterator[ReplyUpdate]) -> ReplyUpdate:
-    return collections.deque(stream, maxlen=1)[0]
-
-
-def run_threads(targets: list[Callable[[], None]], timeout_s: float = JOB_TIMEOUT_S) -> None:
-    errors: list[BaseException] = []
-
-    def wrap(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:
-                errors.append(exc)
-        return run
-
-    threads = [threading.Thread(target=wrap(fn), daemon=True) for fn in targets]
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + timeout_s
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout_s:.0f} s"
-    if errors:
-        raise errors[0]
 
 
 # --- settings and small parts ------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ Compare pool that never piles up model copies (CPU, embedded model, bounded wait
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,19 +13,15 @@ import psutil
 import pytest
 
 from llm_core.config import GenerationSettings
-from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import CompareConfig, Comparison, EnginePool, check_allowed, memory_in_use
 from llm_core.errors import ContextBudgetError, InputError, ReplyStopped
 from llm_core.history import Turn, clean_chat_input
 from llm_core.memory.device import OOMInjector
-from tests.conftest import make_settings
+from tests.conftest import drain, make_settings
 
 NF4 = CompareConfig(None, "nf4")
 NONE = CompareConfig(None, "none")
-
-
-def drain(stream: Iterator[ReplyUpdate]) -> ReplyUpdate:
-    return collections.deque(stream, maxlen=1)[0]
 
 
 class StepCounter(OOMInjector):

@@ -44,6 +44,7 @@ from ..errors import BusyError, ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
 from ..sampling import logits_processors, next_token
+from ..streams import Finished, TokenStreams
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -333,14 +334,6 @@ class SamplingOptions:
                    top_k=int(gen.top_k), repetition_penalty=float(gen.repetition_penalty), seed=gen.seed)
 
 
-@dataclass(frozen=True)
-class Finished:
-    """The last item of a request's token queue."""
-
-    reason: str  # eos | length | stopped | error
-    error: BaseException | None = None
-
-
 class RowKV:
     """What a batched reply's KV held at its end: its row of the shared batch cache (left padding included), in
     bytes. Filled by the scheduler just before the reply finishes; the engine reports it as the reply's KV size."""
@@ -425,7 +418,7 @@ class SchedulerStats:
         return self.rows_decoded / self.decode_steps if self.decode_steps else 0.0
 
 
-class BatchScheduler:
+class BatchScheduler(TokenStreams):
     """Decodes concurrent replies over one model in one batch (see the module docstring). Thread-safe `submit`."""
 
     def __init__(self, model: Any, *, max_batch_size: int, kv_budget_bytes: int, kv_bytes_per_token: int,
@@ -475,11 +468,11 @@ class BatchScheduler:
         return self._thread.is_alive() and not self._closed
 
     def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
-               stop_event: threading.Event, kv_record: RowKV | None = None) -> BatchRequest:
+               stop_event: threading.Event, record: RowKV | None = None) -> BatchRequest:
         """Queue a reply. Raises ContextBudgetError at once when its KV could not fit the budget even alone."""
         if not prompt_ids:
             raise InputError("The prompt is empty.")
-        request = BatchRequest(list(prompt_ids), options, max_new_tokens, stop_event, kv_record)
+        request = BatchRequest(list(prompt_ids), options, max_new_tokens, stop_event, record)
         need = request.kv_tokens * self.kv_bytes_per_token
         if need > self.kv_budget_bytes:
             raise ContextBudgetError(
@@ -493,31 +486,8 @@ class BatchScheduler:
             self._cond.notify_all()
         return request
 
-    def stream(self, request: BatchRequest, poll_s: float = 0.25) -> Iterator[int]:
-        """Yield the request's token ids as the scheduler produces them; raise its error; end when it finishes."""
-        while True:
-            try:
-                item = request.items.get(timeout=poll_s)
-            except queue.Empty:
-                if not self._thread.is_alive():
-                    raise GenerationError("The batch scheduler stopped while this reply was running.") from \
-                        self.fatal_error
-                continue
-            if isinstance(item, Finished):
-                if item.error is not None:
-                    raise item.error
-                return
-            yield item
-
-    def generate(self, input_ids: torch.Tensor, options: SamplingOptions, max_new_tokens: int, streamer: Any,
-                 stop_event: threading.Event, kv_record: RowKV | None = None) -> None:
-        """`model.generate`-shaped entry for the engine's worker thread: feeds `streamer` (prompt first, as generate
-        does, then each new token) until the reply ends; raises the reply's error."""
-        request = self.submit(input_ids.reshape(-1).tolist(), options, max_new_tokens, stop_event, kv_record)
-        streamer.put(input_ids.detach().reshape(1, -1).cpu())
-        for token in self.stream(request):
-            streamer.put(torch.tensor([token]))
-        streamer.end()
+    def _loop_running(self) -> bool:
+        return self._thread.is_alive()
 
     def snapshot(self) -> SchedulerStats:
         with self._cond:

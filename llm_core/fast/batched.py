@@ -37,7 +37,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
 from ..sampling import sample_from_scores
+from ..streams import Finished, TokenStreams
 from . import kvquant
 from .generate import FastDecoder, _prefill_attention_scope
 from .kernels.attention import round_up
@@ -477,17 +478,9 @@ class RowOptions:
                    min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0))
 
 
-@dataclass(frozen=True)
-class RowEnd:
-    """The last item of a request's token queue."""
-
-    reason: str  # eos | length | stopped | error
-    error: BaseException | None = None
-
-
 class FastRequest:
-    """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a RowEnd on
-    `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the RowEnd."""
+    """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a Finished on
+    `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the Finished."""
 
     _ids = itertools.count()
 
@@ -499,10 +492,10 @@ class FastRequest:
         self.max_new_tokens = int(max_new_tokens)
         self.stop_event = stop_event
         self.record = record
-        self.items: queue.SimpleQueue[int | RowEnd] = queue.SimpleQueue()
+        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
         self.arrived_s = time.perf_counter()
         self.counted_wait = False
-        self.finished: RowEnd | None = None
+        self.finished: Finished | None = None
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.peak_rows = 0
@@ -553,7 +546,7 @@ class BatchStats:
         return self.step_s / self.decode_steps if self.decode_steps else 0.0
 
 
-class FastBatchScheduler:
+class FastBatchScheduler(TokenStreams):
     """Decodes every concurrent reply as a row of one batched fast-path step (see the module docstring).
 
     Thread-safe `submit` / `generate`; one background thread owns the device. A request whose prompt + max new
@@ -621,35 +614,8 @@ class FastBatchScheduler:
             self._cond.notify_all()
         return request
 
-    def stream(self, request: FastRequest, poll_s: float = 0.25) -> Iterator[int]:
-        while True:
-            try:
-                item = request.items.get(timeout=poll_s)
-            except queue.Empty:
-                if self._thread is None or not self._thread.is_alive():
-                    raise GenerationError("The batched decode loop stopped while this reply was running.") from \
-                        self.fatal_error
-                continue
-            if isinstance(item, RowEnd):
-                if item.error is not None:
-                    raise item.error
-                return
-            yield item
-
-    def generate(self, input_ids: torch.Tensor, options: RowOptions, max_new_tokens: int, streamer: Any,
-                 stop_event: threading.Event, record: Any = None) -> None:
-        """model.generate-shaped entry for a worker thread: the prompt to `streamer` first, then each new token, then
-        end(); raises the reply's error."""
-        try:
-            request = self.submit(input_ids.reshape(-1).tolist(), options, max_new_tokens, stop_event, record)
-            if streamer is not None:
-                streamer.put(input_ids.detach().reshape(1, -1).cpu())
-            for token in self.stream(request):
-                if streamer is not None:
-                    streamer.put(torch.tensor([token]))
-        finally:
-            if streamer is not None:
-                streamer.end()
+    def _loop_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def snapshot(self) -> BatchStats:
         with self._cond:
@@ -726,7 +692,7 @@ class FastBatchScheduler:
 
     def _finish(self, request: FastRequest, reason: str, error: BaseException | None = None) -> None:
         if request.finished is None:
-            request.finished = RowEnd(reason, error)
+            request.finished = Finished(reason, error)
             if error is not None:
                 self.stats.errors += 1
             request.items.put(request.finished)

@@ -1,0 +1,69 @@
+"""A reply's tokens between a batch scheduler's thread and the request's thread, shared by the eager scheduler
+(llm_core.engine.serving.BatchScheduler) and the batched fast path (llm_core.fast.batched.FastBatchScheduler): the
+scheduler thread puts token ids (int) on the request's `items` queue and finally a `Finished`; the request's thread
+reads them with `stream`, or feeds a streamer with `generate` (model.generate's shape, for the engine's workers)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import GenerationError
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last item of a request's token queue."""
+
+    reason: str  # eos | length | stopped | error
+    error: BaseException | None = None
+
+
+class TokenStreams:
+    """Mixin for a scheduler with `submit(prompt_ids, options, max_new_tokens, stop_event, record) -> request` (the
+    request has an `items` queue) and a `_loop_running()` check; `fatal_error` is what stopped its loop, if any."""
+
+    fatal_error: BaseException | None = None
+
+    def submit(self, prompt_ids: list[int], options: Any, max_new_tokens: int, stop_event: threading.Event,
+               record: Any = None) -> Any:
+        raise NotImplementedError
+
+    def _loop_running(self) -> bool:
+        raise NotImplementedError
+
+    def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
+        """Yield the request's token ids as the scheduler produces them; raise its error; end when it finishes."""
+        while True:
+            try:
+                item = request.items.get(timeout=poll_s)
+            except queue.Empty:
+                if not self._loop_running():
+                    raise GenerationError("The batch decode loop stopped while this reply was running.") from \
+                        self.fatal_error
+                continue
+            if isinstance(item, Finished):
+                if item.error is not None:
+                    raise item.error
+                return
+            yield item
+
+    def generate(self, input_ids: torch.Tensor, options: Any, max_new_tokens: int, streamer: Any,
+                 stop_event: threading.Event, record: Any = None) -> None:
+        """model.generate-shaped entry for a worker thread: the prompt to `streamer` first, then each new token, then
+        end() (also on error); raises the reply's error."""
+        try:
+            request = self.submit(input_ids.reshape(-1).tolist(), options, max_new_tokens, stop_event, record)
+            if streamer is not None:
+                streamer.put(input_ids.detach().reshape(1, -1).cpu())
+            for token in self.stream(request):
+                if streamer is not None:
+                    streamer.put(torch.tensor([token]))
+        finally:
+            if streamer is not None:
+                streamer.end()
