@@ -323,7 +323,9 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
         (gradio_client raises AppError with the message); the page's twin (_in_page) shows a warning instead."""
 
         def waiting(ahead: int) -> None:
-            progress(None, desc=f"Waiting for a free slot: {ahead} request{'s' if ahead != 1 else ''} ahead")
+            estimate = pool.primary().wait_estimate_s(ahead)
+            eta = f" (about {estimate:.0f} s)" if estimate else ""
+            progress(None, desc=f"Waiting for a free slot: {ahead} request{'s' if ahead != 1 else ''} ahead{eta}")
 
         try:
             # One cleaning and size check of every text input before anything is tokenized; what is echoed back is

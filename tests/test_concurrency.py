@@ -549,4 +549,17 @@ def test_queue_shows_each_waiting_user_a_position(auth_url: str) -> None:
     wait_until(ranked, 120, "a waiting job to report its position")
     for job in jobs:
         final_output(job)
-    assert seen and all(re.fullmatch(r"Waiting for a free slot: [12] requests? ahead", d) for d in seen), seen
+    assert seen and all(re.fullmatch(r"Waiting for a free slot: [12] requests? ahead( \(about \d+ s\))?", d)
+                        for d in seen), seen
+
+
+def test_wait_estimate_comes_from_measured_reply_times(fp32_engine: ChatEngine) -> None:
+    """The estimate a waiting user sees: none before any reply was measured; after replies, the average reply time
+    per round of max_concurrent_replies, growing with the requests ahead."""
+    engine = ChatEngine(fp32_engine.loaded, fp32_engine.settings)
+    assert engine.wait_estimate_s(2) is None
+    drain(engine.stream_chat("Say hi.", [], gen=engine.request_options(max_new_tokens=4)))
+    one = engine.wait_estimate_s(1)
+    assert one is not None and one > 0
+    assert engine.wait_estimate_s(0) == 0.0
+    assert engine.wait_estimate_s(3) == pytest.approx(3 * one)  # serial engine: one reply per round

@@ -36,6 +36,9 @@ class ChatBackend(Protocol):
         """Stream a reply; the last update has done=True and the reply's final numbers. `on_wait(ahead)` is told how
         many requests go first while this one waits for its turn (engines that queue)."""
 
+    def wait_estimate_s(self, ahead: int) -> float | None:
+        """About how many seconds a request with `ahead` requests before it waits; None when unknown."""
+
     def stop(self, request_id: str | None) -> bool:
         """Halt the reply running for `request_id`; True if one was running."""
 

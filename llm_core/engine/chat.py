@@ -266,6 +266,7 @@ class ChatEngine:
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
         self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
+        self._reply_s_ema: float | None = None  # seconds a reply takes end to end, averaged (for wait estimates)
         self._plain_facts = self.memory_facts  # the memory facts of plain generate (restored on a fallback)
         self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
         self._configure_decode()
@@ -507,6 +508,15 @@ class ChatEngine:
     def waiting(self, session_id: str | None = None) -> int:
         """Requests admitted and waiting for their turn (of one session, or of all)."""
         return self._lock.waiting(session_id)
+
+    def wait_estimate_s(self, ahead: int) -> float | None:
+        """About how long a request with `ahead` requests before it waits for its turn: the measured reply time
+        (an average of the last replies' end-to-end seconds) per round of max_concurrent_replies. None before any
+        reply was measured."""
+        if self._reply_s_ema is None or ahead <= 0:
+            return None if self._reply_s_ema is None else 0.0
+        rounds = -(-int(ahead) // max(1, self.max_concurrent_replies))
+        return rounds * self._reply_s_ema
 
     @property
     def max_concurrent_replies(self) -> int:
@@ -913,6 +923,8 @@ class ChatEngine:
         if loaded.device.type == "cuda":
             torch.cuda.synchronize(loaded.device)
         end_to_end_s = time.perf_counter() - clock.start_s
+        last = self._reply_s_ema
+        self._reply_s_ema = end_to_end_s if last is None else 0.8 * last + 0.2 * end_to_end_s
         eos_ids = loaded.eos_token_ids
         if stop_event.is_set():
             reason = "stopped"

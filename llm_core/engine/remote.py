@@ -128,6 +128,10 @@ class RemoteEngine:
         """The engine batches on its side: the UI lets MAX_BATCH_SIZE (default 8) replies run at once."""
         return self.settings.server.max_batch_size or 8
 
+    def wait_estimate_s(self, ahead: int) -> float | None:
+        """The remote engine queues on its side: no estimate here."""
+        return None
+
     def request_options(self, **options: Any) -> GenerationSettings:
         # The same checks as the local engine's (that method reads only .settings).
         return ChatEngine.request_options(cast(Any, self), **options)
