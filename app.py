@@ -130,6 +130,9 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         memory = (f"predicted {predicted} · measured {format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
                   f"{format_bytes(stats.peak_vram_reserved_bytes)} reserved")
         memory_label = "Peak VRAM"
+        if stats.peak_batch_rows is not None:  # replies overlapped: the batch's peak during this reply
+            rows_text = f"{stats.peak_batch_rows} repl{'y' if stats.peak_batch_rows == 1 else 'ies'}"
+            memory += f" (the batch's, {rows_text} decoding at that peak)"
     else:
         memory = (f"{format_bytes(stats.peak_rss_bytes) if not live else '…'} process "
                   f"(model's predicted peak {predicted})")
