@@ -91,6 +91,8 @@ def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:
         got = greedy(engine, text, 24)
         expected = reference(engine, ids, 24)
         assert list(got.token_ids) == expected[:len(got.token_ids)] and len(got.token_ids) >= min(len(expected), 8)
+    # compiled, not the eager fallback: a second decoder in the process (the int4 fixture's) has graphs of its own
+    assert engine.backend.decoder.compile_error is None
 
 
 def test_int4_decode_step_agrees_with_generate_on_the_same_weights_within_the_bound(cpu_engine: ChatEngine) -> None:
@@ -186,7 +188,7 @@ def test_a_failed_compile_falls_back_to_the_eager_step_with_the_same_tokens(cpu_
     def broken(*args: Any) -> Any:
         raise RuntimeError("no C++ compiler")
 
-    decoder._layer_c = broken
+    decoder._graphs = {count: broken for count in decoder._graphs}
     ids = encode(cpu_engine, PROMPTS[0])
     gen = cpu_engine.request_options(max_new_tokens=6, repetition_penalty=1.0)
     got = decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
