@@ -5,7 +5,7 @@ Why this route (measured on a 2-core AMD EPYC, docs/cpu.md): decoding one token 
 once, so on CPU it is bound by bytes of weights per token and by per-op dispatch (30 layers x ~15 ops). fp32 weights
 read 540 MB per token for SmolLM2-135M; torch's weight-only int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
 activations, AVX-512) reads 0.625 byte per weight, the bytes llama.cpp's Q4_1 reads, and one compiled graph for the
-whole step removes the Python per op. The pipeline:
+step (or a few) removes the Python per op. The pipeline:
 
 - quantize_for_cpu (at load, instead of bitsandbytes): every decoder linear becomes int4, groups of 32 along the
   input with a scale and a float zero (min/max per group: for a Q4_1 GGUF, whose blocks are 32 wide and whose
@@ -14,10 +14,14 @@ whole step removes the Python per op. The pipeline:
   are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
   reference) and memory is not doubled.
 - prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
-- decode_step: embedding -> 30 layers -> norm -> lm_head for one token; each layer is one inductor-compiled graph
-  (the same graph for every layer, its weights as inputs; the attended length dynamic, so attention reads exactly the
-  live rows), the head another; eager if compiling fails.
-- select: llm_core.sampling (repetition penalty, warpers, argmax or multinomial) on the step's fp32 scores.
+- decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled by inductor as one graph per group
+  of up to LAYERS_PER_GRAPH consecutive layers (groups of one size share one graph, their weights inputs; the
+  attended length dynamic, so attention reads exactly the live rows) and one for the head, which also applies the
+  repetition penalty and the EOS ban and takes the argmax; the one-token attention is inductor's own fused reduction
+  rather than an SDPA call; eager if compiling fails. Fewer, larger graphs cut the per-call cost (Python wrapper,
+  extern-kernel checks) that 2 threads do not share; measured in docs/cpu.md.
+- select: greedy reads the head graph's argmax; sampling runs llm_core.sampling's warpers and multinomial on the
+  head graph's (penalized) fp32 scores.
 - stream: each token goes to the streamer as it is produced; Stop is checked before every step.
 """
 
@@ -477,7 +481,7 @@ class CPUDecoder:
         self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
         self._rows_used = 0
         self._cos = self._sin = torch.empty(0)  # RoPE of every cache row, made with the cache
-        self._step: Callable[..., torch.Tensor] = self._eager_step
+        self._step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._eager_step
         self.compile_error: str | None = None
         self.compile_mode = compile
         self.layers_per_graph = int(layers_per_graph or LAYERS_PER_GRAPH)
@@ -538,6 +542,11 @@ class CPUDecoder:
             self._v.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
         self._lengths = torch.empty(tokens, dtype=torch.int8)
         self._cos, self._sin = self._cos_sin(torch.arange(tokens))  # (tokens, D) each: RoPE, read by the graphs
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        """(first layer, count) of each layer group: one compiled graph call each in a decode step."""
+        return list(self._groups)
 
     @property
     def rows_used(self) -> int:
