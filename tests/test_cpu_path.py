@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine
-from llm_core.fast.cpu import CPUDecoder, quantize_int4
+from llm_core.fast.cpu import CPUDecoder, layer_groups, quantize_int4
 from llm_core.history import Turn
 from tests.conftest import make_settings
 
@@ -81,6 +81,18 @@ def test_int4_requantizing_a_q4_1_grid_gives_back_its_codes() -> None:
     scale, zero = sz[..., 0].float().T[..., None], sz[..., 1].float().T[..., None]  # (n, k/32, 1)
     codes = torch.round((w.view(n, k // 32, 32) - (zero - 8 * scale)) / scale)
     assert torch.equal(codes.long(), q)
+
+
+def test_layer_groups_cover_every_layer_in_order_with_at_most_two_sizes() -> None:
+    for n_layers in range(1, 41):
+        for per in (1, 2, 3, 5, 8, 40):
+            groups = layer_groups(n_layers, per)
+            assert [first for first, _ in groups] == [sum(c for _, c in groups[:i]) for i in range(len(groups))]
+            counts = {c for _, c in groups}
+            assert sum(c for _, c in groups) == n_layers and max(counts) <= per and len(counts) <= 2
+            assert max(counts) - min(counts) <= 1
+    assert layer_groups(30, 5) == [(i, 5) for i in range(0, 30, 5)] and layer_groups(16, 5) == [(0, 4), (4, 4),
+                                                                                              (8, 4), (12, 4)]
 
 
 def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:

@@ -332,7 +332,9 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
     values = v_cache[:n].transpose(0, 1)[None].to(q.dtype)
     qh = q.transpose(0, 1)[None]  # (1, H, S, D)
     gqa = hkv != nh
-    if seq == 1 and spec.decode_attention == "fused":  # one query: products and sums inductor fuses (no SDPA call)
+    if seq == 1 and spec.decode_attention == "fused" and torch.compiler.is_compiling():
+        # one query, compiled: products, softmax and sums inductor fuses into its own loops (no SDPA call; eagerly
+        # these would materialize (H, n, D) products, so the eager step keeps SDPA)
         qg = q.view(hkv, nh // hkv, 1, d).float()  # query head i reads kv head i // (nh / hkv), as enable_gqa
         kt = k_cache[:n].transpose(0, 1)[:, None].float()  # (Hkv, 1, n, D)
         vt = v_cache[:n].transpose(0, 1)[:, None].float()
