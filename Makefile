@@ -42,6 +42,7 @@ types: setup-dev
 
 bench-smoke: setup
 	$(BIN)/python -m bench.decode --cpu-smoke
+	$(BIN)/python -m bench.cpu --smoke
 
 clean:
 	rm -rf $(VENV) artifacts .pytest_cache .mypy_cache .ruff_cache

@@ -241,12 +241,15 @@ def bench_model(name: str, model: str | None, gguf_file: Path | None, prompts: l
            "repeats": args.repeats, "cache_dir": str(args.cache_dir)}
     job_file = work / f"{name}-ours.json"
     job_file.write_text(json.dumps(job))
+    load_before_ours = os.getloadavg()  # the 1/5/15-minute load as each side starts (the machine may be shared)
     ours = _worker([sys.executable, "-m", "bench.cpu", "--worker", str(job_file)])
-    row: dict[str, Any] = {"model": name, "ours": ours, "ours_summary": summarize(ours)}
+    row: dict[str, Any] = {"model": name, "ours": ours, "ours_summary": summarize(ours),
+                           "load_avg_1_5_15_before": {"ours": load_before_ours}}
     if gguf_file is not None and args.llama_python:
         ljob = work / f"{name}-llama.json"
         ljob.write_text(json.dumps({"prompts": ours["prompt_ids"], "new_tokens": args.tokens, "threads": args.threads,
                                     "repeats": args.repeats, "repetition_penalty": REPETITION_PENALTY}))
+        row["load_avg_1_5_15_before"]["llama_cpp"] = os.getloadavg()
         llama = _worker([args.llama_python, str(REPO / "bench" / "cpu_llamacpp.py"), "run", str(gguf_file),
                          str(ljob)])
         llama["gguf_tensor_types"] = gguf_types(gguf_file)
@@ -278,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_at_start = os.getloadavg()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -302,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 words = [" ".join(f"t{(97 * i + 13 * j) % (vocab - 10) + 10}" for j in range(40)) for i in range(3)]
                 rows.append(bench_model(name, str(folder), q4, words, args, work))
     result = {"bench": "cpu", "started": started, "command": " ".join(["python -m bench.cpu", *(argv or sys.argv[1:])]),
-              "machine": machine(), "new_tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
-              "models": rows}
+              "machine": machine(), "load_avg_1_5_15_at_start": load_at_start, "new_tokens": args.tokens,
+              "repeats": args.repeats, "threads": args.threads, "models": rows}
     text = json.dumps(result, indent=1)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine
-from llm_core.fast.cpu import CPUDecoder, quantize_int4
+from llm_core.fast.cpu import CPUDecoder, layer_groups, quantize_int4
 from llm_core.history import Turn
 from tests.conftest import make_settings
 
@@ -83,6 +83,18 @@ def test_int4_requantizing_a_q4_1_grid_gives_back_its_codes() -> None:
     assert torch.equal(codes.long(), q)
 
 
+def test_layer_groups_cover_every_layer_in_order_with_at_most_two_sizes() -> None:
+    for n_layers in range(1, 41):
+        for per in (1, 2, 3, 5, 8, 40):
+            groups = layer_groups(n_layers, per)
+            assert [first for first, _ in groups] == [sum(c for _, c in groups[:i]) for i in range(len(groups))]
+            counts = {c for _, c in groups}
+            assert sum(c for _, c in groups) == n_layers and max(counts) <= per and len(counts) <= 2
+            assert max(counts) - min(counts) <= 1
+    assert layer_groups(30, 5) == [(i, 5) for i in range(0, 30, 5)] and layer_groups(16, 5) == [(0, 4), (4, 4),
+                                                                                              (8, 4), (12, 4)]
+
+
 def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:
     engine = ChatEngine.load(make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="cpu"))
     assert engine.backend.name == "cpu" and engine.backend.decoder.cache_dtype == torch.float32
@@ -91,6 +103,8 @@ def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:
         got = greedy(engine, text, 24)
         expected = reference(engine, ids, 24)
         assert list(got.token_ids) == expected[:len(got.token_ids)] and len(got.token_ids) >= min(len(expected), 8)
+    # compiled, not the eager fallback: a second decoder in the process (the int4 fixture's) has graphs of its own
+    assert engine.backend.decoder.compile_error is None
 
 
 def test_int4_decode_step_agrees_with_generate_on_the_same_weights_within_the_bound(cpu_engine: ChatEngine) -> None:
@@ -186,7 +200,7 @@ def test_a_failed_compile_falls_back_to_the_eager_step_with_the_same_tokens(cpu_
     def broken(*args: Any) -> Any:
         raise RuntimeError("no C++ compiler")
 
-    decoder._layer_c = broken
+    decoder._graphs = {count: broken for count in decoder._graphs}
     ids = encode(cpu_engine, PROMPTS[0])
     gen = cpu_engine.request_options(max_new_tokens=6, repetition_penalty=1.0)
     got = decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])

@@ -51,6 +51,8 @@ def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_ch
                 f"{weights.head.fmt} lm_head")
         if asked != weights.fmt:
             what += f"; QUANTIZATION={asked} was asked: bitsandbytes' {asked.upper()} is several times slower on CPU"
+    compiled = (f"compiled by inductor (C++): {len(decoder.groups)} calls of up to {decoder.layers_per_graph} layers, "
+                "then the head")
     reason = (f"CPU path: {what}; static KV cache ({str(decoder.cache_dtype).removeprefix('torch.')}); decode step "
-              f"{'eager' if decoder.compile_mode == 'off' else 'compiled by inductor (C++)'} (docs/cpu.md)")
+              f"{'eager' if decoder.compile_mode == 'off' else compiled} (docs/cpu.md)")
     return CPUBackend(decoder, reason, prefill_chunk_tokens)

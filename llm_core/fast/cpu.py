@@ -5,7 +5,7 @@ Why this route (measured on a 2-core AMD EPYC, docs/cpu.md): decoding one token 
 once, so on CPU it is bound by bytes of weights per token and by per-op dispatch (30 layers x ~15 ops). fp32 weights
 read 540 MB per token for SmolLM2-135M; torch's weight-only int4 kernel (`_weight_int4pack_mm_for_cpu`, bf16
 activations, AVX-512) reads 0.625 byte per weight, the bytes llama.cpp's Q4_1 reads, and one compiled graph for the
-whole step removes the Python per op. The pipeline:
+step (or a few) removes the Python per op. The pipeline:
 
 - quantize_for_cpu (at load, instead of bitsandbytes): every decoder linear becomes int4, groups of 32 along the
   input with a scale and a float zero (min/max per group: for a Q4_1 GGUF, whose blocks are 32 wide and whose
@@ -14,10 +14,14 @@ whole step removes the Python per op. The pipeline:
   are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
   reference) and memory is not doubled.
 - prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
-- decode_step: embedding -> 30 layers -> norm -> lm_head for one token; each layer is one inductor-compiled graph
-  (the same graph for every layer, its weights as inputs; the attended length dynamic, so attention reads exactly the
-  live rows), the head another; eager if compiling fails.
-- select: llm_core.sampling (repetition penalty, warpers, argmax or multinomial) on the step's fp32 scores.
+- decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled by inductor as one graph per group
+  of up to LAYERS_PER_GRAPH consecutive layers (groups of one size share one graph, their weights inputs; the
+  attended length dynamic, so attention reads exactly the live rows) and one for the head, which also applies the
+  repetition penalty and the EOS ban and takes the argmax; the one-token attention is inductor's own fused reduction
+  rather than an SDPA call; eager if compiling fails. Fewer, larger graphs cut the per-call cost (Python wrapper,
+  extern-kernel checks) that 2 threads do not share; measured in docs/cpu.md.
+- select: greedy reads the head graph's argmax; sampling runs llm_core.sampling's warpers and multinomial on the
+  head graph's (penalized) fp32 scores.
 - stream: each token goes to the streamer as it is produced; Stop is checked before every step.
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +47,11 @@ log = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # int4 group along the input dimension: Q4_1's block
 ACT_DTYPE = torch.bfloat16  # what torch's int4/int8 weight-only CPU kernels take (their fp32 forms are scalar loops)
+LAYERS_PER_GRAPH = 5  # consecutive decoder layers per compiled graph (docs/cpu.md)
+# inductor options of the decode graphs: its wrapper's Python checks of every extern kernel's output size, stride and
+# alignment (a few per kernel, ~50 kernels per 5 layers) measured ~5% of a 135M token (docs/cpu.md)
+GRAPH_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+DECODE_ATTENTION = "fused"  # one token's attention in the decode graphs: sdpa | fused (inductor's own reduction)
 # QUANTIZATION (what the user asked for) -> the weight format the CPU path computes with
 CPU_FORMATS = {"nf4": "int4", "fp4": "int4", "int8": "int8", "none": "dense"}
 # the lm_head's format for each: see docs/cpu.md for the int4-vs-int8 head measurement
@@ -283,6 +293,7 @@ class StepSpec:
     head_fmt: str
     splits_qkv: tuple[int, int, int]
     splits_gate_up: tuple[int, int]
+    decode_attention: str = "sdpa"
 
 
 def _no_guards(entries: Sequence[Any]) -> list[bool]:
@@ -321,6 +332,14 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
     values = v_cache[:n].transpose(0, 1)[None].to(q.dtype)
     qh = q.transpose(0, 1)[None]  # (1, H, S, D)
     gqa = hkv != nh
+    if seq == 1 and spec.decode_attention == "fused" and torch.compiler.is_compiling():
+        # one query, compiled: products, softmax and sums inductor fuses into its own loops (no SDPA call; eagerly
+        # these would materialize (H, n, D) products, so the eager step keeps SDPA)
+        qg = q.view(hkv, nh // hkv, 1, d).float()  # query head i reads kv head i // (nh / hkv), as enable_gqa
+        kt = k_cache[:n].transpose(0, 1)[:, None].float()  # (Hkv, 1, n, D)
+        vt = v_cache[:n].transpose(0, 1)[:, None].float()
+        p = torch.softmax((qg * kt).sum(-1) * spec.scale, dim=-1)  # (Hkv, G, n)
+        return _layer_tail(spec, h, (p[..., None] * vt).sum(-2).reshape(1, nh * d).to(h.dtype), norm_post, w, per)
     if seq == 1:
         attn = F.scaled_dot_product_attention(qh, keys, values, scale=spec.scale, enable_gqa=gqa)
     elif start == 0:
@@ -330,6 +349,12 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
         mask = torch.arange(n)[None, :] <= torch.arange(start, n)[:, None]
         attn = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=spec.scale, enable_gqa=gqa)
     attn = attn[0].transpose(0, 1).reshape(seq, nh * d)
+    return _layer_tail(spec, h, attn.to(h.dtype), norm_post, w, per)
+
+
+def _layer_tail(spec: StepSpec, h: torch.Tensor, attn: torch.Tensor, norm_post: torch.Tensor,
+                w: Sequence[torch.Tensor], per: int) -> torch.Tensor:
+    """A layer after attention: o projection, residual, MLP, residual."""
     h = h + fused_linear(spec.fmt, attn, w[per:2 * per])
     x = _rms_norm(h, norm_post, spec.eps)
     gate, up = fused_linear(spec.fmt, x, w[2 * per:3 * per]).split(spec.splits_gate_up, dim=-1)
@@ -350,6 +375,47 @@ def head_logits(spec: StepSpec, last: torch.Tensor, head: Sequence[torch.Tensor]
     return fused_linear(spec.head_fmt, last, head).float()
 
 
+def select_scores(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor, bias: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate's repetition penalty and min_new_tokens' EOS ban as one pointwise pass over the logits (1, V), and
+    the greedy pick: (scores (1, V), argmax (1,)). seen (1, V) bool: the ids the penalty reads (prompt + new; each id
+    once, as RepetitionPenaltyLogitsProcessor's gather/scatter); penalty (1,); bias (1, V): 0, or -inf on banned
+    ids. With penalty 1 and bias 0 the scores are the logits exactly."""
+    scores = torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits) + bias
+    return scores, scores.argmax(-1)
+
+
+def layers_graph(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, cos_table: torch.Tensor,
+                 sin_table: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor], length: torch.Tensor,
+                 norms: Sequence[torch.Tensor], weights: Sequence[Sequence[torch.Tensor]], final_norm: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What one compiled decode graph runs: len(ks) consecutive layers for one token at `pos` (the attended length
+    is length.shape[0], kept symbolic), RoPE read from the tables. Returns (h, final-normed h): the head's input is
+    ready whichever group is last (one row's norm, negligible)."""
+    cos, sin = cos_table[pos], sin_table[pos]
+    n = length.shape[0]
+    for i in range(len(ks)):
+        h = layer_forward(spec, h, pos, 0, cos, sin, ks[i], vs[i], n, norms[2 * i], norms[2 * i + 1], weights[i])
+    return h, _rms_norm(h, final_norm, spec.eps)
+
+
+def layer_groups(n_layers: int, per: int) -> list[tuple[int, int]]:
+    """(first layer, count) of consecutive groups of at most `per` layers, as even as can be: 30 by 5 -> six of 5,
+    16 by 5 -> four of 4, 22 by 5 -> 5, 5, 4, 4, 4 (never more than two sizes, so at most two graphs to compile)."""
+    groups = -(-n_layers // max(1, per))
+    sizes = [n_layers // groups + (1 if i < n_layers % groups else 0) for i in range(groups)]
+    starts = [sum(sizes[:i]) for i in range(groups)]
+    return list(zip(starts, sizes, strict=True))
+
+
+def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """fn with a code object of its own. Dynamo keeps compiled graphs on the code object, and these graphs run with
+    their guards dropped: two decoders compiling the same function would otherwise share (and run) each other's
+    graphs, whatever their model's shapes."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
 def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
                    sin: torch.Tensor, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
                    norms: Sequence[torch.Tensor], weights: Sequence[Sequence[torch.Tensor]],
@@ -363,6 +429,21 @@ def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: 
     return head_forward(spec, h, norms[-1], head)
 
 
+@dataclass
+class Selection:
+    """What the head graph applies after the logits (select_scores): the penalty's seen ids as a (1, V) mask, the
+    penalty (1,), and the bias (1, V) in force (0, or the min_new_tokens ban)."""
+
+    seen: torch.Tensor
+    penalty: torch.Tensor
+    bias: torch.Tensor
+
+    @classmethod
+    def neutral(cls, vocab: int) -> Selection:
+        """No penalty, no ban: the scores are the raw logits."""
+        return cls(torch.zeros(1, vocab, dtype=torch.bool), torch.ones(1), torch.zeros(1, vocab))
+
+
 class CPUDecoder:
     """Static KV cache, quantized weights and the compiled decode step of one loaded (CPU-quantized) model.
 
@@ -370,7 +451,7 @@ class CPUDecoder:
     TextIteratorStreamer-like object and honours a stop event."""
 
     def __init__(self, loaded: Any, weights: CPUWeights, *, max_cache_len: int | None = None,
-                 compile: str = "layer") -> None:
+                 compile: str = "graphs", layers_per_graph: int | None = None) -> None:
         model = loaded.model
         cfg = model.config
         inner = model.model
@@ -382,7 +463,8 @@ class CPUDecoder:
         attn0 = inner.layers[0].self_attn
         self.spec = StepSpec(len(inner.layers), n_heads, n_kv, head_dim, float(attn0.scaling),
                              float(inner.norm.variance_epsilon), weights.fmt, weights.head.fmt,
-                             tuple(weights.layers[0][0].splits), tuple(weights.layers[0][2].splits))  # type: ignore[arg-type]
+                             tuple(weights.layers[0][0].splits), tuple(weights.layers[0][2].splits),  # type: ignore[arg-type]
+                             DECODE_ATTENTION)
         self._norms = [t.detach().float() for layer in inner.layers
                        for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
         self._norms.append(inner.norm.weight.detach().float())
@@ -400,26 +482,29 @@ class CPUDecoder:
         self._v: list[torch.Tensor] = []
         self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
         self._rows_used = 0
-        self._step: Callable[..., torch.Tensor] = self._eager_step
+        self._cos = self._sin = torch.empty(0)  # RoPE of every cache row, made with the cache
+        self._step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._eager_step
         self.compile_error: str | None = None
         self.compile_mode = compile
-        if compile == "layer":
-            # One graph for every layer (its weights are inputs) and one for the head, each compiled once, the
-            # attended length dynamic. One graph for the whole step was no faster per token and took 12x longer to
-            # compile (docs/cpu.md).
+        self.layers_per_graph = int(layers_per_graph or LAYERS_PER_GRAPH)
+        self._groups = layer_groups(self.spec.n_layers, self.layers_per_graph)  # (first layer, count) per graph call
+        self._graphs: dict[int, Callable[..., Any]] = {}  # layers in the group -> its compiled graph
+        if compile == "graphs":
             spec = self.spec
-            # No guards: these graphs are only called from _layered_step with the shapes they were traced with (the
-            # attended length symbolic), and checking ~15 tensors' guards costs ~25 µs a call, 31 calls a token
-            opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards}
-            self._layer_c = torch.compile(
-                lambda h, pos, cos, sin, k, v, length, n1, n2, w: layer_forward(
-                    spec, h, pos, 0, cos, sin, k, v, length.shape[0], n1, n2, w), fullgraph=True, dynamic=False,
-                options=opts)
-            self._head_c = torch.compile(lambda last, w: head_logits(spec, last, w), fullgraph=True, dynamic=False,
-                                         options=opts)
-            self._step = self._layered_step
+            # No guards: these graphs are only called from _graph_step with the shapes they were traced with (the
+            # attended length symbolic), and checking a graph's guards costs ~1 µs per input tensor per call
+            opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards, **GRAPH_OPTIONS}
+            for _, count in self._groups:
+                if count not in self._graphs:  # every group of this size shares one graph (weights are inputs)
+                    fn = _own_code(lambda h, pos, ct, st, ks, vs, length, norms, ws, fn_: layers_graph(
+                        spec, h, pos, ct, st, ks, vs, length, norms, ws, fn_), f"cpu_layers_x{count}_{id(self):x}")
+                    self._graphs[count] = torch.compile(fn, fullgraph=True, dynamic=False, options=opts)
+            head = _own_code(lambda last, w, seen, penalty, bias: select_scores(
+                head_logits(spec, last, w), seen, penalty, bias), f"cpu_head_{id(self):x}")
+            self._head_c = torch.compile(head, fullgraph=True, dynamic=False, options=opts)
+            self._step = self._graph_step
         elif compile != "off":
-            raise GenerationError(f"Unknown CPU compile mode {compile!r}; choose layer or off.")
+            raise GenerationError(f"Unknown CPU compile mode {compile!r}; choose graphs or off.")
         self.compile_s: float | None = None
         self.warmup_s: float | None = None
 
@@ -429,21 +514,25 @@ class CPUDecoder:
         cos, sin = self._rotary(probe, pos[None])
         return cos[0], sin[0]
 
-    def _layered_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
-        cos, sin = self._cos_sin(pos)
+    def _graph_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int, sel: Selection
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         h = self._embed(ids)
-        norms = self._norms
+        norms, w = self._norms, self._w
         length = self._lengths[:n]
         torch._dynamo.maybe_mark_dynamic(length, 0)
-        for i in range(self.spec.n_layers):
-            h = self._layer_c(h, pos, cos, sin, self._k[i], self._v[i], length, norms[2 * i], norms[2 * i + 1],
-                              self._w[i])
-        return self._head_c(_rms_norm(h, norms[-1], self.spec.eps), self._head)
+        last = h
+        for first, count in self._groups:
+            end = first + count
+            h, last = self._graphs[count](h, pos, self._cos, self._sin, self._k[first:end], self._v[first:end], length,
+                                          norms[2 * first:2 * end], w[first:end], norms[-1])
+        return self._head_c(last, self._head, sel.seen, sel.penalty, sel.bias)
 
-    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int) -> torch.Tensor:
-        cos, sin = self._cos_sin(pos)
-        return forward_tokens(self.spec, ids, pos, n - 1, cos, sin, self._k, self._v, self._norms, self._w,
-                              self._head, self._embed)
+    def _eager_step(self, ids: torch.Tensor, pos: torch.Tensor, n: int, sel: Selection
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._cos[pos], self._sin[pos]
+        logits = forward_tokens(self.spec, ids, pos, n - 1, cos, sin, self._k, self._v, self._norms, self._w,
+                                self._head, self._embed)
+        return select_scores(logits, sel.seen, sel.penalty, sel.bias)
 
     def _allocate(self, tokens: int) -> None:
         """torch.empty: pages are touched (and count in RSS) only as rows are written; no row is read unwritten.
@@ -454,6 +543,12 @@ class CPUDecoder:
             self._k.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
             self._v.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
         self._lengths = torch.empty(tokens, dtype=torch.int8)
+        self._cos, self._sin = self._cos_sin(torch.arange(tokens))  # (tokens, D) each: RoPE, read by the graphs
+
+    @property
+    def groups(self) -> list[tuple[int, int]]:
+        """(first layer, count) of each layer group: one compiled graph call each in a decode step."""
+        return list(self._groups)
 
     @property
     def rows_used(self) -> int:
@@ -474,19 +569,20 @@ class CPUDecoder:
         s = self.spec
         return 2 * s.n_layers * s.n_kv_heads * s.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
 
-    def _decode(self, token: int, position: int) -> torch.Tensor:
+    def _decode(self, token: int, position: int, sel: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed `token` at `position`: (scores (1, V) fp32 after sel's penalty and bias, their argmax (1,))."""
         n = position + 1
         ids = torch.tensor([token])
         pos = torch.tensor([position])
         try:
-            return self._step(ids, pos, n)
+            return self._step(ids, pos, n, sel)
         except Exception as exc:  # noqa: BLE001 - no C++ compiler, an inductor bug: the eager step is the same math
             if self._step == self._eager_step:
                 raise
             log.warning("CPU decode step not compiled (%s: %s); running it eagerly", type(exc).__name__, exc)
             self.compile_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             self._step = self._eager_step
-            return self._step(ids, pos, n)
+            return self._step(ids, pos, n, sel)
 
     def _prefill(self, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
         """Eager over the prompt (chunks of `chunk` tokens); the last position's logits (1, V) fp32."""
@@ -496,7 +592,7 @@ class CPUDecoder:
         for start in range(0, total, chunk):
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel())
-            cos, sin = self._cos_sin(pos)
+            cos, sin = self._cos[pos], self._sin[pos]
             logits = forward_tokens(self.spec, part, pos, start, cos, sin, self._k, self._v, self._norms, self._w,
                                     self._head, self._embed)
         assert logits is not None
@@ -510,8 +606,9 @@ class CPUDecoder:
             self._allocate(self.max_cache_len)
             self._prefill(torch.arange(4))
             t1 = time.perf_counter()
+            sel = Selection.neutral(self.weights.head.n)
             for p in (4, 5, 6):
-                self._decode(1, p)
+                self._decode(1, p, sel)
             self.compile_s = round(time.perf_counter() - t1, 3) if self.compile_mode != "off" else None
         self.warmup_s = round(time.perf_counter() - t0, 3)
         return self.warmup_s
@@ -524,8 +621,9 @@ class CPUDecoder:
             if not self._k:
                 self._allocate(self.max_cache_len)
             rows = [self._prefill(ids.to(torch.long))]
+            sel = Selection.neutral(self.weights.head.n)
             for j, token in enumerate(forced):
-                rows.append(self._decode(int(token), ids.numel() + j))
+                rows.append(self._decode(int(token), ids.numel() + j, sel)[0])
             return torch.cat(rows, 0)
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
@@ -563,7 +661,7 @@ class CPUDecoder:
             self._allocate(self.max_cache_len)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        processors = logits_processors(gen)
+        warpers = logits_processors(gen, penalty=False)  # the penalty is applied with the head (select_scores)
         generator = None
         if gen.do_sample:
             generator = torch.Generator()
@@ -571,21 +669,27 @@ class CPUDecoder:
                 generator.manual_seed(int(gen.seed))
             else:
                 generator.seed()
-        seen = torch.empty(1, prompt_len + limit, dtype=torch.long)  # prompt + new ids: what the penalty reads
-        seen[0, :prompt_len] = ids
-        banned = sorted(eos) if min_new > 0 else []
+        vocab = self.weights.head.n
+        sel = Selection(torch.zeros(1, vocab, dtype=torch.bool), torch.tensor([float(gen.repetition_penalty)]),
+                        torch.zeros(1, vocab))
+        sel.seen[0, ids] = True  # prompt + new ids: what the penalty reads
+        no_ban, ban = sel.bias, torch.zeros(1, vocab)
+        ban[0, sorted(i for i in eos if 0 <= i < vocab)] = float("-inf")
+        if min_new > 0 and eos:
+            sel.bias = ban
         self._rows_used = prompt_len
-        scores = self._prefill(ids.to(torch.long), prefill_chunk)
+        scores, best = select_scores(self._prefill(ids.to(torch.long), prefill_chunk), sel.seen, sel.penalty,
+                                     sel.bias)
         out: list[int] = []
         while True:
-            if len(out) < min_new and banned:
-                scores[:, banned] = float("-inf")
-            token = int(next_token(scores, gen.do_sample, processors, seen[:, :prompt_len + len(out)], generator))
-            seen[0, prompt_len + len(out)] = token
+            token = int(next_token(scores, True, warpers, None, generator) if gen.do_sample else best)
+            sel.seen[0, token] = True
             out.append(token)
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
             if token in eos or len(out) >= limit or stop_event.is_set():
                 return out
+            if len(out) >= min_new:
+                sel.bias = no_ban
             self._rows_used = prompt_len + len(out)
-            scores = self._decode(token, prompt_len + len(out) - 1)
+            scores, best = self._decode(token, prompt_len + len(out) - 1, sel)
