@@ -6,6 +6,7 @@ Knows nothing of models or caches: it takes (1, vocab) float32 scores and the re
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +36,27 @@ class SamplingParams(Protocol):
 
     @property
     def repetition_penalty(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One request's sampling options as a batch scheduler keeps them per row (the eager and the batched fast one):
+    the GenerationSettings fields the sampler reads, its seed, and min_new_tokens (the batched fast path bans EOS
+    until then)."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    min_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, gen: Any) -> SamplingOptions:
+        return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature), top_p=float(gen.top_p),
+                   top_k=int(gen.top_k), repetition_penalty=float(gen.repetition_penalty), seed=gen.seed,
+                   min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0))
 
 
 def logits_processors(params: SamplingParams, *, penalty: bool = True) -> LogitsProcessorList:

@@ -17,11 +17,11 @@ from llm_core.errors import ContextBudgetError
 from llm_core.fast.batched import (
     BATCH_BUCKETS,
     FastBatchScheduler,
-    RowOptions,
     SlotDecoder,
     attention_rows,
     batch_bucket,
 )
+from llm_core.sampling import SamplingOptions
 from tests.conftest import drain, make_settings, run_threads
 
 SYSTEM = "You are a helpful assistant."
@@ -118,7 +118,7 @@ def test_admission_refuses_only_what_cannot_fit_a_slot_and_queues_the_rest(fast_
     decoder = fast_batched.backend.decoder
     scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64), eos_token_ids=[])
     try:
-        greedy = RowOptions(repetition_penalty=1.0)
+        greedy = SamplingOptions(repetition_penalty=1.0)
         exact = scheduler.submit(list(range(100, 148)), greedy, 16, threading.Event())
         assert len(list(scheduler.stream(exact))) == 16
         with pytest.raises(ContextBudgetError, match="KV slot"):

@@ -43,7 +43,7 @@ import torch
 from ..errors import BusyError, ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
-from ..sampling import logits_processors, next_token
+from ..sampling import SamplingOptions, logits_processors, next_token
 from ..streams import Finished, TokenStreams
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
@@ -315,23 +315,6 @@ def default_kv_budget_bytes(loaded: Any, max_batch_size: int, budget_bytes: int 
 
 
 # --- requests ----------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    """The per-request subset of GenerationSettings the scheduler applies (each row its own)."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    @classmethod
-    def of(cls, gen: Any) -> SamplingOptions:
-        return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature), top_p=float(gen.top_p),
-                   top_k=int(gen.top_k), repetition_penalty=float(gen.repetition_penalty), seed=gen.seed)
 
 
 class RowKV:
@@ -861,8 +844,6 @@ class FastBatchedBackend:
         self.scheduler.start()
 
     def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
-        from ..fast.batched import RowOptions
-
         gen = prepared.gen
-        self.scheduler.generate(prepared.input_ids, RowOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
+        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
                                 cache if isinstance(cache, RowKV) else None)

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
-from ..sampling import sample_from_scores
+from ..sampling import SamplingOptions, sample_from_scores
 from ..streams import Finished, TokenStreams
 from . import kvquant
 from .generate import FastDecoder, _prefill_attention_scope
@@ -459,33 +459,14 @@ class SlotDecoder:
 # --- the scheduler -------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RowOptions:
-    """A reply's per-row decoding options (what llm_core.sampling reads, and the run's limits)."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    min_new_tokens: int = 0
-
-    @classmethod
-    def of(cls, gen: Any) -> RowOptions:
-        return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature), top_p=float(gen.top_p),
-                   top_k=int(gen.top_k), repetition_penalty=float(gen.repetition_penalty), seed=gen.seed,
-                   min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0))
-
-
 class FastRequest:
     """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a Finished on
     `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the Finished."""
 
     _ids = itertools.count()
 
-    def __init__(self, prompt_ids: list[int], options: RowOptions, max_new_tokens: int, stop_event: threading.Event,
-                 record: Any = None) -> None:
+    def __init__(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
+                 stop_event: threading.Event, record: Any = None) -> None:
         self.id = next(self._ids)
         self.prompt_ids = prompt_ids
         self.options = options
@@ -595,8 +576,8 @@ class FastBatchScheduler(TokenStreams):
             thread.start()
             _RUNNING.add(self)
 
-    def submit(self, prompt_ids: list[int], options: RowOptions, max_new_tokens: int, stop_event: threading.Event,
-               record: Any = None) -> FastRequest:
+    def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
+               stop_event: threading.Event, record: Any = None) -> FastRequest:
         if not prompt_ids:
             raise InputError("The prompt is empty.")
         if max_new_tokens < 1:
