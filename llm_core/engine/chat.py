@@ -47,7 +47,7 @@ from ..memory.model import (
     require_fit,
     resident_extra_bytes,
 )
-from ..memory.plan import MIN_FAST_CACHE_TOKENS
+from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..metrics import ReplyStats, TokenClock
 from .serving import BatchScheduler, ReplySlots, RowKV
 
@@ -549,13 +549,13 @@ class ChatEngine:
         gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
         for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
             pass
-        if decoder is not None and not measured:  # what the warm-up reply taught the reserve: re-plan now
+        if decoder is not None:
             self._measure_fast_resident(decoder)
-            for _ in range(3):  # a recapture leaves its own fragments: re-plan until the split holds
+            # unmeasured (CPU): what the warm-up reply taught the reserve re-plans the cache now, not in a reply;
+            # a recapture leaves its own fragments, so re-plan until the split holds
+            for _ in range(0 if measured else 3):
                 if not self._fit_fast_cache(self.settings.generation.max_new_tokens, say):
                     break
-        elif decoder is not None:
-            self._measure_fast_resident(decoder)
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
@@ -589,9 +589,7 @@ class ChatEngine:
                     raise ContextBudgetError(
                         f"The fast decode path ran out of memory while warming up with a KV cache of "
                         f"{decoder.max_cache_len:,} tokens in a budget of "
-                        f"{human_bytes(self.memory_budget.budget_bytes)}. "
-                        "Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller "
-                        "model, or DECODE_PATH=plain.") from None
+                        f"{human_bytes(self.memory_budget.budget_bytes)}. {FAST_CACHE_ADVICE}") from None
                 say(f"Out of memory while warming up: retrying with a KV cache of {tokens:,} tokens…")
                 log.warning("fast path warm-up OOM with %d cache tokens; retrying with %d",
                             decoder.max_cache_len, tokens)

@@ -41,6 +41,9 @@ FAST_FIXED_RESIDENT_BYTES = 64 * MiB
 # above the start-up profile's once (Llama-3-8B shape, int8 cache, 8 GiB card: bench/results/
 # 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
 MEASURED_SAFETY_BYTES = 128 * MiB
+# What a user can change when the fast path's cache does not fit (said by every error that says so)
+FAST_CACHE_ADVICE = ("Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
+                     "or DECODE_PATH=plain.")
 
 
 def fast_resident_estimate(facts: ModelMemoryFacts, prefill_graph_tokens: int, cache_tokens: int) -> int:
@@ -175,5 +178,4 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
         return max(fits)
     raise ContextBudgetError(
         f"The fast decode path does not fit a useful KV cache ({MIN_FAST_CACHE_TOKENS} tokens) beside the model in "
-        f"the memory budget ({human_bytes(budget_bytes)}), measured at start-up. Use KV_CACHE=quantized, a lower "
-        "PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, or DECODE_PATH=plain.")
+        f"the memory budget ({human_bytes(budget_bytes)}), measured at start-up. {FAST_CACHE_ADVICE}")
