@@ -126,7 +126,7 @@ class FitReport:
         return self.decode_path != "none"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"fits": self.fits}
+        return asdict(self) | {"fits": self.fits, "tradeoff_note": self.tradeoff_note}
 
     def summary(self) -> str:
         card = human_bytes(self.card_bytes)
@@ -145,7 +145,20 @@ class FitReport:
         if self.static_cache_tokens:
             lines.append(f"  static KV cache    {self.static_cache_tokens:,} tokens")
         lines.append(f"  seed recipe        {self.seed_prompt_tokens:,} prompt tokens (plain generate, no guard)")
+        if self.tradeoff_note:
+            lines.append(f"  note               {self.tradeoff_note}")
         return "\n".join(lines)
+
+    @property
+    def tradeoff_note(self) -> str:
+        """Said where plain generate holds longer prompts than the fast path on this card (small cards: the fast
+        path's graphs and static cache take memory plain generate leaves to the KV cache)."""
+        if self.decode_path != "fast" or self.longest_prompt_tokens >= self.seed_prompt_tokens:
+            return ""
+        return (f"plain generate (DECODE_PATH=plain) could hold longer prompts here (up to about "
+                f"{self.seed_prompt_tokens:,} tokens), decoding many times slower; the fast path holds "
+                f"{self.longest_prompt_tokens:,}" + (" (try KV_CACHE=quantized)" if self.kv_cache == "dynamic" else "")
+                + ".")
 
     def to_markdown(self) -> str:
         if not self.fits:
@@ -157,6 +170,8 @@ class FitReport:
                 ("Seed recipe (plain generate)", f"{self.seed_prompt_tokens:,} tokens")]
         if self.static_cache_tokens:
             rows.insert(3, ("Fast-path KV cache", f"{self.static_cache_tokens:,} tokens"))
+        if self.tradeoff_note:
+            rows.append(("Note", self.tradeoff_note))
         head = (f"**{self.model}** on a {human_bytes(self.card_bytes)} card, {self.quantization}, "
                 f"KV cache {self.kv_cache}\n\n")
         return head + "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -193,7 +208,7 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     fast_ok, reason = config_fast_path_support(text, quantization)
     if fast_ok and kv_cache != "offload":
         kv_format = "int8" if kv_cache == "quantized" else "bf16"
-        fused = replace(facts, fused_dequant=True)
+        fused = replace(facts, fast_prefill=True)
         graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
                                               prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format)
         plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=prefill_chunk_tokens,

@@ -42,3 +42,33 @@ def test_pick_best_keeps_the_default_unless_another_variant_is_clearly_faster() 
     assert pick_best({"auto": 324.4, "nf4-fused-dqoff": 324.7, "bnb": 250.2}) == "auto"  # within 1%: the default
     assert pick_best({"auto": 250.0, "nf4-fused-dq": 324.0}) == "nf4-fused-dq"
     assert pick_best({"bnb-fused-dq-requant": 1.0, "torch-fused-dq": 2.0}) == "torch-fused-dq"  # no default run
+
+
+def test_memory_breakdown_sums_segments_by_kind_and_allocations_by_owner() -> None:
+    """bench.memory_breakdown's summary of a CUDA allocator snapshot (this shape is what torch.cuda.memory._snapshot
+    returns): reserved/allocated/free per segment kind, the largest free block, and allocated bytes by the first
+    llm_core/transformers/bitsandbytes frame."""
+    from bench.memory_breakdown import summarize_snapshot
+
+    def block(size: int, state: str, filename: str = "", line: int = 0) -> dict[str, object]:
+        frames = [{"filename": "/usr/lib/python3/site-packages/torch/cuda/memory.py", "line": 1, "name": "alloc"},
+                  {"filename": filename, "line": line, "name": "f"}] if filename else []
+        return {"size": size, "state": state, "frames": frames}
+
+    snapshot = {"segments": [
+        {"total_size": 100, "allocated_size": 60, "segment_pool_id": (0, 0), "is_expandable": False, "stream": 0,
+         "blocks": [block(40, "active_allocated", "/x/site-packages/bitsandbytes/functional.py", 7),
+                    block(20, "active_allocated", "/repo/llm_core/fast/generate.py", 370),
+                    block(30, "inactive"), block(10, "inactive")]},
+        {"total_size": 50, "allocated_size": 50, "segment_pool_id": (0, 0), "is_expandable": False, "stream": 0,
+         "blocks": [block(50, "active_allocated", "/repo/llm_core/fast/generate.py", 370)]},
+        {"total_size": 64, "allocated_size": 4, "segment_pool_id": (1, 2), "is_expandable": False, "stream": 7,
+         "blocks": [block(4, "active_allocated"), block(60, "inactive")]},
+    ]}
+    out = summarize_snapshot(snapshot)
+    default, pool = out["by_segment_kind"]["default stream 0"], out["by_segment_kind"]["graph pool stream 7"]
+    assert (default["segments"], default["reserved"], default["allocated"], default["free"]) == (2, 150, 110, 40)
+    assert default["largest_free_block"] == 30 and pool["free"] == 60 and pool["largest_free_block"] == 60
+    assert (out["reserved"], out["allocated"]) == (214, 114)
+    assert out["allocated_by_owner"] == {"llm_core/fast/generate.py:370 f": 70,
+                                         "bitsandbytes/functional.py:7 f": 40, "(no python frame recorded)": 4}

@@ -308,6 +308,9 @@ def test_fused_nf4_linear_equals_its_parts(shapes: list[tuple[int, int]], absmax
     packed = pack.pack_linears(parts, FastDecodeOptions(absmax=absmax), "torch")
     got_decode = layer.linear_decode(packed.spec, x, packed.tensors)
     got_prefill = layer.linear_prefill(packed.spec, x[None], packed.tensors)[0]
+    got_parts = layer.linear_prefill_parts(packed.spec, x[None], packed.tensors)  # one part dequantized at a time
+    assert [t.shape[-1] for t in got_parts] == [n for n, _ in shapes]
+    assert torch.equal(torch.cat(got_parts, -1)[0], got_prefill)  # the same rows, scales and bias: bit for bit
     err = (got_decode - expected).abs().max().item()
     rel = ((got_decode - expected).norm() / expected.norm()).item()
     if exact:
@@ -315,6 +318,10 @@ def test_fused_nf4_linear_equals_its_parts(shapes: list[tuple[int, int]], absmax
         assert (got_prefill - expected).abs().max().item() <= 1e-4
     else:
         assert rel <= 1e-2, rel
+    if packed.spec.absmax == "nested" and absmax == "keep":  # the 8-bit block scales are held once, not twice
+        scales = packed.tensors[1].untyped_storage().data_ptr(), packed.tensors[2].untyped_storage().data_ptr()
+        assert all((m.weight.quant_state.absmax.untyped_storage().data_ptr(),
+                    m.weight.quant_state.state2.absmax.untyped_storage().data_ptr()) == scales for m in parts)
     # the plain path reads views of the fused storage now, and its outputs did not change by one bit
     assert all(torch.equal(m(x), b) for m, b in zip(parts, before, strict=True))
     assert all(m.weight.data.untyped_storage().data_ptr() == packed.tensors[0].untyped_storage().data_ptr()
@@ -350,8 +357,11 @@ def test_fused_int8_linear_equals_its_parts(forward_first: bool) -> None:
     assert packed.spec.fmt == "int8" and packed.tensors[0].dtype == torch.int8 and layer.tensor_count(packed.spec) == 3
     got_decode = layer.linear_decode(packed.spec, x, packed.tensors)
     got_prefill = layer.linear_prefill(packed.spec, x[None].expand(1, 3, -1), packed.tensors)[0]
+    got_parts = layer.linear_prefill_parts(packed.spec, x[None].expand(1, 3, -1), packed.tensors)
+    assert [t.shape[-1] for t in got_parts] == [64, 32, 32]
     assert (got_decode - expected).abs().max().item() <= 1e-5
     assert (got_prefill - expected).abs().max().item() <= 1e-5
+    assert (torch.cat(got_parts, -1)[0] - expected).abs().max().item() <= 1e-5
     after = [m(x) for m in parts]
     if before is not None:
         assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))

@@ -57,12 +57,13 @@ def test_weights_estimate_matches_the_loaded_embedded_model() -> None:
 def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str, kv_cache: str,
                                   per_token: dict[str, int]) -> None:
     """Fast path (llama, nf4); KV bytes per token exact (bf16 rows, or int8 rows of 144 bytes); the longest prompt
-    is exactly the static cache plan's for a budget of card - 512 MiB, and at least the seed recipe's."""
+    is exactly the static cache plan's for a budget of card - 512 MiB: at least the seed recipe's from 12 GiB up;
+    where it is less (8 GiB, as the H200 card runs measured), the report says plain generate would hold more."""
     report = fit_config(config, card_gib * GiB, model=name, kv_cache=kv_cache)
     assert report.fits and report.decode_path == "fast"
     assert report.kv_bytes_per_token == per_token[name]
     facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4"), "bfloat16")
-    fused, budget = replace(facts, fused_dequant=True), card_gib * GiB - 512 * 2**20
+    fused, budget = replace(facts, fast_prefill=True), card_gib * GiB - 512 * 2**20
     kv_format = "int8" if kv_cache == "quantized" else "bf16"
     graphs = resolve_prefill_graph_tokens(None, fused, budget, max_new_tokens=256, prefill_chunk_tokens=2048,
                                           kv_format=kv_format)  # auto: smaller graphs where memory bounds the cache
@@ -70,7 +71,12 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
                              prefill_graph_tokens=graphs)
     assert report.static_cache_tokens == plan.tokens and report.longest_prompt_tokens == plan.max_prompt_tokens
     assert report.seed_prompt_tokens == max_context_tokens(facts, card_gib * GiB, 256)
-    assert report.longest_prompt_tokens >= report.seed_prompt_tokens
+    if card_gib >= 12:
+        assert report.longest_prompt_tokens >= report.seed_prompt_tokens
+        assert not report.tradeoff_note
+    if report.longest_prompt_tokens < report.seed_prompt_tokens:
+        assert "DECODE_PATH=plain" in report.tradeoff_note and "DECODE_PATH=plain" in report.summary()
+        assert f"{report.seed_prompt_tokens:,}" in report.to_markdown()
 
 
 def test_weights_that_do_not_fit_are_said_before_loading() -> None:

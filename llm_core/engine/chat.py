@@ -372,7 +372,7 @@ class ChatEngine:
         from ..memory.plan import resolve_prefill_graph_tokens
 
         return resolve_prefill_graph_tokens(
-            self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fused_dequant=True),
+            self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
             prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None, kv_format=self._fast_kv_format)
 
@@ -382,7 +382,7 @@ class ChatEngine:
         graph pools and the allocator reserve (llm_core.memory.plan); never beyond the model's context."""
         from ..memory.plan import require_cache, static_cache_plan
 
-        self.memory_facts = replace(self.memory_facts, fused_dequant=True)  # the fast path fuses gate/up
+        self.memory_facts = replace(self.memory_facts, fast_prefill=True)  # its prefill dequantizes int8 too
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
                                  max_new_tokens=self.settings.generation.max_new_tokens,
                                  prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,

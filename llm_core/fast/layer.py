@@ -68,6 +68,31 @@ def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -
     return F.linear(x, w, bias_of(spec, ts))
 
 
+def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """linear_prefill of a fused linear, one output per fused part (q/k/v, gate/up), each part's rows dequantized
+    on their own: the half-precision weight a prompt's matmul makes is the largest part's, not the fused weight
+    (issue 17: on Llama-3-8B the fused gate/up copy is 235 MB, held at the prefill's peak and again in the prefill
+    graphs' pool; a part is 117 MB). The rows of a fused weight are its parts' rows concatenated (pack_linears), so
+    each part's packed bytes, block scales, int8 row scales and bias are row slices of the fused ones."""
+    splits = list(spec.splits)
+    if spec.fmt == "dense" or len(splits) == 1:
+        return list(linear_prefill(spec, x, ts).split(splits, dim=-1))
+    bias = bias_of(spec, ts)
+    absmax = absmax_2d(spec, ts) if spec.fmt == "nf4" else None
+    outs, start = [], 0
+    for rows in splits:
+        end = start + rows
+        if absmax is None:  # int8 rows x their scales
+            w = (ts[0][start:end].float() * ts[1][start:end, None]).to(x.dtype)
+        else:
+            w = torch.ops.bitsandbytes.dequantize_4bit(ts[0][start:end].reshape(-1, 1), absmax[start:end].reshape(-1),
+                                                       spec.blocksize, "nf4", [rows, spec.k], x.dtype)
+        outs.append(F.linear(x, w, bias[start:end] if bias is not None else None))
+        del w
+        start = end
+    return outs
+
+
 def dense_gemv_linear(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], *,
                       residual: torch.Tensor | None = None,
                       norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False) -> torch.Tensor:
@@ -122,21 +147,30 @@ def tensor_count(lin: LinSpec) -> int:
     return base + int(lin.bias)
 
 
-def _project_qkv(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]],
-                 linear: Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+Linear = Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]
+FusedParts = Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+
+
+def _split_output(linear: Linear) -> FusedParts:
+    """A fused linear's parts as views of its one output (one-token steps: the kernels read the weights in place)."""
+    def parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        return linear(spec, x, ts).split(list(spec.splits), dim=-1)
+    return parts
+
+
+def _project_qkv(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], linear: Linear,
+                 parts: FusedParts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     if spec.fused:
-        qkv = linear(spec.linears[0], x, lins[0])
-        q, k, v = qkv.split(list(spec.linears[0].splits), dim=-1)
+        q, k, v = (parts or _split_output(linear))(spec.linears[0], x, lins[0])
         return q, k, v, 1
     return (linear(spec.linears[0], x, lins[0]), linear(spec.linears[1], x, lins[1]),
             linear(spec.linears[2], x, lins[2]), 3)
 
 
-def _mlp(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], first: int,
-         linear: Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+def _mlp(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], first: int, linear: Linear,
+         parts: FusedParts | None = None) -> torch.Tensor:
     if spec.fused:
-        gate, up = linear(spec.linears[first], x, lins[first]).split(list(spec.linears[first].splits), dim=-1)
+        gate, up = (parts or _split_output(linear))(spec.linears[first], x, lins[first])
         down = first + 1
     else:
         gate = linear(spec.linears[first], x, lins[first])
@@ -205,7 +239,7 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     lins = _split_linears(spec, w)
     rest = lins[-1]
     seq = h.shape[1]
-    q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill)
+    q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill, linear_prefill_parts)
     q = q.view(1, seq, spec.n_heads, spec.head_dim)
     k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
     v = v.view(1, seq, spec.n_kv_heads, spec.head_dim)
@@ -235,7 +269,7 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, **gqa)
     attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
     h = h + linear_prefill(spec.linears[used], attn, lins[used])
-    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_prefill)
+    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_prefill, linear_prefill_parts)
     return h, rms_norm(h, rest[1], spec.eps_next)
 
 

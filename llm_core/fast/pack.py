@@ -166,6 +166,8 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> 
     q8 = parts[0]["q8"] if len(parts) == 1 else torch.cat([p["q8"] for p in parts])
     absmax2 = parts[0]["absmax2"] if len(parts) == 1 else torch.cat([p["absmax2"] for p in parts])
     offsets = parts[0]["offsets"] if len(parts) == 1 else torch.cat([p["offsets"] for p in parts])
+    if len(parts) > 1:
+        _rebind_nested_absmax(modules, q8, absmax2)
     uniform = len(parts) == 1
     spec = LinSpec("nf4", "nested", n, k, bs, splits, has_bias, gemv, uniform, levels)
     return PackedLinear(spec, [packed, q8, absmax2, offsets, parts[0]["code2"], parts[0]["offset_scalar"], *tail], note)
@@ -194,6 +196,20 @@ def _rebind_nf4(modules: Sequence[Any], fused_packed: torch.Tensor) -> None:
         storage_dtype = m.weight.data.dtype
         m.weight.data = fused_packed[start:start + rows].reshape(-1, 1).view(storage_dtype)
         start += rows
+
+
+def _rebind_nested_absmax(modules: Sequence[Any], q8: torch.Tensor, absmax2: torch.Tensor) -> None:
+    """Point each module's double-quantized block scales (quant_state.absmax, and state2.absmax where it is already
+    fp32) at its slice of the fused copies, so they are held once, not twice (Llama-3-8B: ~70 MB of 8-bit scales)."""
+    q8_start = a2_start = 0
+    for m in modules:
+        qs = m.weight.quant_state
+        nb, nb2 = qs.absmax.numel(), qs.state2.absmax.numel()
+        if qs.absmax.dtype == q8.dtype:
+            qs.absmax = q8[q8_start:q8_start + nb].view(qs.absmax.shape)
+        if qs.state2.absmax.dtype == absmax2.dtype:
+            qs.state2.absmax = absmax2[a2_start:a2_start + nb2].view(qs.state2.absmax.shape)
+        q8_start, a2_start = q8_start + nb, a2_start + nb2
 
 
 # --- kernels -------------------------------------------------------------------------------------------------

@@ -128,9 +128,10 @@ class ModelMemoryFacts:
     # Measured after the decode path's warm-up: device memory it holds beyond the weights and that KV block (the
     # fast path's buffers and its CUDA graphs' memory pool). Held through every reply, so part of every peak.
     resident_extra_bytes: int = 0
-    # The fast path's prefill dequantizes the fused gate/up weight (2 x h x I) of an nf4/fp4/int8 model at once,
-    # where bitsandbytes' own matmuls dequantize one h x I weight (4-bit) or none (int8 multiplies in int8).
-    fused_dequant: bool = False
+    # The fast path's prefill: it dequantizes the weights of an nf4/fp4/int8 model for each matmul, one fused part
+    # (gate or up, an h x I weight) at a time (llm_core.fast.layer.linear_prefill_parts), as bitsandbytes does for
+    # 4-bit weights; for int8 bitsandbytes makes no such copy (LLM.int8 multiplies in int8), the fast path does.
+    fast_prefill: bool = False
 
     # -- construction --
     @classmethod
@@ -207,11 +208,11 @@ class ModelMemoryFacts:
 
     @property
     def dequant_weight_bytes(self) -> int:
-        """The half-precision copy of the largest quantized weight a multi-token matmul makes: bitsandbytes' of a
-        4-bit h x I weight, or the fast path's of the fused gate/up weight (2 x h x I, 4-bit or int8)."""
-        n = self.hidden_size * self.intermediate_size * (2 if self.fused_dequant else 1)
+        """The half-precision copy of the largest quantized weight a multi-token matmul makes: an h x I weight (gate,
+        up or down), by bitsandbytes (4-bit) or by the fast path's prefill (4-bit or int8)."""
+        n = self.hidden_size * self.intermediate_size
         if self.weight_quantization == "int8":
-            return n * self.compute_bytes if self.fused_dequant else 0
+            return n * self.compute_bytes if self.fast_prefill else 0
         if self.weight_quantization not in ("nf4", "fp4"):
             return 0
         return n * self.compute_bytes + (n // BNB_4BIT_BLOCK) * 4  # + the absmax dequantized to fp32 (double quant)

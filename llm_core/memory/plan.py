@@ -37,6 +37,13 @@ PREFILL_BUCKET_TOKENS = 64  # llm_core.fast.options.PREFILL_BUCKET_TOKENS (kept 
 # (one step's temporaries, split-K attention partials): measured 0.05 GB on the H200 for Llama-2-7B beside the
 # prefill graphs' pool (bench/results/2026-11-30-h200-prefill-probe.json: 315 MB resident, 260 MB of it prefill).
 FAST_FIXED_RESIDENT_BYTES = 64 * MiB
+# Reserved but free after the fast path's CUDA warm-up beyond its graph pools' estimate: allocator segments that
+# cannot be handed back (fragments of loading the weights and of the graph captures). The engine measures it at
+# start-up (ChatEngine._measure_fast_resident) and sizes the cache by measurement; this is what the plan, and so
+# `python -m llm_core.fit`, assume before that. Measured through ChatEngine on the H200 under 8/12/16 GiB caps,
+# Llama-2-7B and Llama-3-8B NF4 (13 start-ups, bench/results/2026-12-01-h200-cards-*.json): 0.86-1.48 GB beyond
+# the other terms of fast_resident_estimate, median 1.27 GB (tests/test_cards.py checks the estimate against them).
+CUDA_HELD_FREE_BYTES = 1280 * MiB
 # Kept free below the budget when the cache is sized by measurement: a real reply's reserved peak came out 40 MiB
 # above the start-up profile's once (Llama-3-8B shape, int8 cache, 8 GiB card: bench/results/
 # 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
@@ -48,10 +55,12 @@ FAST_CACHE_ADVICE = ("Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PR
 
 def fast_resident_estimate(facts: ModelMemoryFacts, prefill_graph_tokens: int, cache_tokens: int) -> int:
     """Device bytes the fast path holds beyond the weights and its KV block, before it is measured: the padded
-    prefill graphs' pool (the largest bucket's activations and its head's logits), the decode graphs and buffers."""
+    prefill graphs' pool (the largest bucket's activations and its head's logits), the decode graphs and buffers,
+    and on CUDA the reserved memory the allocator cannot give back (CUDA_HELD_FREE_BYTES)."""
     top = min(int(prefill_graph_tokens), int(cache_tokens)) // PREFILL_BUCKET_TOKENS * PREFILL_BUCKET_TOKENS
     pool = forward_activation_bytes(facts, top) + logits_bytes(facts, 1) if top > 0 else 0
-    return pool + FAST_FIXED_RESIDENT_BYTES + facts.vocab_size * (1 + 4 + 4 + 4)
+    held = CUDA_HELD_FREE_BYTES if facts.device_type == "cuda" else 0
+    return pool + FAST_FIXED_RESIDENT_BYTES + facts.vocab_size * (1 + 4 + 4 + 4) + held
 
 
 @dataclass(frozen=True)
@@ -143,12 +152,14 @@ def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
 
 
 def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int, bytes_per_token: int,
-                              budget_bytes: int, context_length: int, *, attempts: int = 8) -> int:
+                              budget_bytes: int, context_length: int, *, attempts: int = 10) -> int:
     """The static cache size, in tokens, found by measuring instead of predicting: `measure(t)` re-sizes the
     cache to t tokens, runs the worst reply it allows and returns the device's peak reserved bytes (None: it ran
     out of memory), which must stay MEASURED_SAFETY_BYTES under the budget. Over that: shrink by the excess
-    (+10%, at least 1/32 of the cache); under it by more than max(256 tokens, 1/16 of the cache) and short of the
-    context: grow once by 90% of the headroom, then measure again. Returns the largest size measured within it
+    (+10%, at least 1/32 of the cache), or to half after an OOM (no excess was measured: shrinking by a quarter
+    ran out of attempts from a start 14x too large, Llama-3-8B bf16 on 8 GiB); under it by more than max(256
+    tokens, 1/16 of the cache) and short of the context: grow once by 90% of the headroom, then measure again.
+    Returns the largest size measured within it
     (the engine keeps that one), or raises ContextBudgetError when not even MIN_FAST_CACHE_TOKENS fit. Sizes are
     multiples of CACHE_ROUND_TOKENS."""
     r = CACHE_ROUND_TOKENS
@@ -167,8 +178,10 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
                 break
             t, grown = min(ceiling, t + room), True
             continue
-        over = (peak - budget_bytes) if peak is not None else t * per // 4
-        smaller = (t - max(int(over * 1.1) // per + r, t // 32)) // r * r  # at least 3%: always converges
+        if peak is None:  # out of memory: nothing measured, so halve (a start far too large still converges)
+            smaller = t // 2 // r * r
+        else:  # over by a measured excess: shrink by it (+10%), at least 3% so that it always converges
+            smaller = (t - max(int((peak - budget_bytes) * 1.1) // per + r, t // 32)) // r * r
         if fits and smaller <= max(fits):  # grown too far: the last size that fitted is the answer
             break
         if smaller < MIN_FAST_CACHE_TOKENS:
