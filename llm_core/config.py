@@ -26,6 +26,8 @@ DECODE_PATHS = ("auto", "fast", "plain", "cpu")
 # reply; the graphs' pool holds 180 / 260 MB at 704 tokens: bench/results/2026-11-30-h200-prefill-probe.json)
 DEFAULT_PREFILL_GRAPH_TOKENS = 1024
 SMALL_CARD_PREFILL_GRAPH_TOKENS = 256  # auto where memory bounds the fast path's cache: the graph pool costs context
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+SMALL_CARD_PREFILL_CHUNK_TOKENS = 1024  # auto where memory bounds the cache: a smaller working-memory peak
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
 KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.memory.kv_cache
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
@@ -149,7 +151,9 @@ class ServerSettings:
 class MemorySettings:
     budget_bytes: int | None = None  # device bytes the process may use in total; None = free after load - margin
     margin_bytes: int | None = None  # kept free when the budget is derived; None = 512 MiB on CUDA, 1 GiB on CPU
-    prefill_chunk_tokens: int = 2048  # long prompts are prefilled in chunks of this size (flat peak); 0 = off
+    # long prompts are prefilled in chunks of this size (flat peak); 0 = off; None = auto
+    # (llm_core.memory.plan.resolve_prefill_chunk_tokens)
+    prefill_chunk_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +258,7 @@ class Settings:
             _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
         if self.model.prefill_graph_tokens is not None and self.model.prefill_graph_tokens < 0:
             raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
-        if self.memory.prefill_chunk_tokens < 0:
+        if self.memory.prefill_chunk_tokens is not None and self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
         _check_choice("ENGINE", self.remote.engine, ENGINES)
         url = self.remote.base_url
@@ -491,8 +495,10 @@ SPECS: tuple[SettingSpec, ...] = (
                 "memory a reply may use in total, weights included, e.g. 7.5GiB; empty = free after load - margin"),
     SettingSpec("MEMORY_MARGIN", "memory", "margin_bytes", parse_bytes,
                 "kept free when VRAM_BUDGET is derived; empty = 512MiB on CUDA, 1GiB on CPU"),
-    SettingSpec("PREFILL_CHUNK_TOKENS", "memory", "prefill_chunk_tokens", _parse_int,
-                "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off"),
+    SettingSpec("PREFILL_CHUNK_TOKENS", "memory", "prefill_chunk_tokens", _parse_auto_int,
+                "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off; auto (default) = "
+                f"{DEFAULT_PREFILL_CHUNK_TOKENS}, or {SMALL_CARD_PREFILL_CHUNK_TOKENS} where memory bounds the KV "
+                "cache (small cards)"),
     SettingSpec("SYSTEM_PROMPT", "chat", "system_prompt", _parse_str, "system prompt of new conversations"),
     SettingSpec("HISTORY_TURNS", "chat", "history_turns", _parse_int,
                 f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})"),

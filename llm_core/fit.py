@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .config import (
+    DEFAULT_PREFILL_CHUNK_TOKENS,
     DEFAULT_PREFILL_GRAPH_TOKENS,
     KV_CACHE_MODES,
     QUANTIZATION_MODES,
@@ -35,7 +36,12 @@ from .memory.model import (
     max_context_tokens,
     static_kv_bytes,
 )
-from .memory.plan import MIN_FAST_CACHE_TOKENS, resolve_prefill_graph_tokens, static_cache_plan
+from .memory.plan import (
+    MIN_FAST_CACHE_TOKENS,
+    resolve_prefill_chunk_tokens,
+    resolve_prefill_graph_tokens,
+    static_cache_plan,
+)
 
 # Host-to-device bandwidth an offloaded weight crosses every token (PCIe 4.0 x16, practical): what offload costs.
 OFFLOAD_BYTES_PER_S = 25e9
@@ -120,6 +126,7 @@ class FitReport:
     static_cache_tokens: int  # the fast path's cache (0 on the plain path)
     seed_prompt_tokens: int  # plain generate, no guard, whole card, one-pass prefill: what the seed recipe holds
     offload_note: str = ""
+    prefill_chunk_tokens: int | None = None  # as the engine would prefill long prompts (None: one pass)
 
     @property
     def fits(self) -> bool:
@@ -179,9 +186,10 @@ class FitReport:
 
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
                kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
-               prefill_chunk_tokens: int | None = 2048, prefill_graph_tokens: int | None = None,
+               prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
                compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
-    """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there)."""
+    """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there).
+    `prefill_chunk_tokens` and `prefill_graph_tokens` as the settings of those names: None = auto, 0 = off."""
     if quantization not in QUANTIZATION_MODES:
         raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
     if kv_cache not in KV_CACHE_MODES:
@@ -192,11 +200,15 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     budget = max(0, int(card_bytes) - margin)
     facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
     n = int(max_new_tokens)
+    kv_format = "int8" if kv_cache == "quantized" else "bf16"
+    fused = replace(facts, fast_prefill=True)
+    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_format=kv_format)
     # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
     seed = max_context_tokens(facts, int(card_bytes), n, "dynamic")
     common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
                                   quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
-                                  context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed)
+                                  context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
+                                  prefill_chunk_tokens=chunk)
     if weights + facts.workspace_bytes >= budget:
         offload = weights - budget + GiB  # leave ~1 GiB for the KV cache and the prefill
         note = (f"With MAX_MEMORY offload about {human_bytes(max(offload, 0))} of weights would cross PCIe every "
@@ -207,18 +219,16 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
                          static_cache_tokens=0, offload_note=note, **common)
     fast_ok, reason = config_fast_path_support(text, quantization)
     if fast_ok and kv_cache != "offload":
-        kv_format = "int8" if kv_cache == "quantized" else "bf16"
-        fused = replace(facts, fast_prefill=True)
         graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
-                                              prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format)
-        plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=prefill_chunk_tokens,
+                                              prefill_chunk_tokens=chunk, kv_format=kv_format)
+        plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=chunk,
                                  kv_format=kv_format, prefill_graph_tokens=graphs)
         if plan.tokens >= MIN_FAST_CACHE_TOKENS or plan.tokens == facts.context_length:
             per_token = static_kv_bytes(replace(facts, static_kv_format=kv_format), 1)
             return FitReport(kv_bytes_per_token=per_token, decode_path="fast", decode_path_reason=reason,
                              longest_prompt_tokens=plan.max_prompt_tokens, static_cache_tokens=plan.tokens, **common)
         reason = f"no room for a {MIN_FAST_CACHE_TOKENS}-token fast-path cache; plain generate"
-    longest = max_context_tokens(facts, budget, n, kv_cache, prefill_chunk_tokens=prefill_chunk_tokens)
+    longest = max_context_tokens(facts, budget, n, kv_cache, prefill_chunk_tokens=chunk)
     return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype, kv_cache), decode_path="plain",
                      decode_path_reason=reason, longest_prompt_tokens=longest, static_cache_tokens=0, **common)
 
@@ -279,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache", default="dynamic", choices=KV_CACHE_MODES)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--margin", default="", help="kept free on the card (default 512MiB)")
-    parser.add_argument("--prefill-chunk-tokens", type=int, default=2048)
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=None,
+                        help=f"as PREFILL_CHUNK_TOKENS (0 = off); default auto ({DEFAULT_PREFILL_CHUNK_TOKENS}, "
+                        "less on small cards)")
     parser.add_argument("--prefill-graph-tokens", type=int, default=None,
                         help=f"as PREFILL_GRAPH_TOKENS; default auto ({DEFAULT_PREFILL_GRAPH_TOKENS}, less on small "
                         "cards)")
@@ -294,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                             model=args.model or "embedded SmolLM2-135M-Instruct", quantization=args.quantization,
                             kv_cache=args.kv_cache, max_new_tokens=args.max_new_tokens,
                             margin_bytes=parse_bytes("--margin", args.margin),
-                            prefill_chunk_tokens=args.prefill_chunk_tokens or None,
+                            prefill_chunk_tokens=args.prefill_chunk_tokens,
                             prefill_graph_tokens=args.prefill_graph_tokens)
     except LLMCoreError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -152,6 +152,70 @@ def test_slots_are_sized_by_the_memory_plan_and_fit_the_history(fast_batched: Ch
     assert fast_batched.memory_facts.static_kv_tokens == slots.slots * slots.slot_tokens
 
 
+def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_engine: ChatEngine,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 16 on issue 17's sizing: the batch's worst moment (one slot's last prefill chunk at the end of a full
+    slot, then a step with every slot decoding) runs on the slots and leaves no trace in the next reply; sized by a
+    simulated card (CUDA reads the allocator's peak there: fixed bytes + the slots' bytes per slot token, out of
+    memory above the cap), the slots shrink until that peak fits the budget, and the engine's context limit, memory
+    facts and reason follow. Where not even 256 tokens per slot fit, the error says to lower MAX_BATCH_SIZE."""
+    from llm_core.memory.plan import MEASURED_SAFETY_BYTES
+
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    scheduler = engine.fast_scheduler
+    slots = scheduler.decoder
+    try:
+        engine._size_fast_slots(lambda _m: None)  # warms the slots; CPU: no measurement
+        gen = engine.request_options(max_new_tokens=8)
+        before = drain(engine.stream_chat("Name a colour.", [], gen=gen, system_prompt=SYSTEM)).text
+        profile = slots.profile_worst_reply(engine.prefill_chunk_tokens)
+        assert profile["tokens"] == slots.slot_tokens and profile["slots"] == 2 and not slots.active.any()
+        assert drain(engine.stream_chat("Name a colour.", [], gen=gen, system_prompt=SYSTEM)).text == before
+        with pytest.raises(Exception, match="sized before it starts"):  # the loop is running now
+            scheduler.resize_slots(512)
+    finally:
+        scheduler.close()
+
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    scheduler, slots = engine.fast_scheduler, engine.fast_scheduler.decoder
+    per_slot_token = slots.slots * slots.kv_bytes_per_token()
+    budget = engine.memory_budget.budget_bytes
+    planned = slots.slot_tokens
+    fixed = budget - MEASURED_SAFETY_BYTES - per_slot_token * (planned // 2)  # room for about half the plan
+    sizes: list[int] = []
+
+    def simulated(chunk: int | None) -> dict[str, int]:
+        sizes.append(slots.slot_tokens)
+        peak = fixed + per_slot_token * slots.slot_tokens
+        if peak > budget + 64 * 2**20:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return {"peak_reserved_bytes": peak, "peak_allocated_bytes": peak, "tokens": slots.slot_tokens, "slots": 2}
+
+    monkeypatch.setattr(slots, "profile_worst_reply", simulated)
+    try:
+        slots.warmup()
+        engine._measure_fast_slots(lambda _m: None)
+        assert sizes[0] == planned and slots.slot_tokens < planned
+        assert fixed + per_slot_token * slots.slot_tokens <= budget - MEASURED_SAFETY_BYTES
+        assert slots.slot_tokens >= 0.85 * (planned // 2)
+        assert engine.context_limit == slots.slot_tokens == scheduler.snapshot().slot_tokens
+        assert engine.memory_facts.static_kv_tokens == 2 * slots.slot_tokens
+        assert f"{slots.slot_tokens:,} tokens, sized by measurement" in engine.backend.reason
+        done = drain(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4),
+                                        system_prompt=SYSTEM))
+        assert done.done and done.stats.new_tokens > 0
+    finally:
+        scheduler.close()
+
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    slots = engine.fast_scheduler.decoder
+    full = {"peak_reserved_bytes": budget * 2, "peak_allocated_bytes": budget, "tokens": 0, "slots": 2}
+    monkeypatch.setattr(slots, "profile_worst_reply", lambda chunk: full)
+    slots.warmup()
+    with pytest.raises(ContextBudgetError, match="MAX_BATCH_SIZE"):
+        engine._measure_fast_slots(lambda _m: None)
+
+
 def test_batch_buckets_cover_every_row_count() -> None:
     assert [batch_bucket(r, 32) for r in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
     assert batch_bucket(3, 3) == 3 and BATCH_BUCKETS[-1] == 32

@@ -33,6 +33,7 @@ from llm_core.memory.plan import (
     MEASURED_SAFETY_BYTES,
     MIN_FAST_CACHE_TOKENS,
     fast_resident_estimate,
+    resolve_prefill_chunk_tokens,
     resolve_prefill_graph_tokens,
     size_cache_by_measurement,
     static_cache_plan,
@@ -311,6 +312,26 @@ def test_auto_prefill_graphs_are_small_where_memory_bounds_the_cache() -> None:
     assert roomier.tokens > small.tokens  # what the smaller pool gives back to the cache
 
 
+def test_auto_prefill_chunks_are_smaller_where_memory_bounds_the_cache_and_give_it_the_difference() -> None:
+    """PREFILL_CHUNK_TOKENS=auto: 2,048 where the model's whole context fits (24 GiB, Llama-2-7B 32k), 1,024 where
+    memory bounds the cache (8 GiB); there the smaller last chunk leaves the cache more tokens (Llama-3-8B int8:
+    the most, its chunk's attention over a long GQA history and 14,336-wide MLP are the largest). A number set by
+    the operator is kept; 0 turns chunking off (one pass: None)."""
+    def resolve(model: str, positions: int, card_gib: int, setting: int | None = None, kv: str = "bf16") -> Any:
+        return resolve_prefill_chunk_tokens(setting, facts_for(model, positions), int((card_gib - 0.5) * GiB),
+                                            max_new_tokens=256, kv_format=kv)
+
+    assert resolve("llama-2-7b", 32768, 24) == 2048
+    assert resolve("llama-2-7b", 32768, 8) == resolve("llama-3-8b", 131072, 8, kv="int8") == 1024
+    assert resolve("llama-2-7b", 32768, 8, setting=512) == 512 and resolve("llama-2-7b", 32768, 8, setting=0) is None
+
+    def cache(chunk: int) -> int:
+        return static_cache_plan(facts_for("llama-3-8b", 131072), int(7.5 * GiB), max_new_tokens=256,
+                                 prefill_chunk_tokens=chunk, kv_format="int8", prefill_graph_tokens=256).tokens
+
+    assert cache(1024) > 1.2 * cache(2048)
+
+
 def test_prefill_graph_tokens_setting_accepts_auto() -> None:
     assert make_settings(PREFILL_GRAPH_TOKENS="auto").model.prefill_graph_tokens is None
     assert make_settings(PREFILL_GRAPH_TOKENS="").model.prefill_graph_tokens is None
@@ -319,6 +340,10 @@ def test_prefill_graph_tokens_setting_accepts_auto() -> None:
 
     with pytest.raises(SettingsError, match="PREFILL_GRAPH_TOKENS"):
         make_settings(PREFILL_GRAPH_TOKENS="-5")
+    assert make_settings(PREFILL_CHUNK_TOKENS="auto").memory.prefill_chunk_tokens is None
+    assert make_settings(PREFILL_CHUNK_TOKENS="0").memory.prefill_chunk_tokens == 0
+    with pytest.raises(SettingsError, match="PREFILL_CHUNK_TOKENS"):
+        make_settings(PREFILL_CHUNK_TOKENS="-1")
 
 
 def test_a_fast_path_that_cannot_fit_at_start_up_falls_back_to_plain_generate(
@@ -572,3 +597,48 @@ def test_triton_attention_over_int8_rows_matches_the_torch_reference(kv_heads: i
     want = layer.decode_attention(spec, q.float(), kvquant.dequantize_rows(kq, torch.float32),
                                   kvquant.dequantize_rows(vq, torch.float32), pos).view(32, 128)
     assert ((got - want).norm() / want.norm()).item() <= 1e-2
+
+
+def test_the_engine_prefills_in_the_chunks_auto_resolves_for_its_card(fp32_loaded: LoadedModel) -> None:
+    """PREFILL_CHUNK_TOKENS unset: the engine (and its plain backend, which the quantized KV modes use) prefills in
+    2,048-token chunks where the model's whole context fits the budget, in 1,024-token chunks where the budget
+    bounds the cache (the embedded model with a budget just over its weights); a set value is used as is."""
+    roomy = ChatEngine(fp32_loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32"))
+    tight_budget = int(ModelMemoryFacts.from_loaded(fp32_loaded).weights_bytes * 1.4)
+    tight = ChatEngine(fp32_loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32",
+                                                  VRAM_BUDGET=str(tight_budget)))
+    fixed = ChatEngine(fp32_loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32",
+                                                  VRAM_BUDGET=str(tight_budget), PREFILL_CHUNK_TOKENS="300"))
+    assert roomy.settings.memory.prefill_chunk_tokens is None
+    assert (roomy.prefill_chunk_tokens, tight.prefill_chunk_tokens, fixed.prefill_chunk_tokens) == (2048, 1024, 300)
+    assert [e._plain.prefill_chunk_tokens for e in (roomy, tight, fixed)] == [2048, 1024, 300]
+
+
+def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: LoadedModel,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """ChatEngine._profile_fast_cache, what CUDA start-up runs, with the decoder's worst-reply profile simulated
+    (fixed bytes + the cache's bytes per token, out of memory above budget + 64 MiB): the planned cache that does not
+    fit shrinks until its peak is MEASURED_SAFETY_BYTES under the budget, the memory facts follow and the engine
+    still replies (the re-sized cache's contents are overwritten before they are read)."""
+    engine = ChatEngine(fp32_loaded, _fast_settings())
+    engine.warmup()
+    decoder = engine.fast_decoder
+    planned, per_token = decoder.cache_len, decoder.cache_bytes_per_token
+    budget = engine.memory_budget.budget_bytes
+    fixed = budget - MEASURED_SAFETY_BYTES - per_token * (planned // 3)  # room for about a third of the plan
+
+    def simulated() -> dict[str, int]:
+        peak = fixed + per_token * decoder.cache_len
+        if peak > budget + 64 * 2**20:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return {"peak_reserved_bytes": peak, "peak_allocated_bytes": peak, "tokens": decoder.cache_len}
+
+    monkeypatch.setattr(decoder, "profile_worst_reply", simulated)
+    engine._profile_fast_cache(decoder, lambda _m: None)
+    kept = decoder.cache_len
+    assert kept < planned and fixed + per_token * kept <= budget - MEASURED_SAFETY_BYTES
+    assert kept >= 0.85 * (planned // 3) // 16 * 16
+    assert engine.fast_memory_profile["tokens"] == kept == engine.memory_facts.static_kv_tokens
+    assert engine.context_limit == min(kept, engine.loaded.context_length)
+    done = list(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4)))[-1]
+    assert done.done and done.stats.new_tokens > 0

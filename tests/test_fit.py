@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 from llm_core.fit import estimate_weights_bytes, fit_config, load_config, main
 from llm_core.loading import load_model
 from llm_core.memory.model import GiB, ModelMemoryFacts, max_context_tokens, model_weights_bytes
-from llm_core.memory.plan import resolve_prefill_graph_tokens, static_cache_plan
+from llm_core.memory.plan import resolve_prefill_chunk_tokens, resolve_prefill_graph_tokens, static_cache_plan
 from tests.conftest import MODEL_CACHE, make_settings
 
 LLAMA2_7B = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
@@ -65,9 +65,11 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
     facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4"), "bfloat16")
     fused, budget = replace(facts, fast_prefill=True), card_gib * GiB - 512 * 2**20
     kv_format = "int8" if kv_cache == "quantized" else "bf16"
-    graphs = resolve_prefill_graph_tokens(None, fused, budget, max_new_tokens=256, prefill_chunk_tokens=2048,
+    chunk = resolve_prefill_chunk_tokens(None, fused, budget, max_new_tokens=256, kv_format=kv_format)
+    assert report.prefill_chunk_tokens == chunk in (1024, 2048)
+    graphs = resolve_prefill_graph_tokens(None, fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk,
                                           kv_format=kv_format)  # auto: smaller graphs where memory bounds the cache
-    plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=2048, kv_format=kv_format,
+    plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk, kv_format=kv_format,
                              prefill_graph_tokens=graphs)
     assert report.static_cache_tokens == plan.tokens and report.longest_prompt_tokens == plan.max_prompt_tokens
     assert report.seed_prompt_tokens == max_context_tokens(facts, card_gib * GiB, 256)
@@ -87,12 +89,17 @@ def test_weights_that_do_not_fit_are_said_before_loading() -> None:
 
 
 def test_plain_path_for_quantizations_the_fast_path_does_not_take() -> None:
+    """fp4: plain generate; on 8 GiB memory bounds the context, so auto prefills in 1,024-token chunks there too
+    (a smaller peak: more context than with 2,048, which the same card gives when set)."""
     report = fit_config(LLAMA2_7B, 8 * GiB, quantization="fp4")
     assert report.decode_path == "plain" and "fp4" in report.decode_path_reason
     facts = ModelMemoryFacts.from_config(LLAMA2_7B, estimate_weights_bytes(LLAMA2_7B, "fp4"), "bfloat16",
                                          weight_quantization="fp4")
+    assert report.prefill_chunk_tokens == 1024
     assert report.longest_prompt_tokens == max_context_tokens(facts, 8 * GiB - 512 * 2**20, 256, "dynamic",
-                                                              prefill_chunk_tokens=2048)
+                                                              prefill_chunk_tokens=1024)
+    set_2048 = fit_config(LLAMA2_7B, 8 * GiB, quantization="fp4", prefill_chunk_tokens=2048)
+    assert set_2048.prefill_chunk_tokens == 2048 and set_2048.longest_prompt_tokens < report.longest_prompt_tokens
 
 
 def test_fit_cli_on_the_embedded_models_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,7 +34,7 @@ def engine(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
 
 def budget_for(engine: ChatEngine, prompt_tokens: int, new_tokens: int) -> MemoryBudget:
     pred = predict_peak_bytes(engine.memory_facts, prompt_tokens, new_tokens, "dynamic",
-                              prefill_chunk_tokens=engine.settings.memory.prefill_chunk_tokens)
+                              prefill_chunk_tokens=engine.prefill_chunk_tokens)
     return MemoryBudget(pred.total_bytes, "test")
 
 
@@ -67,7 +67,7 @@ def test_guard_lowers_max_new_tokens_when_dropping_turns_is_not_enough(engine: C
 
     def peak(new: int) -> int:
         return predict_peak_bytes(engine.memory_facts, base, new, "dynamic",
-                                  prefill_chunk_tokens=engine.settings.memory.prefill_chunk_tokens).total_bytes
+                                  prefill_chunk_tokens=engine.prefill_chunk_tokens).total_bytes
 
     budget = engine.memory_budget.budget_bytes
     assert 5 <= allowed < 200 and peak(allowed) <= budget < peak(allowed + 1)  # the most that fits
@@ -104,15 +104,19 @@ def test_quantized_kv_cache_reply_uses_less_cache_memory(engine: ChatEngine) -> 
 def _live_tensor_bytes(exclude: set[int]) -> int:
     """Bytes of every storage a live torch tensor holds, each storage once, leaving out `exclude` (data pointers)."""
     import gc
+    import warnings
 
     seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and not obj.is_meta:
+    with warnings.catch_warnings():  # isinstance() on deprecated module attributes among the objects warns
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        if not obj.is_meta:
             try:
                 storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+                ptr = storage.data_ptr()
+            except (RuntimeError, NotImplementedError):  # fake tensors of torch.compile's caches, other subclasses
                 continue
-            ptr = storage.data_ptr()
             if ptr and ptr not in exclude:
                 seen[ptr] = storage.nbytes()
     return sum(seen.values())

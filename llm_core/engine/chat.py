@@ -254,13 +254,14 @@ class ChatEngine:
         self._stops: dict[str, list[threading.Event]] = {}  # session -> stop events of its running/waiting requests
         self._stops_lock = threading.Lock()
         self.oom_injector = OOMInjector()  # tests arm it to prove OOM recovery; never fires otherwise
-        self.backend: DecodeBackend = self._plain_backend(
-            "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
-        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
         self.memory_facts = ModelMemoryFacts.from_loaded(loaded)
         budget = settings.memory.budget_bytes
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
+        self._prefill_chunk_tokens = self._resolve_prefill_chunk_tokens()  # PREFILL_CHUNK_TOKENS (None = one pass)
+        self.backend: DecodeBackend = self._plain_backend(
+            "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
+        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
         self.scheduler: BatchScheduler | None = None
         self.fast_scheduler: Any = None  # llm_core.fast.batched.FastBatchScheduler when the fast path batches
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
@@ -283,7 +284,7 @@ class ChatEngine:
         return engine
 
     def _plain_backend(self, reason: str) -> PlainBackend:
-        return PlainBackend(self.loaded, reason, self.settings.memory.prefill_chunk_tokens or None,
+        return PlainBackend(self.loaded, reason, self._prefill_chunk_tokens,
                             lambda point: self.oom_injector.check(point))
 
     def _select_backend(self) -> None:
@@ -295,7 +296,7 @@ class ChatEngine:
             from .cpu_backend import cpu_backend
 
             self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(),
-                                       self.settings.memory.prefill_chunk_tokens or None)
+                                       self._prefill_chunk_tokens)
             return
         try:
             from .. import fast
@@ -318,7 +319,7 @@ class ChatEngine:
                       "(no compile, no CUDA graphs)")
         self._prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         options = fast.FastDecodeOptions(prefill_graph_tokens=self._prefill_graph_tokens,
-                                         prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                         prefill_chunk_tokens=self._prefill_chunk_tokens,
                                          kv_cache=self._fast_kv_format)
         plain_facts = self.memory_facts
         try:
@@ -368,13 +369,27 @@ class ChatEngine:
             return self.backend if self._fast_serves(kv_cache) else self._plain
         return self.backend if kv_cache == "dynamic" else self._plain
 
+    def _resolve_prefill_chunk_tokens(self) -> int | None:
+        from ..memory.plan import resolve_prefill_chunk_tokens
+
+        return resolve_prefill_chunk_tokens(
+            self.settings.memory.prefill_chunk_tokens, replace(self.memory_facts, fast_prefill=True),
+            self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
+            kv_format=self._fast_kv_format)
+
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """Long prompts are prefilled in chunks of this many tokens (None: in one pass): PREFILL_CHUNK_TOKENS, or
+        what auto resolved it to for this model, card and KV mode."""
+        return self._prefill_chunk_tokens
+
     def _resolve_prefill_graph_tokens(self) -> int:
         from ..memory.plan import resolve_prefill_graph_tokens
 
         return resolve_prefill_graph_tokens(
             self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None, kv_format=self._fast_kv_format)
+            prefill_chunk_tokens=self._prefill_chunk_tokens, kv_format=self._fast_kv_format)
 
     def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
@@ -385,7 +400,7 @@ class ChatEngine:
         self.memory_facts = replace(self.memory_facts, fast_prefill=True)  # its prefill dequantizes int8 too
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
                                  max_new_tokens=self.settings.generation.max_new_tokens,
-                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 prefill_chunk_tokens=self._prefill_chunk_tokens,
                                  kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
         self._cache_plan = require_cache(plan, self.memory_facts)
@@ -456,7 +471,7 @@ class ChatEngine:
         decoder = fast.decoder
         context = int(self.loaded.context_length)
         per_token = int(decoder.kv_bytes_per_token())
-        chunk = self.settings.memory.prefill_chunk_tokens or None
+        chunk = self._prefill_chunk_tokens
 
         def fits(slots: int, tokens: int) -> bool:
             others = (slots - 1) * tokens * per_token  # the other slots' blocks, resident beside this reply's
@@ -490,9 +505,9 @@ class ChatEngine:
         decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
                                        eos_token_ids=sorted(self.loaded.eos_token_ids))
-        reason = (f"{fast.reason}; batched: MAX_BATCH_SIZE={size}, {slots} KV slots of {slot_tokens:,} tokens "
-                  "(every reply is a row of one decode step)")
-        self.backend = FastBatchedBackend(scheduler, decoder, reason)
+        self._fast_batched_reason = (fast.reason, size)
+        self.backend = FastBatchedBackend(scheduler, decoder, _fast_batched_reason(fast.reason, size, slots,
+                                                                                   slot_tokens))
         self.fast_scheduler = scheduler
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
                                     static_kv_format=self._fast_kv_format,
@@ -543,6 +558,8 @@ class ChatEngine:
                     raise
                 self._fall_back_to_plain(decoder, exc)
                 decoder, measured = None, False
+        if self.fast_scheduler is not None:  # the batched fast path: its slots, sized by measurement on CUDA
+            self._size_fast_slots(say)
         start = getattr(self.backend, "warmup", None)  # the batched fast loop: slots, compile, graphs
         if start is not None:
             start()
@@ -561,6 +578,42 @@ class ChatEngine:
                                      decode_path=self.backend.name, decode_path_reason=self.backend.reason)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _size_fast_slots(self, say: Callable[[str], None]) -> None:
+        """Warm the batched fast path's slots (compile, graphs) before its loop starts; on CUDA then size them by
+        measurement as the single-reply cache is (issue 17, built on for issue 16): SlotDecoder.profile_worst_reply
+        runs one slot's last prefill chunk at the end of a full slot and a step with every slot decoding, and
+        size_cache_by_measurement re-sizes the slot length until that peak fits the budget. The slot count stays;
+        when not even MIN_FAST_CACHE_TOKENS per slot fit, ContextBudgetError says to lower MAX_BATCH_SIZE."""
+        slots = self.fast_scheduler.decoder
+        if slots.k is None:
+            slots.warmup()
+        if self.loaded.device.type == "cuda":
+            self._measure_fast_slots(say)
+
+    def _measure_fast_slots(self, say: Callable[[str], None]) -> None:
+        scheduler = self.fast_scheduler
+        slots = scheduler.decoder
+
+        def resize(tokens: int) -> None:
+            say(f"Sizing the {slots.slots} KV slots from measured memory: {slots.slot_tokens:,} -> {tokens:,} "
+                "tokens each…")
+            scheduler.resize_slots(tokens)
+
+        try:
+            self._fast_profile = self._size_by_measurement(
+                lambda: int(slots.slot_tokens), resize, lambda: slots.profile_worst_reply(self._prefill_chunk_tokens),
+                slots.slots * slots.kv_bytes_per_token())
+        except ContextBudgetError as exc:
+            raise ContextBudgetError(f"{exc} With MAX_BATCH_SIZE={slots.slots} the batch's KV slots share it: lower "
+                                     "MAX_BATCH_SIZE.") from None
+        slots.fast.max_cache_len = slots.slot_tokens  # the context one reply may span (FastBatchedBackend.decoder)
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots.slots * slots.slot_tokens)
+        base, size = self._fast_batched_reason
+        self.backend.reason = _fast_batched_reason(base, size, slots.slots, slots.slot_tokens, measured=True)
+        log.info("batched fast path: %d KV slots of %d tokens; worst step's peak reserved %s of %s", slots.slots,
+                 slots.slot_tokens, human_bytes(self._fast_profile["peak_reserved_bytes"]),
+                 human_bytes(self.memory_budget.budget_bytes))
 
     def _fall_back_to_plain(self, decoder: Any, exc: Exception) -> None:
         """Start-up never fails for a model whose weights fit: when the fast path's cache cannot fit beside them
@@ -599,33 +652,43 @@ class ChatEngine:
         """CUDA: size the fast path's static cache by measurement, not prediction (issue 17; vLLM sizes its KV cache
         the same way): llm_core.memory.plan.size_cache_by_measurement over the decoder's worst-reply profile. The
         final cache is the per-reply bound: a reply whose prompt + new tokens fit the cache fits the card."""
+        def resize(tokens: int) -> None:
+            say(f"Sizing the KV cache from measured memory: {decoder.cache_len:,} -> {tokens:,} tokens…")
+            decoder.max_cache_len = tokens
+            decoder.resize_cache(tokens)
+
+        self._fast_profile = self._size_by_measurement(lambda: int(decoder.cache_len), resize,
+                                                       decoder.profile_worst_reply, decoder.cache_bytes_per_token)
+        self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
+        log.info("fast path KV cache: %d tokens; worst reply's peak reserved %s of %s", decoder.cache_len,
+                 human_bytes(self._fast_profile["peak_reserved_bytes"]), human_bytes(self.memory_budget.budget_bytes))
+
+    def _size_by_measurement(self, current: Callable[[], int], resize: Callable[[int], None],
+                             profile: Callable[[], dict[str, int]], bytes_per_token: int) -> dict[str, int]:
+        """llm_core.memory.plan.size_cache_by_measurement over `profile` (the worst moment at the current size; a
+        CUDA OOM there counts as over), re-sizing with `resize`; leaves the size it keeps in place and returns its
+        profile."""
         from ..memory.plan import size_cache_by_measurement
 
         profiles: dict[int, dict[str, int]] = {}
 
         def measure(tokens: int) -> int | None:
-            if tokens != decoder.cache_len:
-                say(f"Sizing the KV cache from measured memory: {decoder.cache_len:,} -> {tokens:,} tokens…")
-                log.info("fast path KV cache re-sized from measurement: %d -> %d tokens", decoder.cache_len, tokens)
-                decoder.max_cache_len = tokens
-                decoder.resize_cache(tokens)
+            if tokens != current():
+                log.info("KV cache re-sized from measurement: %d -> %d tokens", current(), tokens)
+                resize(tokens)
             try:
-                profiles[tokens] = decoder.profile_worst_reply()
+                profiles[tokens] = profile()
             except torch.cuda.OutOfMemoryError as exc:
                 traceback.clear_frames(exc.__traceback__)
                 free_memory(self.loaded.device)
                 return None
             return profiles[tokens]["peak_reserved_bytes"]
 
-        budget = self.memory_budget.budget_bytes
-        tokens = size_cache_by_measurement(measure, decoder.cache_len, decoder.cache_bytes_per_token, budget,
+        tokens = size_cache_by_measurement(measure, current(), bytes_per_token, self.memory_budget.budget_bytes,
                                            int(self.loaded.context_length))
-        if tokens != decoder.cache_len:  # the last size measured was not the one kept
+        if tokens != current():  # the last size measured was not the one kept
             measure(tokens)
-        self._fast_profile = profiles[tokens]
-        self.memory_facts = replace(self.memory_facts, static_kv_tokens=decoder.cache_len)
-        log.info("fast path KV cache: %d tokens; worst reply's peak reserved %s of %s", decoder.cache_len,
-                 human_bytes(self._fast_profile["peak_reserved_bytes"]), human_bytes(budget))
+        return profiles[tokens]
 
     def _measure_fast_resident(self, decoder: Any) -> None:
         """What the fast path holds beyond weights and cache, after giving back every cached block the allocator
@@ -656,7 +719,7 @@ class ChatEngine:
         from ..memory.plan import static_cache_plan
 
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
-                                 prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens or None,
+                                 prefill_chunk_tokens=self._prefill_chunk_tokens,
                                  kv_format=self._fast_kv_format,
                                  resident_extra_bytes=self.memory_facts.resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
@@ -745,7 +808,7 @@ class ChatEngine:
                              budget_tokens=budget_tokens, count_tokens=count)
         # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.
         self.oom_injector.check("plan")
-        chunk = self.settings.memory.prefill_chunk_tokens or None
+        chunk = self._prefill_chunk_tokens
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
         plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
@@ -966,6 +1029,12 @@ class ChatEngine:
                 "lower max new tokens or the history length and try again."
             )
         return GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _fast_batched_reason(base: str, size: int, slots: int, slot_tokens: int, *, measured: bool = False) -> str:
+    sized = ", sized by measurement" if measured else ""
+    return (f"{base}; batched: MAX_BATCH_SIZE={size}, {slots} KV slots of {slot_tokens:,} tokens{sized} (every "
+            "reply is a row of one decode step)")
 
 
 def _cached_free_bytes(device: torch.device) -> int:

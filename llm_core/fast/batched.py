@@ -228,6 +228,49 @@ class SlotDecoder:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
 
+    def resize(self, slot_tokens: int) -> None:
+        """Re-allocate every slot for `slot_tokens` (rounded up to 16) and recapture the step's graphs; the compiled
+        functions stay (no compile). Before the scheduler's loop runs (start-up sizing)."""
+        self.slot_tokens = round_up(max(int(slot_tokens), 16), 16)
+        self._graphs.clear()
+        self._pool = None
+        self.k = self.v = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        with torch.inference_mode(False), torch.no_grad():
+            self.allocate()
+            if self.use_graphs:
+                self._capture()
+            self.release_all()
+
+    def profile_worst_reply(self, chunk: int | None) -> dict[str, int]:
+        """Run the most memory the batched path can take with these slots and measure it (issue 17's start-up profile,
+        for the batch): one slot's last prefill chunk (`chunk` tokens, or the whole slot) at the end of a full slot,
+        attending to every row before it, and its head; then a step with every slot decoding at its last row, from
+        the top bucket's graph. Returns the peak bytes reserved and allocated (CUDA; 0 elsewhere, where the same pass
+        runs unmeasured). The slots are released after it; the garbage it leaves in them every reply overwrites
+        before reading."""
+        end = self.slot_tokens - 2  # the last row a reply writes (scratch_position is the one after it)
+        n = max(1, min(chunk or end, end))
+        ids = (torch.arange(n, device=self.device) * 7 + 3) % self.fast._arch.vocab
+        cuda = self.device.type == "cuda"
+        with torch.inference_mode(False), torch.no_grad():
+            if cuda:
+                self.sync()
+                torch.cuda.reset_peak_memory_stats(self.device)
+            hn = self.prefill(0, ids, end - n)
+            self.first_scores(0, hn)
+            del hn
+            self.active.fill_(1)
+            self.pos.fill_(end)
+            self.run_step(max(self.buckets()), end + 1)
+            self.sync()
+            peak = {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)) if cuda else 0,
+                    "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)) if cuda else 0,
+                    "tokens": self.slot_tokens, "slots": self.slots}
+            self.release_all()
+        return peak
+
     # --- warm-up ---------------------------------------------------------------------------------------------------
     def warmup(self) -> float:
         """Allocate the slots; on CUDA check the rows kernels against their references, compile the step and capture
@@ -575,6 +618,14 @@ class FastBatchScheduler(TokenStreams):
                 self._thread = thread
             thread.start()
             _RUNNING.add(self)
+
+    def resize_slots(self, slot_tokens: int) -> None:
+        """SlotDecoder.resize before the loop runs (the engine sizes the slots by measurement at start-up)."""
+        with self._start_lock:
+            if self._thread is not None:
+                raise GenerationError("The batched decode loop is running: its KV slots are sized before it starts.")
+            self.decoder.resize(slot_tokens)
+            self.stats = BatchStats(slots=self.decoder.slots, slot_tokens=self.decoder.slot_tokens)
 
     def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                stop_event: threading.Event, record: Any = None) -> FastRequest:
