@@ -216,6 +216,33 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
         engine._measure_fast_slots(lambda _m: None)
 
 
+def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp32_engine: ChatEngine,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs captured at the old slot length but not at the new one (the capture ran out of memory, which the
+    capture itself only notes): SlotDecoder.resize raises OutOfMemoryError, so the sizing shrinks instead of keeping
+    slots whose steps would run without graphs, and the notes do not claim the graphs are off."""
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    slots = engine.fast_scheduler.decoder
+
+    def capture() -> None:  # stands in for the CUDA capture: fits up to 512-token slots
+        if slots.slot_tokens <= 512:
+            slots._graphs[1] = object()
+        else:
+            slots.notes.append("batched CUDA graphs off (OutOfMemoryError)")
+
+    monkeypatch.setattr(slots, "_capture", capture)
+    slots.use_graphs = True
+    slots.resize(512)
+    assert slots._graphs and slots.slot_tokens == 512
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        slots.resize(1024)
+    assert not any("graphs off" in n for n in slots.notes)
+    slots.resize(256)
+    assert slots._graphs and slots.slot_tokens == 256 and slots.k is not None and slots.k.shape[2] == 256
+    slots._graphs.clear()
+    slots.use_graphs = False
+
+
 def test_batch_buckets_cover_every_row_count() -> None:
     assert [batch_bucket(r, 32) for r in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
     assert batch_bucket(3, 3) == 3 and BATCH_BUCKETS[-1] == 32

@@ -642,3 +642,40 @@ def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: Loa
     assert engine.context_limit == min(kept, engine.loaded.context_length)
     done = list(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4)))[-1]
     assert done.done and done.stats.new_tokens > 0
+
+
+def test_a_re_size_that_runs_out_of_memory_counts_as_not_fitting(fp32_loaded: LoadedModel,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sizing's grow step can itself run out of memory (allocating the larger cache, or capturing its graphs):
+    that size counts as not fitting, the last size that fitted is allocated again and kept, and replies work."""
+    engine = ChatEngine(fp32_loaded, _fast_settings())
+    engine.warmup()
+    decoder = engine.fast_decoder
+    per_token = decoder.cache_bytes_per_token
+    budget = engine.memory_budget.budget_bytes
+    start = 1024
+    decoder.max_cache_len = start
+    decoder.resize_cache(start)
+    fixed = budget - MEASURED_SAFETY_BYTES - per_token * 4 * start  # the profile says 4x the cache would fit
+    real_resize = decoder.resize_cache
+    sizes: list[int] = []
+
+    def resize(tokens: int) -> None:
+        sizes.append(tokens)
+        if tokens > 1.5 * start:  # the allocator disagrees with the profile's headroom
+            decoder._k = decoder._v = None
+            raise torch.cuda.OutOfMemoryError("simulated")
+        real_resize(tokens)
+
+    def simulated() -> dict[str, int]:
+        peak = fixed + per_token * decoder.cache_len
+        return {"peak_reserved_bytes": peak, "peak_allocated_bytes": peak, "tokens": decoder.cache_len}
+
+    monkeypatch.setattr(decoder, "resize_cache", resize)
+    monkeypatch.setattr(decoder, "profile_worst_reply", simulated)
+    engine._profile_fast_cache(decoder, lambda _m: None)
+    # grew, ran out of memory, halved, ran out again, and allocated the size that fitted again
+    assert sizes[0] > 2 * start and sizes[1] == sizes[0] // 2 // 16 * 16 > 1.5 * start and sizes[2:] == [start]
+    assert decoder.cache_len == start and engine.memory_facts.static_kv_tokens == start
+    done = list(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4)))[-1]
+    assert done.done and done.stats.new_tokens > 0

@@ -671,12 +671,16 @@ class ChatEngine:
         from ..memory.plan import size_cache_by_measurement
 
         profiles: dict[int, dict[str, int]] = {}
+        allocated = True  # False after a re-size that ran out of memory part-way: the next size is allocated anew
 
         def measure(tokens: int) -> int | None:
-            if tokens != current():
-                log.info("KV cache re-sized from measurement: %d -> %d tokens", current(), tokens)
-                resize(tokens)
+            nonlocal allocated
             try:
+                if tokens != current() or not allocated:
+                    log.info("KV cache re-sized from measurement: %d -> %d tokens", current(), tokens)
+                    allocated = False
+                    resize(tokens)  # may itself run out of memory (the cache, or capturing its graphs)
+                    allocated = True
                 profiles[tokens] = profile()
             except torch.cuda.OutOfMemoryError as exc:
                 traceback.clear_frames(exc.__traceback__)
@@ -686,8 +690,10 @@ class ChatEngine:
 
         tokens = size_cache_by_measurement(measure, current(), bytes_per_token, self.memory_budget.budget_bytes,
                                            int(self.loaded.context_length))
-        if tokens != current():  # the last size measured was not the one kept
-            measure(tokens)
+        if tokens != current() or not allocated:  # the last size measured was not the one kept
+            if measure(tokens) is None:
+                raise ContextBudgetError(f"The KV cache of {tokens:,} tokens that fitted at start-up did not fit when "
+                                         f"allocated again. {FAST_CACHE_ADVICE}")
         return profiles[tokens]
 
     def _measure_fast_resident(self, decoder: Any) -> None:

@@ -230,8 +230,11 @@ class SlotDecoder:
 
     def resize(self, slot_tokens: int) -> None:
         """Re-allocate every slot for `slot_tokens` (rounded up to 16) and recapture the step's graphs; the compiled
-        functions stay (no compile). Before the scheduler's loop runs (start-up sizing)."""
+        functions stay (no compile). Before the scheduler's loop runs (start-up sizing). A capture that worked at the
+        old size and fails at the new one raises torch.cuda.OutOfMemoryError: the sizing then shrinks the slots
+        instead of keeping a size whose steps would run without graphs."""
         self.slot_tokens = round_up(max(int(slot_tokens), 16), 16)
+        had_graphs, notes = bool(self._graphs), len(self.notes)
         self._graphs.clear()
         self._pool = None
         self.k = self.v = None
@@ -242,6 +245,10 @@ class SlotDecoder:
             if self.use_graphs:
                 self._capture()
             self.release_all()
+        if had_graphs and not self._graphs:  # captured before, not at this size: it does not fit (not "graphs off")
+            del self.notes[notes:]
+            raise torch.cuda.OutOfMemoryError(
+                f"The batched step's CUDA graphs could not be captured with {self.slot_tokens:,}-token slots.")
 
     def profile_worst_reply(self, chunk: int | None) -> dict[str, int]:
         """Run the most memory the batched path can take with these slots and measure it (issue 17's start-up profile,
