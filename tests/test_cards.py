@@ -660,12 +660,12 @@ def test_a_re_size_that_runs_out_of_memory_counts_as_not_fitting(fp32_loaded: Lo
     real_resize = decoder.resize_cache
     sizes: list[int] = []
 
-    def resize(tokens: int) -> None:
+    def resize(tokens: int, *, strict: bool = False) -> None:
         sizes.append(tokens)
         if tokens > 1.5 * start:  # the allocator disagrees with the profile's headroom
             decoder._k = decoder._v = None
             raise torch.cuda.OutOfMemoryError("simulated")
-        real_resize(tokens)
+        real_resize(tokens, strict=strict)
 
     def simulated() -> dict[str, int]:
         peak = fixed + per_token * decoder.cache_len
@@ -679,3 +679,33 @@ def test_a_re_size_that_runs_out_of_memory_counts_as_not_fitting(fp32_loaded: Lo
     assert decoder.cache_len == start and engine.memory_facts.static_kv_tokens == start
     done = list(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4)))[-1]
     assert done.done and done.stats.new_tokens > 0
+
+
+def test_a_strict_re_size_whose_prefill_graphs_run_out_of_memory_raises(fp32_loaded: LoadedModel,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """FastDecoder.resize_cache(strict=True), what the start-up sizing calls: prefill graphs captured before that run
+    out of memory beside the new cache raise OutOfMemoryError (the size does not fit) and leave no "graphs off" note;
+    without strict the cache is kept and the note says the graphs are off, as before."""
+    decoder = FastDecoder(fp32_loaded, compile=False, max_cache_len=2048, options=FastDecodeOptions(
+        prefill_graph_tokens=128))
+    decoder.warmup(512)
+
+    def capture_prefill() -> None:  # stands in for the CUDA capture: fits beside caches up to 1,024 tokens
+        if decoder.cache_len > 1024:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        decoder._pf_graphs[64] = object()
+
+    monkeypatch.setattr(decoder, "use_graphs", True)
+    monkeypatch.setattr(decoder, "_capture_all", lambda: None)
+    monkeypatch.setattr(decoder, "_capture_prefill", capture_prefill)
+    monkeypatch.setattr(decoder, "sync", lambda: None)
+    decoder.resize_cache(1024, strict=True)
+    assert decoder._pf_graphs and decoder.cache_len == 1024
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        decoder.resize_cache(2048, strict=True)
+    assert not any("prefill graphs off" in n for n in decoder.notes)
+    decoder.resize_cache(1024, strict=True)
+    decoder.resize_cache(2048)
+    assert decoder.cache_len == 2048 and not decoder._pf_graphs
+    assert any("prefill graphs off (OutOfMemoryError)" in n for n in decoder.notes)
+    decoder._pf_graphs.clear()

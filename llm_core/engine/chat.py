@@ -655,7 +655,7 @@ class ChatEngine:
         def resize(tokens: int) -> None:
             say(f"Sizing the KV cache from measured memory: {decoder.cache_len:,} -> {tokens:,} tokens…")
             decoder.max_cache_len = tokens
-            decoder.resize_cache(tokens)
+            decoder.resize_cache(tokens, strict=True)
 
         self._fast_profile = self._size_by_measurement(lambda: int(decoder.cache_len), resize,
                                                        decoder.profile_worst_reply, decoder.cache_bytes_per_token)

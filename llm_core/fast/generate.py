@@ -323,13 +323,20 @@ class FastDecoder:
                    if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools)
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
-    def resize_cache(self, tokens: int) -> None:
-        """Allocate the static cache for `tokens` (rounded up to 16) and capture its buckets; frees the old one."""
+    def resize_cache(self, tokens: int, *, strict: bool = False) -> None:
+        """Allocate the static cache for `tokens` (rounded up to 16) and capture its buckets; frees the old one.
+        `strict` (start-up sizing): prefill graphs that were captured before and now (all or some) run out of memory
+        raise torch.cuda.OutOfMemoryError, so the size counts as not fitting instead of being kept without them."""
         tokens = round_up(max(int(tokens), 1), 16)
         if tokens > self.max_cache_len:
             raise GenerationError(f"{tokens:,} tokens exceed the fast path's cache limit ({self.max_cache_len:,}).")
+        had_prefill_graphs, notes = bool(self._pf_graphs), len(self.notes)
         with self._lock, torch.no_grad():
             self._allocate(tokens)
+        if strict and had_prefill_graphs and any("OutOfMemoryError" in n for n in self.notes[notes:]):
+            del self.notes[notes:]
+            raise torch.cuda.OutOfMemoryError(
+                f"The prefill's CUDA graphs could not be captured beside a {tokens:,}-token KV cache.")
 
     def _allocate(self, tokens: int) -> None:
         self._graphs.clear()
