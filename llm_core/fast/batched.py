@@ -383,7 +383,7 @@ class SlotDecoder:
 
     def _capture(self) -> None:
         self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(self.device)
+        side = self.fast.side_stream  # one warm-up stream per decoder (FastDecoder.side_stream says why)
         side.wait_stream(torch.cuda.current_stream(self.device))
         try:
             with torch.cuda.stream(side):
