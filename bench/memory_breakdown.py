@@ -45,9 +45,11 @@ def owner_of(frames: Iterable[dict[str, Any]]) -> str:
 
 def summarize_snapshot(snapshot: dict[str, Any], *, top: int = 20) -> dict[str, Any]:
     """Segments by kind (graph pool or default pool, expandable or not, stream) with their reserved, allocated and
-    free bytes and the largest free block; allocated blocks grouped by owner_of(frames), the largest `top`."""
+    free bytes and the largest free block; allocated blocks grouped by owner_of(frames), the largest `top`; and
+    allocated block sizes that occur more than once per stream, by bytes held."""
     kinds: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     owners: dict[str, int] = defaultdict(int)
+    sizes: dict[tuple[int, int], int] = defaultdict(int)  # (block size, stream) -> allocated blocks of that size
     for seg in snapshot.get("segments", []):
         pool = tuple(seg.get("segment_pool_id") or (0, 0))
         kind = (f"{'graph pool' if pool != (0, 0) else 'default'}"
@@ -60,6 +62,7 @@ def summarize_snapshot(snapshot: dict[str, Any], *, top: int = 20) -> dict[str, 
             size = int(block.get("size", 0))
             if block.get("state") == "active_allocated":
                 owners[owner_of(block.get("frames", []))] += size
+                sizes[(size, int(seg.get("stream", 0)))] += 1
             elif block.get("state") == "inactive":
                 k["largest_free_block"] = max(k["largest_free_block"], size)
     for k in kinds.values():
@@ -69,7 +72,10 @@ def summarize_snapshot(snapshot: dict[str, Any], *, top: int = 20) -> dict[str, 
             "reserved": sum(v["reserved"] for v in kinds.values()),
             "allocated": sum(v["allocated"] for v in kinds.values()),
             "allocated_by_owner": dict(ranked[:top]),
-            "allocated_by_other_owners": sum(size for _, size in ranked[top:])}
+            "allocated_by_other_owners": sum(size for _, size in ranked[top:]),
+            # the block sizes that recur most (a cuBLAS workspace per thread and stream is one 32 MiB block on Hopper)
+            "repeated_block_sizes": [{"bytes": size, "stream": stream, "count": n} for (size, stream), n in
+                                     sorted(sizes.items(), key=lambda kv: -kv[0][0] * kv[1])[:top] if n > 1]}
 
 
 def main(argv: list[str] | None = None) -> int:

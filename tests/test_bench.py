@@ -72,3 +72,6 @@ def test_memory_breakdown_sums_segments_by_kind_and_allocations_by_owner() -> No
     assert (out["reserved"], out["allocated"]) == (214, 114)
     assert out["allocated_by_owner"] == {"llm_core/fast/generate.py:370 f": 70,
                                          "bitsandbytes/functional.py:7 f": 40, "(no python frame recorded)": 4}
+    assert out["repeated_block_sizes"] == []  # no size occurs twice on one stream here
+    snapshot["segments"][1]["blocks"].append(block(40, "active_allocated"))
+    assert summarize_snapshot(snapshot)["repeated_block_sizes"] == [{"bytes": 40, "stream": 0, "count": 2}]
