@@ -105,6 +105,7 @@ class Bench:
                      weights_bytes=engine.report.weights_bytes,
                      slots=slots.slots if slots else None, slot_tokens=slots.slot_tokens if slots else None,
                      slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
+                     rows_max=slots.rows_max if slots else None,
                      graphs=sorted(slots._graphs) if slots else None, compiled=slots.compiled if slots else None)
         return engine
 

@@ -20,6 +20,8 @@ from llm_core.fast.batched import (
     SlotDecoder,
     attention_rows,
     batch_bucket,
+    layer_rows,
+    pick_rows_max,
 )
 from llm_core.sampling import SamplingOptions
 from tests.conftest import drain, make_settings, run_threads
@@ -243,6 +245,53 @@ def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp
     slots.use_graphs = False
 
 
+def test_the_rows_kernel_serves_the_batch_sizes_below_the_first_where_dequantize_and_matmul_is_as_fast() -> None:
+    """The start-up pick from timings {rows: (kernel µs, dequantize + matmul µs)}: the kernel up to the last size
+    before the first it does not win (even if it wins again above), none if it loses at 2 rows."""
+    assert pick_rows_max({2: (50, 400), 4: (60, 410), 8: (120, 420), 16: (500, 430), 32: (300, 440)}) == 8
+    assert pick_rows_max({2: (50, 400), 4: (60, 410), 8: (120, 420), 16: (200, 430), 32: (400, 440)}) == 32
+    assert pick_rows_max({2: (450, 400), 4: (60, 410)}) == 0
+    assert pick_rows_max({}) == 0
+
+
+def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a_time(
+        nf4_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batches above rows_max (or with the kernel off) take dequantize + matmul; for the fused q/k/v and gate/up of
+    NF4 weights it runs per part (llm_core.fast.layer.linear_prefill_parts: the weight temporary is one part's),
+    with the same outputs as one matmul over the fused weight."""
+    import llm_core.fast.batched as batched
+    from llm_core.fast import layer as fast_layer
+
+    engine = ChatEngine(nf4_engine.loaded, make_settings(DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    slots = engine.fast_scheduler.decoder
+    try:
+        slots.allocate()
+        f = slots.fast
+        spec, w = f._layer_specs[0], f._layer_weights[0]
+        assert spec.fused
+        calls: list[int] = []
+        real_parts = fast_layer.linear_prefill_parts
+
+        def counting(s: Any, x: torch.Tensor, ts: Any) -> Any:
+            calls.append(len(s.splits))
+            return real_parts(s, x, ts)
+
+        monkeypatch.setattr(batched, "linear_prefill_parts", counting)
+        g = torch.Generator().manual_seed(0)
+        h = torch.randn(2, spec.n_heads * spec.head_dim, generator=g).to(f.dtype)
+        cos, sin = f._arch.rotary(h[:, None], torch.tensor([[3], [5]]))
+        pos, last = torch.tensor([3, 5]), torch.tensor([3, 5])
+        kc, vc = slots.k[0, :2], slots.v[0, :2]
+        out = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)
+        assert sorted(calls) == [2, 3]  # gate/up and q/k/v, each per part
+        monkeypatch.setattr(batched, "linear_prefill_parts",
+                            lambda s, x, ts: fast_layer.linear_prefill(s, x, ts).split(list(s.splits), dim=-1))
+        fused = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)
+        assert all(torch.equal(a, b) for a, b in zip(out, fused, strict=True))  # the same rows, the same sums
+    finally:
+        engine.fast_scheduler.close()
+
+
 def test_batch_buckets_cover_every_row_count() -> None:
     assert [batch_bucket(r, 32) for r in (1, 2, 3, 5, 8, 9, 17, 32)] == [1, 2, 4, 8, 8, 16, 32, 32]
     assert batch_bucket(3, 3) == 3 and BATCH_BUCKETS[-1] == 32
@@ -323,7 +372,11 @@ def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path
                                            MAX_BATCH_SIZE="4", QUANTIZATION=quantization))
     slots = engine.fast_scheduler.decoder
     assert slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
-    assert slots.rows_kernel == (quantization == "nf4"), slots.notes
+    if quantization == "nf4":  # checked, then timed against dequantize + matmul at each bucket: it serves some or none
+        note = next(n for n in slots.notes if n.startswith("NF4 rows kernel"))
+        assert slots.rows_max in (0, 2, 4) and "kernel vs dequantize + matmul: 2 rows" in note, slots.notes
+    else:
+        assert not slots.rows_kernel, slots.notes
     gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)
     alone = [drain(engine.stream_chat(p, [], gen=gen, system_prompt=SYSTEM)) for p in PROMPTS[:4]]
     together = staggered(engine, PROMPTS[:4], [16] * 4, 0.0, min_new_tokens=16, repetition_penalty=1.0)

@@ -61,10 +61,12 @@ from .layer import (
     embed_prologue,
     linear_decode,
     linear_prefill,
+    linear_prefill_parts,
     rms_norm,
     rotate_half,
 )
 from .pack import LinSpec, bias_of
+from .timing import time_in_cuda_graph
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +86,26 @@ def batch_bucket(rows: int, slots: int) -> int:
 # --- the step, for B rows ------------------------------------------------------------------------------------------
 
 
-def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_kernel: bool = False
-                ) -> torch.Tensor:
-    """x (B, K) -> (B, N): the single-reply kernel for one row; for more, llm_core.nf4_rows (NF4, when
-    `rows_kernel`), cuBLAS (dense), or dequantize + matmul (NF4, int8: correct on every device)."""
+def pick_rows_max(timings: dict[int, tuple[float, float]]) -> int:
+    """From {batch rows: (rows kernel µs, dequantize + matmul µs)}: the largest batch size up to which the rows kernel
+    is faster at every timed size, i.e. the sizes below the first (ascending) where dequantize + matmul is at least
+    as fast; 0 when it is not faster at the smallest."""
+    best = 0
+    for rows, (kernel, dequant) in sorted(timings.items()):
+        if kernel >= dequant:
+            break
+        best = rows
+    return best
+
+
+def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: int = 0) -> torch.Tensor:
+    """x (B, K) -> (B, N): the single-reply kernel for one row; for more, llm_core.nf4_rows (NF4, B <= `rows_max`),
+    cuBLAS (dense), or dequantize + matmul (NF4, int8: correct on every device)."""
     if x.shape[0] == 1:
         return linear_decode(spec, x, ts)
     if spec.fmt == "dense":
         return F.linear(x, ts[0], bias_of(spec, ts))
-    if spec.fmt == "nf4" and rows_kernel and x.shape[0] <= ROWS_MAX:
+    if spec.fmt == "nf4" and x.shape[0] <= min(rows_max, ROWS_MAX):
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_rows(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
                                                spec.blocksize, False, list(spec.levels))
@@ -123,7 +136,7 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               w: Sequence[torch.Tensor], rows_kernel: bool = False, span: int | None = None
+               w: Sequence[torch.Tensor], rows_max: int = 0, span: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.layer_decode for B rows, one token each: h, hn (B, H); cos/sin (B, D); pos (B,) int64
     where row b's K/V is written; last (B,) the last cache row it attends to (= pos for a live row; 0 for an idle
@@ -134,9 +147,14 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
     rest = lins[-1]
 
     def linear(s: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-        return linear_rows(s, x, ts, rows_kernel)
+        return linear_rows(s, x, ts, rows_max)
 
-    q, k, v, used = _project_qkv(spec, hn, lins, linear)
+    def parts(s: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if rows > 1 and s.fmt != "dense" and not (s.fmt == "nf4" and rows <= min(rows_max, ROWS_MAX)):
+            return linear_prefill_parts(s, x, ts)  # dequantize + matmul, one fused part's weight at a time
+        return linear(s, x, ts).split(list(s.splits), dim=-1)
+
+    q, k, v, used = _project_qkv(spec, hn, lins, linear, parts)
     q = q.reshape(rows, spec.n_heads, spec.head_dim)
     k = k.reshape(rows, spec.n_kv_heads, spec.head_dim)
     v = v.reshape(rows, spec.n_kv_heads, spec.head_dim)
@@ -152,16 +170,16 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
         k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
     attn = attention_rows(spec, q, k_cache, v_cache, last)
     h = h + linear(spec.linears[used], attn, lins[used])
-    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear)
+    h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear, parts)
     return h, rms_norm(h, rest[1], spec.eps_next)
 
 
 def head_rows(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen: torch.Tensor,
-              penalty: torch.Tensor, eos_bias: torch.Tensor, rows_kernel: bool = False
+              penalty: torch.Tensor, eos_bias: torch.Tensor, rows_max: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.head_logits per row: hn (B, H), seen (B, V) bool, penalty (B, 1), eos_bias (B, V) ->
     scores (B, V) fp32 and the greedy tokens (B,)."""
-    logits = linear_rows(spec.lm, hn, lm, rows_kernel).float()
+    logits = linear_rows(spec.lm, hn, lm, rows_max).float()
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     scores = torch.where(seen, penalized, logits) + eos_bias
     return scores, scores.argmax(-1)
@@ -185,7 +203,9 @@ class SlotDecoder:
         self.slot_tokens = round_up(max(int(slot_tokens), 16), 16)
         self.compile = decoder.compile
         self.use_graphs = decoder.use_graphs
-        self.rows_kernel = False  # llm_core.nf4_rows: switched on at warm-up once it matches the reference
+        # llm_core.nf4_rows serves batches of 2..rows_max rows (0: none): set at warm-up where it matches
+        # dequantize + matmul and is the faster of the two (_pick_rows_kernel)
+        self.rows_max = 0
         self.notes: list[str] = []
         a = decoder._arch
         vocab, dev, n = a.vocab, self.device, self.slots
@@ -286,7 +306,7 @@ class SlotDecoder:
         with torch.inference_mode(False), torch.no_grad():
             self.allocate()
             if self.device.type == "cuda":
-                self._check_rows_kernel()
+                self._pick_rows_kernel()
                 if self.compile:
                     self._warm_prefill()
                     self._compile_step()
@@ -296,9 +316,18 @@ class SlotDecoder:
         self.warmup_s = round(time.perf_counter() - t0, 3)
         return self.warmup_s
 
-    def _check_rows_kernel(self) -> None:
-        """Switch llm_core.nf4_rows on if the NF4 weights are bf16-computed and it matches dequantize + matmul on the
-        first layer's linears (relative error < 2%, the bf16 rounding of the products) for a batch of 8."""
+    @property
+    def rows_kernel(self) -> bool:
+        """Whether llm_core.nf4_rows serves any batch size (bench records and tests read this)."""
+        return self.rows_max > 0
+
+    def _pick_rows_kernel(self) -> None:
+        """llm_core.nf4_rows for the batch sizes where it is right and faster: checked against dequantize + matmul
+        on the first layer's NF4 linears for a batch of 8 (relative error < 2%, the bf16 rounding of the products),
+        then both forms timed there, inside a CUDA graph, at every batch bucket above 1; the kernel serves batches
+        up to the largest bucket below the first where dequantize + matmul is as fast (pick_rows_max). Issue 16's
+        step profile had the kernel at ~0.45 ms per layer for 8 rows, likely slower than dequantize + cuBLAS, which
+        the warm-up had checked for accuracy only."""
         spec = self.fast._layer_specs[0]
         nf4 = [i for i, s in enumerate(spec.linears) if s.fmt == "nf4" and s.levels]
         if not nf4 or self.fast.dtype != torch.bfloat16:
@@ -313,18 +342,35 @@ class SlotDecoder:
             for i in nf4:
                 s = spec.linears[i]
                 x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
-                got = linear_rows(s, x, lins[i], rows_kernel=True).float()
+                got = linear_rows(s, x, lins[i], rows_max=ROWS_MAX).float()
                 ref = linear_prefill(s, x, lins[i]).float()
                 worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
-            if worst < 0.02:
-                self.rows_kernel = True
-                self._make_functions(compiled=False)
-                self.notes.append(f"NF4 rows kernel on (relative error {worst:.4f} vs dequantize + matmul)")
-            else:
+            if worst >= 0.02:
                 self.notes.append(f"NF4 rows kernel off: relative error {worst:.3f} vs dequantize + matmul")
+                return
         except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
             log.warning("NF4 rows kernel unavailable: %s: %s", type(exc).__name__, exc)
             self.notes.append(f"NF4 rows kernel off ({type(exc).__name__}: {str(exc)[:120]})")
+            return
+        timings: dict[int, tuple[float, float]] = {}
+        try:
+            for m in (b for b in self.buckets() if b > 1):
+                xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
+
+                def run(rows_max: int, xs: dict[int, torch.Tensor] = xs) -> None:
+                    for i in nf4:
+                        linear_rows(spec.linears[i], xs[i], lins[i], rows_max)
+
+                timings[m] = (time_in_cuda_graph(lambda: run(ROWS_MAX), self.device, replays=5, warmups=2),
+                              time_in_cuda_graph(lambda: run(0), self.device, replays=5, warmups=2))
+            self.rows_max = pick_rows_max(timings)
+        except Exception as exc:  # noqa: BLE001 - untimed, the checked kernel serves every batch as before
+            log.warning("NF4 rows kernel not timed: %s: %s", type(exc).__name__, exc)
+            self.rows_max = ROWS_MAX
+        shown = ", ".join(f"{m} rows {k:.0f} vs {d:.0f} µs" for m, (k, d) in sorted(timings.items()))
+        self.notes.append(f"NF4 rows kernel (relative error {worst:.4f}) for batches of up to {self.rows_max} rows"
+                          + (f"; first layer, kernel vs dequantize + matmul: {shown}" if shown else ""))
+        self._make_functions(compiled=False)
 
     def _warm_prefill(self) -> None:
         """Compile the fast path's prefill layer for every shape class a reply meets (FastDecoder never warms it here:
@@ -347,7 +393,7 @@ class SlotDecoder:
 
     def _make_functions(self, compiled: bool) -> None:
         """Closures over the static specs (one per distinct layer spec, as FastDecoder binds them), compiled or not."""
-        f, rows_kernel = self.fast, self.rows_kernel
+        f, rows_max = self.fast, self.rows_max
         head_spec, rotary = f._head_spec, f._arch.rotary
 
         def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor, norm0: torch.Tensor) -> Any:
@@ -355,13 +401,13 @@ class SlotDecoder:
 
         def head(hn: torch.Tensor, lm: list[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
                  eos_bias: torch.Tensor) -> Any:
-            return head_rows(head_spec, hn, lm, seen, penalty, eos_bias, rows_kernel)
+            return head_rows(head_spec, hn, lm, seen, penalty, eos_bias, rows_max)
 
         def bind(spec: LayerSpec) -> Callable[..., Any]:
             def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                       last: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, w: list[torch.Tensor],
                       span: int | None = None) -> Any:
-                return layer_rows(spec, h, hn, cos, sin, pos, last, kc, vc, w, rows_kernel, span)
+                return layer_rows(spec, h, hn, cos, sin, pos, last, kc, vc, w, rows_max, span)
             return layer
 
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = f._compile if compiled else (lambda fn: fn)
