@@ -397,3 +397,36 @@ def test_the_panel_says_a_batched_replys_peak_is_the_batchs() -> None:
     batched = format_stats(ReplyStats(**base, peak_batch_rows=3))
     assert "the batch's, 3 replies decoding at that peak" in batched
     assert "the batch's" not in format_stats(ReplyStats(**base))
+
+
+def test_slots_that_do_not_fit_at_start_up_fall_back_to_the_eager_batch(fp32_engine: ChatEngine,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start-up never fails for weights that fit: when the measured sizing finds no room for the batched fast
+    path's slots (DECODE_PATH=auto), its loop and slots are released and transformers' forward batches the replies,
+    with the reason in the model panel; with DECODE_PATH=fast the error stands."""
+    def no_room(say: Any) -> None:
+        raise ContextBudgetError("The fast decode path does not fit a useful KV cache (simulated).")
+
+    from dataclasses import replace
+
+    # DECODE_PATH=fast builds the batched fast path on CPU; then the setting reads auto, as on a GPU where auto
+    # chose that path
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    assert engine.backend.name == "fast-batched"
+    engine.settings = replace(engine.settings, model=replace(engine.settings.model, decode_path="auto"))
+    monkeypatch.setattr(engine, "_size_fast_slots", no_room)
+    engine.warmup()
+    assert engine.backend.name == "batched" and engine.fast_scheduler is None
+    assert "no room for the batched fast path's KV slots" in engine.backend.reason
+    assert engine.max_concurrent_replies == 2
+    done = drain(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4),
+                                    system_prompt=SYSTEM))
+    assert done.done and done.stats.new_tokens > 0
+
+    strict = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    monkeypatch.setattr(strict, "_size_fast_slots", no_room)
+    try:
+        with pytest.raises(ContextBudgetError, match="simulated"):
+            strict.warmup()
+    finally:
+        strict.fast_scheduler.close()

@@ -428,7 +428,7 @@ class ChatEngine:
     def _configure_decode(self) -> None:
         """Batched decoding (llm_core.engine.serving) when MAX_BATCH_SIZE resolves above 1 and the model allows it;
         else one reply at a time on the plain or fast path."""
-        from .serving import BatchedBackend, batching_support, default_kv_budget_bytes, resolve_max_batch_size
+        from .serving import batching_support, resolve_max_batch_size
 
         loaded = self.loaded
         size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
@@ -447,13 +447,21 @@ class ChatEngine:
             if why:
                 self.backend.reason = "; ".join(filter(None, [self.backend.reason, f"batching off: {why}"]))
             return
+        self._serve_eager_batched(size)
+
+    def _serve_eager_batched(self, size: int, note: str = "") -> None:
+        """Concurrent replies batched by llm_core.engine.serving's scheduler over transformers' forward (models or
+        cards the batched fast path does not serve)."""
+        from .serving import BatchedBackend, default_kv_budget_bytes
+
+        loaded = self.loaded
         self.scheduler = BatchScheduler.for_model(
             loaded.model, max_batch_size=size,
             kv_budget_bytes=default_kv_budget_bytes(loaded, size, self.memory_budget.budget_bytes, self.memory_facts),
             cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(loaded.eos_token_ids),
             cache_kwarg=cache_kwarg(loaded.model))
-        self.backend = BatchedBackend(self.scheduler,
-                                      f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch")
+        self.backend = BatchedBackend(self.scheduler, "; ".join(filter(None, [
+            f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch", note])))
         self._lock = ReplySlots(size, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(size)
 
@@ -559,7 +567,12 @@ class ChatEngine:
                 self._fall_back_to_plain(decoder, exc)
                 decoder, measured = None, False
         if self.fast_scheduler is not None:  # the batched fast path: its slots, sized by measurement on CUDA
-            self._size_fast_slots(say)
+            try:
+                self._size_fast_slots(say)
+            except ContextBudgetError as exc:  # start-up never fails for weights that fit: the eager batch serves
+                if self.settings.model.decode_path != "auto":
+                    raise
+                self._fall_back_to_eager_batch(exc)
         start = getattr(self.backend, "warmup", None)  # the batched fast loop: slots, compile, graphs
         if start is not None:
             start()
@@ -584,7 +597,8 @@ class ChatEngine:
         measurement as the single-reply cache is (issue 17, built on for issue 16): SlotDecoder.profile_worst_reply
         runs one slot's last prefill chunk at the end of a full slot and a step with every slot decoding, and
         size_cache_by_measurement re-sizes the slot length until that peak fits the budget. The slot count stays;
-        when not even MIN_FAST_CACHE_TOKENS per slot fit, ContextBudgetError says to lower MAX_BATCH_SIZE."""
+        when not even MIN_FAST_CACHE_TOKENS per slot fit, ContextBudgetError says to lower MAX_BATCH_SIZE (and with
+        DECODE_PATH=auto, warmup() then serves the eager batch instead: _fall_back_to_eager_batch)."""
         slots = self.fast_scheduler.decoder
         if slots.k is None:
             slots.warmup()
@@ -614,6 +628,23 @@ class ChatEngine:
         log.info("batched fast path: %d KV slots of %d tokens; worst step's peak reserved %s of %s", slots.slots,
                  slots.slot_tokens, human_bytes(self._fast_profile["peak_reserved_bytes"]),
                  human_bytes(self.memory_budget.budget_bytes))
+
+    def _fall_back_to_eager_batch(self, exc: Exception) -> None:
+        """The batched fast path's slots do not fit (measured at start-up): its loop, slots and graphs are released
+        and transformers' forward batches the replies (llm_core.engine.serving), with the reason in the model
+        panel."""
+        log.warning("batched fast path released at start-up: %s", exc)
+        scheduler = self.fast_scheduler
+        size = scheduler.decoder.slots
+        scheduler.close()
+        slots = scheduler.decoder
+        slots._graphs.clear()
+        slots.k = slots.v = None
+        self.fast_scheduler = None
+        self._fast_profile = None
+        self.memory_facts = self._plain_facts
+        free_memory(self.loaded.device)
+        self._serve_eager_batched(size, f"no room for the batched fast path's KV slots on this card: {exc}")
 
     def _fall_back_to_plain(self, decoder: Any, exc: Exception) -> None:
         """Start-up never fails for a model whose weights fit: when the fast path's cache cannot fit beside them
