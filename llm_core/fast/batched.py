@@ -358,8 +358,12 @@ class SlotDecoder:
                 xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
 
                 def run(rows_max: int, xs: dict[int, torch.Tensor] = xs) -> None:
-                    for i in nf4:
-                        linear_rows(spec.linears[i], xs[i], lins[i], rows_max)
+                    for i in nf4:  # as layer_rows runs them: above rows_max a fused linear dequantizes per part
+                        s = spec.linears[i]
+                        if rows_max == 0 and len(s.splits) > 1:
+                            linear_prefill_parts(s, xs[i], lins[i])
+                        else:
+                            linear_rows(s, xs[i], lins[i], rows_max)
 
                 timings[m] = (time_in_cuda_graph(lambda: run(ROWS_MAX), self.device, replays=5, warmups=2),
                               time_in_cuda_graph(lambda: run(0), self.device, replays=5, warmups=2))
