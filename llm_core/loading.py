@@ -129,6 +129,7 @@ class LoadReport:
     decode_path: str = "plain"  # set by the engine after warm-up
     decode_path_reason: str = ""
     warmup_s: float = 0.0
+    memory_plan: str = ""  # set by the engine after warm-up: budget, KV cache, prefill chunks
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,6 +147,7 @@ class LoadReport:
             ("Context length", f"{self.context_length:,} tokens"),
             ("Load time", f"{self.load_s:.1f} s (warm-up {self.warmup_s:.1f} s)"),
             ("Decode path", self.decode_path + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")),
+            *([("Memory", self.memory_plan)] if self.memory_plan else []),
             ("Versions", ", ".join(f"{k} {v}" for k, v in self.versions.items())),
         ]
         text = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)

@@ -411,6 +411,8 @@ def test_fast_path_starts_with_the_cache_the_budget_allows(small_engine: ChatEng
     assert small_engine.memory_facts.static_kv_tokens == 512
     pred = predict_peak_bytes(small_engine.memory_facts, 512 - 16, 16, prefill_chunk_tokens=96)
     assert pred.total_bytes <= small_engine.memory_budget.budget_bytes
+    panel = small_engine.report.as_markdown()  # the Model panel says what the memory went to
+    assert "| Memory | budget " in panel and "KV cache 512 tokens" in panel and "96-token chunks" in panel
 
 
 def test_a_long_chat_on_a_small_budget_trims_old_turns_instead_of_failing(small_engine: ChatEngine) -> None:
@@ -612,6 +614,8 @@ def test_the_engine_prefills_in_the_chunks_auto_resolves_for_its_card(fp32_loade
     assert roomy.settings.memory.prefill_chunk_tokens is None
     assert (roomy.prefill_chunk_tokens, tight.prefill_chunk_tokens, fixed.prefill_chunk_tokens) == (2048, 1024, 300)
     assert [e._plain.prefill_chunk_tokens for e in (roomy, tight, fixed)] == [2048, 1024, 300]
+    assert "long prompts prefilled in 1,024-token chunks" in tight.memory_plan  # what the Model panel shows
+    assert tight.memory_plan.startswith("budget ") and "(VRAM_BUDGET)" in tight.memory_plan
 
 
 def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: LoadedModel,
@@ -640,6 +644,7 @@ def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: Loa
     assert kept >= 0.85 * (planned // 3) // 16 * 16
     assert engine.fast_memory_profile["tokens"] == kept == engine.memory_facts.static_kv_tokens
     assert engine.context_limit == min(kept, engine.loaded.context_length)
+    assert f"KV cache {kept:,} tokens, sized by measurement" in engine.memory_plan
     done = list(engine.stream_chat("Name a colour.", [], gen=engine.request_options(max_new_tokens=4)))[-1]
     assert done.done and done.stats.new_tokens > 0
 

@@ -378,6 +378,23 @@ class ChatEngine:
             kv_format=self._fast_kv_format)
 
     @property
+    def memory_plan(self) -> str:
+        """One line for the Model panel: the memory budget and where it comes from, the fast path's KV cache (and
+        whether start-up measured it), and how long prompts are prefilled."""
+        parts = [f"budget {human_bytes(self.memory_budget.budget_bytes)} ({self.memory_budget.source})"]
+        decoder = getattr(self.backend, "decoder", None)
+        slots = self.fast_scheduler.decoder if self.fast_scheduler is not None else None
+        if slots is not None:
+            parts.append(f"{slots.slots} KV slots of {slots.slot_tokens:,} tokens")
+        elif decoder is not None and getattr(decoder, "max_cache_len", None):
+            parts.append(f"KV cache {int(decoder.max_cache_len):,} tokens")
+        if self._fast_profile:
+            parts[-1] += f", sized by measurement (peak {human_bytes(self._fast_profile['peak_reserved_bytes'])})"
+        chunk = self._prefill_chunk_tokens
+        parts.append(f"long prompts prefilled in {chunk:,}-token chunks" if chunk else "prompts prefilled in one pass")
+        return "; ".join(parts)
+
+    @property
     def prefill_chunk_tokens(self) -> int | None:
         """Long prompts are prefilled in chunks of this many tokens (None: in one pass): PREFILL_CHUNK_TOKENS, or
         what auto resolved it to for this model, card and KV mode."""
@@ -588,7 +605,8 @@ class ChatEngine:
                     break
         warmup_s = time.perf_counter() - t0
         self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
-                                     decode_path=self.backend.name, decode_path_reason=self.backend.reason)
+                                     decode_path=self.backend.name, decode_path_reason=self.backend.reason,
+                                     memory_plan=self.memory_plan)
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
 
