@@ -96,6 +96,46 @@ def test_every_row_equals_its_reply_alone_while_rows_join_and_leave(fp32_engine:
     assert after.prefills - before.prefills == len(PROMPTS) and after.active == 0 and after.errors == 0
 
 
+@pytest.mark.parametrize("kv_cache", ["dynamic", "quantized"])
+def test_newcomers_prefilled_together_equal_their_replies_alone(fp32_engine: ChatEngine, fast_batched: ChatEngine,
+                                                                kv_cache: str) -> None:
+    """Four prompts of different lengths reaching an idle loop at once are prefilled in one padded pass
+    (SlotDecoder.prefill_rows: fewer prefill passes than prompts), and each reply's greedy tokens equal that prompt
+    served alone by the same loop, token for token; with the fp32 slots and with int8 ones (KV_CACHE=quantized)."""
+    from llm_core.streams import Finished
+
+    own = kv_cache != "dynamic"
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+                                                          KV_CACHE=kv_cache)) if own else fast_batched
+    scheduler = engine.fast_scheduler
+    options = SamplingOptions.of(engine.request_options(max_new_tokens=8, min_new_tokens=8, repetition_penalty=1.05))
+    prompts = [engine.prepare(p, [], gen=engine.request_options(max_new_tokens=8), history_turns=0,
+                              system_prompt=SYSTEM).input_ids[0].tolist() for p in PROMPTS[:4]]
+    assert len({len(p) for p in prompts}) > 1  # padding matters
+
+    def tokens(request: Any) -> list[int]:
+        out: list[int] = []
+        while True:
+            item = request.items.get(timeout=120)
+            if isinstance(item, Finished):
+                assert item.reason in ("eos", "length"), item
+                return out
+            out.append(item)
+
+    try:
+        alone = [tokens(scheduler.submit(p, options, 8, threading.Event())) for p in prompts]
+        before = scheduler.snapshot()
+        with scheduler._cond:  # all four are waiting before the loop admits any: one idle admission
+            requests = [scheduler.submit(p, options, 8, threading.Event()) for p in prompts]
+        together = [tokens(r) for r in requests]
+        after = scheduler.snapshot()
+    finally:
+        if own:
+            scheduler.close()
+    assert together == alone
+    assert after.prefills - before.prefills == 4 and after.prefill_chunks - before.prefill_chunks < 4
+
+
 def test_stop_of_one_row_leaves_the_other_rows_tokens_unchanged(fp32_engine: ChatEngine,
                                                                 fast_batched: ChatEngine) -> None:
     gen = fast_batched.request_options(max_new_tokens=16)

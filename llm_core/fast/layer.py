@@ -237,37 +237,77 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     """The same layer over a chunk of S prompt tokens at positions start..start+S-1. h, hn (1, S, H);
     cos/sin (1, S, D); k/v_cache (L, Hkv, D) full cache of this layer."""
     lins = _split_linears(spec, w)
-    rest = lins[-1]
     seq = h.shape[1]
-    q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill, linear_prefill_parts)
-    q = q.view(1, seq, spec.n_heads, spec.head_dim)
-    k = k.view(1, seq, spec.n_kv_heads, spec.head_dim)
-    v = v.view(1, seq, spec.n_kv_heads, spec.head_dim)
-    if spec.qk_norm_eps is not None:
-        q, k = rms_norm(q, rest[2], spec.qk_norm_eps), rms_norm(k, rest[3], spec.qk_norm_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, S, D)
-    c, s = cos[:, None], sin[:, None]
-    q = q * c + rotate_half(q) * s
-    k = k * c + rotate_half(k) * s
+    q, k, v, used = _prefill_qkv(spec, hn, cos, sin, lins)
     k_cache[start:start + seq].copy_(to_cache(k[0].transpose(0, 1), k_cache))
     v_cache[start:start + seq].copy_(to_cache(v[0].transpose(0, 1), v_cache))
-    groups = spec.n_heads // spec.n_kv_heads
     if start == 0:
-        keys, values, mask, causal = k, v, None, True
+        keys, values, mask = k, v, None
     else:  # a later chunk attends to everything cached so far (bottom-right aligned causal mask)
         end = start + seq
         keys = from_cache(k_cache[:end], q.dtype).transpose(0, 1)[None]
         values = from_cache(v_cache[:end], q.dtype).transpose(0, 1)[None]
         mask = (torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
-        causal = False
-    if groups > 1 and h.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)
-        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
-        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(1, spec.n_heads, -1, spec.head_dim)
+    return _prefill_out(spec, h, _prefill_attention(spec, q, keys, values, mask), lins, used)
+
+
+def layer_prefill_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, w: Sequence[torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_prefill for B whole prompts at once, each from position 0, right-padded to S: h, hn (B, S, H);
+    cos/sin (1, S, D); k/v_cache (slots, L, Hkv, row) this layer's slot cache; slots (B,) the rows' slots, whose
+    cache rows 0..S-1 are written (a row's padding K/V beyond its prompt is overwritten by its decode before any
+    step reads it; causal attention keeps its real tokens blind to the padding after them)."""
+    lins = _split_linears(spec, w)
+    rows, seq = h.shape[0], h.shape[1]
+    q, k, v, used = _prefill_qkv(spec, hn, cos, sin, lins)
+    index = (slots[:, None].expand(rows, seq).reshape(-1),
+             torch.arange(seq, device=h.device)[None, :].expand(rows, seq).reshape(-1))
+    k_cache.index_put_(index, to_cache(k.transpose(1, 2).reshape(rows * seq, spec.n_kv_heads, spec.head_dim),
+                                       k_cache))
+    v_cache.index_put_(index, to_cache(v.transpose(1, 2).reshape(rows * seq, spec.n_kv_heads, spec.head_dim),
+                                       v_cache))
+    return _prefill_out(spec, h, _prefill_attention(spec, q, k, v, None), lins, used)
+
+
+def _prefill_qkv(spec: LayerSpec, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 lins: list[list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, k, v (B, heads, S, D) of hn (B, S, H), normed (qk-norm models) and rotated; and how many linears that
+    took (1 fused, 3 apart)."""
+    rest = lins[-1]
+    rows, seq = hn.shape[0], hn.shape[1]
+    q, k, v, used = _project_qkv(spec, hn, lins, linear_prefill, linear_prefill_parts)
+    q = q.view(rows, seq, spec.n_heads, spec.head_dim)
+    k = k.view(rows, seq, spec.n_kv_heads, spec.head_dim)
+    v = v.view(rows, seq, spec.n_kv_heads, spec.head_dim)
+    if spec.qk_norm_eps is not None:
+        q, k = rms_norm(q, rest[2], spec.qk_norm_eps), rms_norm(k, rest[3], spec.qk_norm_eps)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, S, D)
+    c, s = cos[:, None], sin[:, None]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s, v, used
+
+
+def _prefill_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA of q (B, H, S, D) over keys/values (B, Hkv, T, D): causal (mask None, T = S) or with `mask`;
+    -> (B, S, H * D)."""
+    rows, seq = q.shape[0], q.shape[2]
+    groups = spec.n_heads // spec.n_kv_heads
+    if groups > 1 and q.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)
+        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, spec.n_heads, -1, spec.head_dim)
+        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, spec.n_heads, -1, spec.head_dim)
         gqa: dict[str, Any] = {}
     else:
         gqa = {"enable_gqa": True} if groups > 1 else {}
-    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, **gqa)
-    attn = attn.transpose(1, 2).reshape(1, seq, spec.n_heads * spec.head_dim)
+    attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
+                                          scale=spec.scale, **gqa)
+    return attn.transpose(1, 2).reshape(rows, seq, spec.n_heads * spec.head_dim)
+
+
+def _prefill_out(spec: LayerSpec, h: torch.Tensor, attn: torch.Tensor, lins: list[list[torch.Tensor]], used: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output projection, the MLP and the next layer's input norm after a prefill's attention."""
+    rest = lins[-1]
     h = h + linear_prefill(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear_prefill, linear_prefill_parts)
     return h, rms_norm(h, rest[1], spec.eps_next)
