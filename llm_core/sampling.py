@@ -59,6 +59,19 @@ class SamplingOptions:
                    min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0))
 
 
+def sampling_generator(params: Any, device: torch.device | str | None = None) -> torch.Generator | None:
+    """The random generator of one sampled reply (None when it decodes greedily): seeded with `params.seed` when
+    set, else from fresh entropy."""
+    if not params.do_sample:
+        return None
+    generator = torch.Generator(device=device) if device is not None else torch.Generator()
+    if params.seed is not None:
+        generator.manual_seed(int(params.seed))
+    else:
+        generator.seed()
+    return generator
+
+
 def logits_processors(params: SamplingParams, *, penalty: bool = True) -> LogitsProcessorList:
     """generate's processors for these options, in its order: repetition penalty (unless the caller applies it,
     as the fast path does inside its graph), then the warpers temperature, top-k, top-p (only when sampling)."""

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
-from ..sampling import SamplingOptions, sample_from_scores
+from ..sampling import SamplingOptions, sample_from_scores, sampling_generator
 from ..streams import Finished, TokenStreams
 from . import kvquant
 from .generate import FastDecoder, _prefill_attention_scope
@@ -115,6 +115,16 @@ def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows
     return linear_prefill(spec, x, ts)
 
 
+def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: int = 0
+               ) -> Sequence[torch.Tensor]:
+    """A fused linear (q/k/v, gate/up) over B rows, one output per part: as linear_rows, except that where that
+    would dequantize + matmul, each part's weight is dequantized on its own (linear_prefill_parts)."""
+    rows = x.shape[0]
+    if rows > 1 and spec.fmt != "dense" and not (spec.fmt == "nf4" and rows <= min(rows_max, ROWS_MAX)):
+        return linear_prefill_parts(spec, x, ts)
+    return linear_rows(spec, x, ts, rows_max).split(list(spec.splits), dim=-1)
+
+
 def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    pos: torch.Tensor) -> torch.Tensor:
     """Row b's query (B, Hq, D) over its own slot k/v_cache[b] (B, L, Hkv, row), rows after pos[b] masked ->
@@ -151,9 +161,7 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
         return linear_rows(s, x, ts, rows_max)
 
     def parts(s: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
-        if rows > 1 and s.fmt != "dense" and not (s.fmt == "nf4" and rows <= min(rows_max, ROWS_MAX)):
-            return linear_prefill_parts(s, x, ts)  # dequantize + matmul, one fused part's weight at a time
-        return linear(s, x, ts).split(list(s.splits), dim=-1)
+        return fused_rows(s, x, ts, rows_max)
 
     q, k, v, used = _project_qkv(spec, hn, lins, linear, parts)
     q = q.reshape(rows, spec.n_heads, spec.head_dim)
@@ -359,10 +367,10 @@ class SlotDecoder:
                 xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
 
                 def run(rows_max: int, xs: dict[int, torch.Tensor] = xs) -> None:
-                    for i in nf4:  # as layer_rows runs them: above rows_max a fused linear dequantizes per part
+                    for i in nf4:  # as layer_rows runs them
                         s = spec.linears[i]
-                        if rows_max == 0 and len(s.splits) > 1:
-                            linear_prefill_parts(s, xs[i], lins[i])
+                        if len(s.splits) > 1:
+                            fused_rows(s, xs[i], lins[i], rows_max)
                         else:
                             linear_rows(s, xs[i], lins[i], rows_max)
 
@@ -847,15 +855,8 @@ class FastBatchScheduler(TokenStreams):
                 request = self._waiting.popleft()
                 slot = free.pop(0)
                 options = request.options
-                generator = None
-                if options.do_sample:
-                    generator = torch.Generator(device=self.device)
-                    if options.seed is not None:
-                        generator.manual_seed(int(options.seed))
-                    else:
-                        generator.seed()
                 ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
-                self._prefilling.append(_Row(request, slot, ids, generator=generator))
+                self._prefilling.append(_Row(request, slot, ids, generator=sampling_generator(options, self.device)))
                 self.decoder.start_row(slot, options.repetition_penalty, sorted(self.eos_token_ids),
                                        options.min_new_tokens > 0)
             if self._waiting:
@@ -902,14 +903,7 @@ class FastBatchScheduler(TokenStreams):
                 hn = self._measure(functools.partial(self.decoder.prefill, row.slot, row.ids[start:start + take],
                                                      start), len(self._rows) + 1)
             except Exception as exc:  # noqa: BLE001 - this request only
-                import traceback
-
-                traceback.clear_frames(exc.__traceback__)
-                if isinstance(exc, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
-                self._end_row(row, "error", exc if not isinstance(exc, torch.cuda.OutOfMemoryError) else
-                              OutOfMemoryError("The GPU ran out of memory prefilling this prompt; shorten the "
-                                               "history and try again."))
+                self._fail_prefill([row], exc)
                 continue
             self.stats.prefill_chunks += 1
             row.prefilled += take
@@ -921,6 +915,19 @@ class FastBatchScheduler(TokenStreams):
             with self._cond:
                 self._prefilling.remove(row)
             self._first_token(row, hn)
+
+    def _fail_prefill(self, rows: Sequence[_Row], exc: BaseException) -> None:
+        """A prefill that raised ends its rows only: the failed call's frames let go, the cache emptied after an OOM,
+        which the user is told as such."""
+        import traceback
+
+        traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            exc = OutOfMemoryError("The GPU ran out of memory prefilling this prompt; shorten the history and try "
+                                   "again.")
+        for row in rows:
+            self._end_row(row, "error", exc)
 
     def _prefill_together(self, chunk_cap: int | None) -> None:
         """With no row decoding, newcomers whose whole prompt is waiting are prefilled together, in groups whose
@@ -940,15 +947,7 @@ class FastBatchScheduler(TokenStreams):
                 hns = self._measure(functools.partial(self.decoder.prefill_rows, [r.slot for r in group],
                                                       [r.ids for r in group]), len(group))
             except Exception as exc:  # noqa: BLE001 - these requests only
-                import traceback
-
-                traceback.clear_frames(exc.__traceback__)
-                if isinstance(exc, torch.cuda.OutOfMemoryError):
-                    torch.cuda.empty_cache()
-                for row in group:
-                    self._end_row(row, "error", exc if not isinstance(exc, torch.cuda.OutOfMemoryError) else
-                                  OutOfMemoryError("The GPU ran out of memory prefilling this prompt; shorten the "
-                                                   "history and try again."))
+                self._fail_prefill(group, exc)
                 continue
             self.stats.prefill_chunks += 1
             for row, hn in zip(group, hns, strict=True):

@@ -41,7 +41,7 @@ from torch import nn
 
 from ..config import GenerationSettings
 from ..errors import GenerationError
-from ..sampling import logits_processors, next_token
+from ..sampling import logits_processors, next_token, sampling_generator
 
 log = logging.getLogger(__name__)
 
@@ -662,13 +662,7 @@ class CPUDecoder:
         if streamer is not None:
             streamer.put(input_ids.cpu())
         warpers = logits_processors(gen, penalty=False)  # the penalty is applied with the head (select_scores)
-        generator = None
-        if gen.do_sample:
-            generator = torch.Generator()
-            if gen.seed is not None:
-                generator.manual_seed(int(gen.seed))
-            else:
-                generator.seed()
+        generator = sampling_generator(gen)
         vocab = self.weights.head.n
         sel = Selection(torch.zeros(1, vocab, dtype=torch.bool), torch.tensor([float(gen.repetition_penalty)]),
                         torch.zeros(1, vocab))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..loading import LoadedModel
-from ..sampling import sample_from_scores
+from ..sampling import sample_from_scores, sampling_generator
 from . import kvquant
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -693,13 +693,7 @@ class FastDecoder:
         self._eos_bias.zero_()
         if min_new_tokens > 0 and eos:
             self._eos_bias[list(eos)] = float("-inf")
-        generator = None
-        if gen.do_sample:
-            generator = torch.Generator(device=self.device)
-            if gen.seed is not None:
-                generator.manual_seed(int(gen.seed))
-            else:
-                generator.seed()
+        generator = sampling_generator(gen, self.device)
         events = self._prefill_events
         if events is None and self.device.type == "cuda":
             events = self._prefill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
