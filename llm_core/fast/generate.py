@@ -134,6 +134,7 @@ class FastDecoder:
         self.prefill_warm_s: float | None = None
         self._pf_graphs: dict[int, Any] = {}  # padded prefill: one CUDA graph per bucket length
         self._pf_pool: Any = None
+        self._prefill_capture_oom = False  # the last allocation's prefill graph capture ran out of memory
         self._pf_ids: torch.Tensor | None = None  # static inputs / outputs of the padded prefill
         self._pf_pos: torch.Tensor | None = None
         self._pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -338,12 +339,13 @@ class FastDecoder:
         had_prefill_graphs, notes = bool(self._pf_graphs), len(self.notes)
         with self._lock, torch.no_grad():
             self._allocate(tokens)
-        if strict and had_prefill_graphs and any("OutOfMemoryError" in n for n in self.notes[notes:]):
+        if strict and had_prefill_graphs and self._prefill_capture_oom:
             del self.notes[notes:]
             raise torch.cuda.OutOfMemoryError(
                 f"The prefill's CUDA graphs could not be captured beside a {tokens:,}-token KV cache.")
 
     def _allocate(self, tokens: int) -> None:
+        self._prefill_capture_oom = False  # set when a prefill graph's capture runs out of memory
         self._graphs.clear()
         self._pf_graphs.clear()  # their pool goes with them: freed before the new cache is allocated
         self._pf_pool = None
@@ -368,6 +370,7 @@ class FastDecoder:
             except Exception as exc:  # noqa: BLE001 - e.g. the compiled prefill failing: it has an eager fallback
                 log.warning("Prefill graphs not captured: %s: %s", type(exc).__name__, exc)
                 self.notes.append(f"prefill graphs off ({type(exc).__name__})")
+                self._prefill_capture_oom |= isinstance(exc, torch.cuda.OutOfMemoryError)
                 self._pf_graphs.clear()
                 self._pf_ids = None
                 self._pf_pool = None  # the failed capture's pool: released, not left as reserved fragments that
@@ -555,6 +558,7 @@ class FastDecoder:
             except Exception as exc:  # noqa: BLE001 - the compiled prefill still serves this length
                 log.warning("Prefill graph for %d tokens not captured: %s: %s", bucket, type(exc).__name__, exc)
                 self.notes.append(f"prefill graphs off from {bucket} tokens ({type(exc).__name__})")
+                self._prefill_capture_oom |= isinstance(exc, torch.cuda.OutOfMemoryError)
                 break
             self._pf_graphs[bucket] = graph
         self.sync()
