@@ -1,7 +1,8 @@
 """Settings: the one place where configuration is read, parsed and validated; knows nothing about torch.
 
 Precedence, highest first: command-line flags (`overrides`), process environment, a `.env` file, defaults.
-Every setting is declared once in `SPECS`; `.env.example`, the CLI flags and the validation all come from it.
+Every setting is declared once, as a dataclass field made by `setting()`; `SPECS`, `.env.example` and the CLI flags
+are derived from those fields.
 Unknown keys in a `.env` file and unknown flags fail loudly; so do malformed or contradictory values.
 """
 
@@ -52,229 +53,6 @@ SESSION_MAX_WAITING_RANGE = (0, 16)
 COMPARE_MAX_LOADED_RANGE = (1, 16)
 LOGIN_MAX_FAILURES_RANGE = (1, 1000)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass(frozen=True)
-class ModelSettings:
-    model_id: str | None = None  # HF id or local folder; None -> the embedded SmolLM2-135M-Instruct
-    revision: str | None = None
-    quantization: str = "nf4"
-    double_quant: bool | None = None  # None = on for nf4/fp4; True with int8/none is a contradiction
-    compute_dtype: str = "auto"  # nf4/fp4 compute dtype, or the weights dtype when quantization == "none"
-    attn_implementation: str = "sdpa"
-    device: str = "auto"
-    max_memory: str | None = None  # e.g. "0=6GiB,cpu=24GiB": enables CPU offload (slow, last resort)
-    trust_remote_code: bool = False
-    decode_path: str = "auto"  # auto: the fast static-cache path where it can run, else plain generate
-    # fast path: prompts up to this many tokens prefilled from CUDA graphs; 0 = off; None = auto
-    # (llm_core.memory.plan.resolve_prefill_graph_tokens)
-    prefill_graph_tokens: int | None = None
-    cache_dir: str | None = None  # where the embedded model is converted to; default ~/.cache/llm_core
-    hf_token: str | None = field(default=None, repr=False)  # never printed, logged or shown
-
-    @property
-    def use_double_quant(self) -> bool:
-        return self.quantization in ("nf4", "fp4") and self.double_quant is not False
-
-    @property
-    def display_name(self) -> str:
-        return self.model_id or "SmolLM2-135M-Instruct (embedded)"
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    max_new_tokens: int = 256
-    do_sample: bool = False
-    temperature: float = 0.7
-    top_p: float = 0.95
-    top_k: int = 50
-    repetition_penalty: float = 1.05
-    seed: int | None = None
-    stream_timeout_s: float = 120.0  # longest wait for the next token before the reply is failed
-    kv_cache: str = "dynamic"  # dynamic | quantized (4-bit, ~3.5x more context) | offload (CPU RAM, slow)
-    # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
-    # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
-    min_new_tokens: int = 0
-
-    def validate(self) -> GenerationSettings:
-        _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
-        _check_range("min_new_tokens", self.min_new_tokens, (0, MAX_NEW_TOKENS_RANGE[1]))
-        _check_range("TEMPERATURE", self.temperature, TEMPERATURE_RANGE)
-        _check_range("TOP_P", self.top_p, TOP_P_RANGE)
-        _check_range("TOP_K", self.top_k, TOP_K_RANGE)
-        _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
-        if self.do_sample and self.temperature <= 0:
-            raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
-        if self.stream_timeout_s <= 0:
-            raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
-        _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)
-        return self
-
-
-@dataclass(frozen=True)
-class ChatSettings:
-    system_prompt: str = "You are a helpful assistant."
-    history_turns: int = 8  # past user/assistant exchanges kept in the prompt
-    max_message_chars: int = 16_000  # also the Compare prompt's limit
-    max_system_prompt_chars: int = 8_000
-    max_history_messages: int = 256  # messages accepted in one request's history (API limit)
-    max_history_chars: int = 256_000  # characters of text in one request's history (API limit)
-
-
-@dataclass(frozen=True)
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 7860
-    share: bool = False
-    auth: str | None = field(default=None, repr=False)  # "user:password[,user2:password2]"
-    queue_size: int = 64
-    mcp_server: bool = False  # Gradio's MCP server for the chat endpoint (needs gradio[mcp])
-    max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
-    session_max_waiting: int = 1  # requests one session may have waiting beside its running one; more are refused
-    allow_open_host: bool = False  # serve a non-loopback HOST or a SHARE link without AUTH (refused unless set)
-    login_max_failures: int = 5  # failed logins one client address may make per login_window_s
-    login_window_s: float = 60.0
-    export_ttl_s: float = 3600.0  # exported stats files are deleted after this long (and when the session ends)
-
-    @property
-    def is_shared(self) -> bool:
-        """Reachable by others (public link, login, or bound beyond loopback): expect several users at once."""
-        return self.share or self.auth is not None or self.host not in LOOPBACK_HOSTS
-
-    @property
-    def is_open(self) -> bool:
-        """Reachable beyond this machine (a non-loopback HOST or a SHARE link) with no login in front."""
-        return self.auth is None and (self.share or self.host not in LOOPBACK_HOSTS)
-
-
-@dataclass(frozen=True)
-class MemorySettings:
-    budget_bytes: int | None = None  # device bytes the process may use in total; None = free after load - margin
-    margin_bytes: int | None = None  # kept free when the budget is derived; None = 512 MiB on CUDA, 1 GiB on CPU
-    # long prompts are prefilled in chunks of this size (flat peak); 0 = off; None = auto
-    # (llm_core.memory.plan.resolve_prefill_chunk_tokens)
-    prefill_chunk_tokens: int | None = None
-
-
-@dataclass(frozen=True)
-class CompareSettings:
-    models: tuple[str, ...] = ()  # models the Compare view may load besides the served one
-    modes: tuple[str, ...] = COMPARE_MODES
-    allow_custom_models: bool = False  # let users type model ids/paths in the Compare view (within model_dirs)
-    model_dirs: tuple[str, ...] = ()  # folders typed paths must lie in (resolved, symlinks followed)
-    allow_downloads: bool = False  # typed Hub ids may be downloaded (with HF_TOKEN if set)
-    max_loaded: int = 3  # engines (model + quantization + attention) the Compare pool keeps loaded at most
-
-
-@dataclass(frozen=True)
-class RemoteSettings:
-    engine: str = "local"  # local: load MODEL_ID in this process; openai: serve chat from OPENAI_BASE_URL
-    base_url: str | None = None  # e.g. http://127.0.0.1:8000/v1 (vLLM, SGLang, llama.cpp's server, this demo)
-    api_key: str | None = field(default=None, repr=False)  # never printed, logged or shown
-    model: str | None = None  # the remote model's id; None = the first one the server lists
-
-
-@dataclass(frozen=True)
-class Settings:
-    model: ModelSettings = field(default_factory=ModelSettings)
-    generation: GenerationSettings = field(default_factory=GenerationSettings)
-    chat: ChatSettings = field(default_factory=ChatSettings)
-    server: ServerSettings = field(default_factory=ServerSettings)
-    compare: CompareSettings = field(default_factory=CompareSettings)
-    memory: MemorySettings = field(default_factory=MemorySettings)
-    remote: RemoteSettings = field(default_factory=RemoteSettings)
-
-    @classmethod
-    def from_env(
-        cls,
-        environ: Mapping[str, str] | None = None,
-        env_file: str | os.PathLike[str] | None = ".env",
-        overrides: Mapping[str, Any] | None = None,
-    ) -> Settings:
-        """Build validated settings. `overrides` are keyed by setting name (e.g. "MODEL_ID") and win."""
-        environ = os.environ if environ is None else environ
-        raw: dict[str, Any] = {}
-        if env_file is not None and Path(env_file).is_file():
-            raw.update(read_env_file(env_file))
-        raw.update({k: v for k, v in environ.items() if k in SPEC_BY_NAME})
-        for key, value in (overrides or {}).items():
-            if key not in SPEC_BY_NAME:
-                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
-            if value is not None:
-                raw[key] = value
-        for ours, gradios in GRADIO_FALLBACKS:  # Gradio's (and Spaces') own variables, where ours are not set
-            if ours not in raw and str(environ.get(gradios, "")).strip():
-                raw[ours] = environ[gradios]
-        return cls.from_mapping(raw)
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any]) -> Settings:
-        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-        for key, value in raw.items():
-            spec = SPEC_BY_NAME.get(key)
-            if spec is None:
-                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
-            sections[spec.section][spec.attr] = spec.parse(key, value)
-        settings = cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
-        settings.validate()
-        return settings
-
-    def validate(self) -> None:
-        m = self.model
-        _check_choice("QUANTIZATION", m.quantization, QUANTIZATION_MODES)
-        _check_choice("COMPUTE_DTYPE", m.compute_dtype, DTYPES)
-        _check_choice("ATTN_IMPLEMENTATION", m.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("DEVICE", m.device, DEVICES)
-        _check_choice("DECODE_PATH", m.decode_path, DECODE_PATHS)
-        if m.double_quant and m.quantization not in ("nf4", "fp4"):
-            raise SettingsError(
-                f"DOUBLE_QUANT applies to 4-bit modes only, but QUANTIZATION={m.quantization}; "
-                "remove DOUBLE_QUANT or choose QUANTIZATION=nf4/fp4."
-            )
-        if m.quantization == "int8" and m.compute_dtype not in ("auto", "float16"):
-            raise SettingsError("QUANTIZATION=int8 computes in float16; set COMPUTE_DTYPE=auto or float16.")
-        if m.max_memory is not None:
-            parse_max_memory(m.max_memory)
-        self.generation.validate()
-        _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
-        _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
-        _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
-        _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)
-        _check_range("MAX_SYSTEM_PROMPT_CHARS", self.chat.max_system_prompt_chars, MAX_SYSTEM_PROMPT_CHARS_RANGE)
-        _check_range("SESSION_MAX_WAITING", self.server.session_max_waiting, SESSION_MAX_WAITING_RANGE)
-        _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
-        if not self.server.login_window_s > 0:
-            raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
-        if not self.server.export_ttl_s > 0:
-            raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
-        _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
-        if self.server.max_batch_size is not None:
-            _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
-        if not 0 < self.server.port < 65536:
-            raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
-        if self.server.auth is not None:
-            parse_auth(self.server.auth)
-        for mode in self.compare.modes:
-            _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
-        if self.model.prefill_graph_tokens is not None and self.model.prefill_graph_tokens < 0:
-            raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
-        if self.memory.prefill_chunk_tokens is not None and self.memory.prefill_chunk_tokens < 0:
-            raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
-        _check_choice("ENGINE", self.remote.engine, ENGINES)
-        url = self.remote.base_url
-        if url is not None and not url.startswith(("http://", "https://")):
-            raise SettingsError(f"OPENAI_BASE_URL must start with http:// or https://, got {url!r}; write e.g. "
-                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
-        if self.remote.engine == "openai" and url is None:
-            raise SettingsError("ENGINE=openai needs OPENAI_BASE_URL, the server's OpenAI API root, e.g. "
-                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
-
-    def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
-        """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
-        kwargs = {name: dataclasses.replace(getattr(self, name), **upd) for name, upd in section_updates.items()}
-        new = dataclasses.replace(self, **kwargs)
-        new.validate()
-        return new
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -424,6 +202,305 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
+def setting(name: str, default: Any, parser: Callable[[str, Any], Any], help: str, *, secret: bool = False) -> Any:
+    """A settings field and its one declaration: environment/.env key, parser and help (for .env.example and the
+    CLI). Secrets are kept out of repr."""
+    return field(default=default, repr=not secret,
+                 metadata={"setting": {"name": name, "parser": parser, "help": help, "secret": secret}})
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    model_id: str | None = setting("MODEL_ID", None, _parse_opt_str,
+        "HF model id or local folder; empty = the embedded SmolLM2-135M-Instruct")
+    revision: str | None = setting("MODEL_REVISION", None, _parse_opt_str,
+        "branch, tag or commit of MODEL_ID")
+    quantization: str = setting("QUANTIZATION", "nf4", _parse_choice(QUANTIZATION_MODES),
+        "nf4 | fp4 | int8 (bitsandbytes) | none (plain weights in COMPUTE_DTYPE)")
+    # None = on for nf4/fp4; True with int8/none is a contradiction
+    double_quant: bool | None = setting("DOUBLE_QUANT", None, _parse_opt_bool,
+        "nf4/fp4 only (empty = on): also quantize the quantization constants (~0.4 bit/weight saved)")
+    # nf4/fp4 compute dtype, or the weights dtype when quantization == "none"
+    compute_dtype: str = setting("COMPUTE_DTYPE", "auto", _parse_choice(DTYPES),
+        "auto = bfloat16 where the device supports it, else float16 (float32 on CPU for none)")
+    attn_implementation: str = setting("ATTN_IMPLEMENTATION", "sdpa", _parse_choice(ATTN_IMPLEMENTATIONS),
+        "sdpa | eager | flash_attention_2 (falls back to sdpa with a notice when not installed)")
+    device: str = setting("DEVICE", "auto", _parse_choice(DEVICES),
+        "auto = cuda when available, else cpu")
+    max_memory: str | None = setting("MAX_MEMORY", None, _parse_opt_str,
+        "per-device caps, e.g. 0=6GiB,cpu=24GiB; enables CPU offload (slow: last resort)")
+    trust_remote_code: bool = setting("TRUST_REMOTE_CODE", False, _parse_bool,
+        "run Python code shipped with the model repo (off unless you trust it)")
+    decode_path: str = setting("DECODE_PATH", "auto", _parse_choice(DECODE_PATHS),
+        "auto = fast static-cache path where it can run (CUDA: compiled + CUDA graphs; CPU: int4/int8 "
+        "weight-only + compiled, the cpu path), else plain generate; cpu = the CPU path or an error")
+    # fast path: prompts up to this many tokens prefilled from CUDA graphs; 0 = off; None = auto
+    # (llm_core.memory.plan.resolve_prefill_graph_tokens)
+    prefill_graph_tokens: int | None = setting("PREFILL_GRAPH_TOKENS", None, _parse_auto_int,
+        "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
+        f"the graphs hold ~0.3 GB on a 7B model); 0 = off; auto (default) = {DEFAULT_PREFILL_GRAPH_TOKENS}, "
+        f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards)")
+    cache_dir: str | None = setting("CACHE_DIR", None, _parse_opt_str,
+        "where converted models live; empty = ~/.cache/llm_core")
+    hf_token: str | None = setting("HF_TOKEN", None, _parse_opt_str,
+        "token for gated/private models; never logged or shown", secret=True)
+
+    @property
+    def use_double_quant(self) -> bool:
+        return self.quantization in ("nf4", "fp4") and self.double_quant is not False
+
+    @property
+    def display_name(self) -> str:
+        return self.model_id or "SmolLM2-135M-Instruct (embedded)"
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = setting("MAX_NEW_TOKENS", 256, _parse_int,
+        f"default reply length cap in tokens ({MAX_NEW_TOKENS_RANGE[0]}-{MAX_NEW_TOKENS_RANGE[1]})")
+    do_sample: bool = setting("DO_SAMPLE", False, _parse_bool,
+        "false = greedy decoding")
+    temperature: float = setting("TEMPERATURE", 0.7, _parse_float,
+        "sampling temperature (DO_SAMPLE only)")
+    top_p: float = setting("TOP_P", 0.95, _parse_float,
+        "nucleus sampling mass (DO_SAMPLE only)")
+    top_k: int = setting("TOP_K", 50, _parse_int,
+        "top-k sampling, 0 = off (DO_SAMPLE only)")
+    repetition_penalty: float = setting("REPETITION_PENALTY", 1.05, _parse_float,
+        "1.0 = off; 1.05 discourages loops")
+    seed: int | None = setting("SEED", None, _parse_opt_int,
+        "random seed for sampling; empty = random")
+    stream_timeout_s: float = setting("STREAM_TIMEOUT_S", 120.0, _parse_float,
+        "fail a reply when no token arrives for this many seconds")
+    kv_cache: str = setting("KV_CACHE", "dynamic", _parse_choice(KV_CACHE_MODES),
+        "dynamic | quantized (4-bit KV, ~3.5x more context, slower) | offload (KV in CPU RAM: last resort)")
+    # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
+    # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
+    min_new_tokens: int = 0
+
+    def validate(self) -> GenerationSettings:
+        _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
+        _check_range("min_new_tokens", self.min_new_tokens, (0, MAX_NEW_TOKENS_RANGE[1]))
+        _check_range("TEMPERATURE", self.temperature, TEMPERATURE_RANGE)
+        _check_range("TOP_P", self.top_p, TOP_P_RANGE)
+        _check_range("TOP_K", self.top_k, TOP_K_RANGE)
+        _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
+        if self.do_sample and self.temperature <= 0:
+            raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
+        if self.stream_timeout_s <= 0:
+            raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
+        _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)
+        return self
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system_prompt: str = setting("SYSTEM_PROMPT", "You are a helpful assistant.", _parse_str,
+        "system prompt of new conversations")
+    history_turns: int = setting("HISTORY_TURNS", 8, _parse_int,
+        f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})")
+    # also the Compare prompt's limit
+    max_message_chars: int = setting("MAX_MESSAGE_CHARS", 16_000, _parse_int,
+        "longest accepted user message")
+    max_system_prompt_chars: int = setting("MAX_SYSTEM_PROMPT_CHARS", 8_000, _parse_int,
+        "longest accepted system prompt (checked before anything is tokenized)")
+    max_history_messages: int = setting("MAX_HISTORY_MESSAGES", 256, _parse_int,
+        "most messages accepted in a request's history (older turns are trimmed anyway)")
+    max_history_chars: int = setting("MAX_HISTORY_CHARS", 256_000, _parse_int,
+        "most characters of text accepted in a request's history")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = setting("HOST", "127.0.0.1", _parse_str,
+        "address to bind; 127.0.0.1 keeps the demo local; unset: GRADIO_SERVER_NAME if set")
+    port: int = setting("PORT", 7860, _parse_int,
+        "port to serve on; unset: GRADIO_SERVER_PORT if set")
+    share: bool = setting("SHARE", False, _parse_bool,
+        "create a public gradio.live link")
+    auth: str | None = setting("AUTH", None, _parse_opt_str,
+        "user:password[,user2:password2] required to open the demo", secret=True)
+    queue_size: int = setting("QUEUE_SIZE", 64, _parse_int,
+        "requests waiting at most; more are refused")
+    mcp_server: bool = setting("MCP_SERVER", False, _parse_bool,
+        "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
+        "GRADIO_MCP_SERVER if set")
+    max_batch_size: int | None = setting("MAX_BATCH_SIZE", None, _parse_opt_int,
+        f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
+        "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time")
+    session_max_waiting: int = setting("SESSION_MAX_WAITING", 1, _parse_int,
+        "requests one session (tab / API client) may have waiting beside its running reply; more are "
+        "refused, and a free slot goes to the session served least recently")
+    allow_open_host: bool = setting("ALLOW_OPEN_HOST", False, _parse_bool,
+        "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)")
+    login_max_failures: int = setting("LOGIN_MAX_FAILURES", 5, _parse_int,
+        "failed logins one client address may make per LOGIN_WINDOW_S before it must wait")
+    login_window_s: float = setting("LOGIN_WINDOW_S", 60.0, _parse_float,
+        "seconds the login failure count spans")
+    export_ttl_s: float = setting("EXPORT_TTL_S", 3600.0, _parse_float,
+        "exported stats files are deleted after this many seconds, and when their session ends")
+
+    @property
+    def is_shared(self) -> bool:
+        """Reachable by others (public link, login, or bound beyond loopback): expect several users at once."""
+        return self.share or self.auth is not None or self.host not in LOOPBACK_HOSTS
+
+    @property
+    def is_open(self) -> bool:
+        """Reachable beyond this machine (a non-loopback HOST or a SHARE link) with no login in front."""
+        return self.auth is None and (self.share or self.host not in LOOPBACK_HOSTS)
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    # device bytes the process may use in total; None = free after load - margin
+    budget_bytes: int | None = setting("VRAM_BUDGET", None, parse_bytes,
+        "memory a reply may use in total, weights included, e.g. 7.5GiB; empty = free after load - margin")
+    # kept free when the budget is derived; None = 512 MiB on CUDA, 1 GiB on CPU
+    margin_bytes: int | None = setting("MEMORY_MARGIN", None, parse_bytes,
+        "kept free when VRAM_BUDGET is derived; empty = 512MiB on CUDA, 1GiB on CPU")
+    # long prompts are prefilled in chunks of this size (flat peak); 0 = off; None = auto
+    # (llm_core.memory.plan.resolve_prefill_chunk_tokens)
+    prefill_chunk_tokens: int | None = setting("PREFILL_CHUNK_TOKENS", None, _parse_auto_int,
+        "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off; auto (default) = "
+        f"{DEFAULT_PREFILL_CHUNK_TOKENS}, or {SMALL_CARD_PREFILL_CHUNK_TOKENS} where memory bounds the KV "
+        "cache (small cards)")
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    models: tuple[str, ...] = setting("COMPARE_MODELS", (), _parse_list,
+        "comma-separated HF ids / folders the Compare view may load besides the served model")
+    modes: tuple[str, ...] = setting("COMPARE_MODES", COMPARE_MODES, _parse_list,
+        "quantization presets offered in the Compare view: " + ", ".join(COMPARE_MODES))
+    allow_custom_models: bool = setting("ALLOW_CUSTOM_MODELS", False, _parse_bool,
+        "let users type model folders (inside MODEL_DIRS) or Hub ids (with ALLOW_DOWNLOADS) in the Compare "
+        "view (off: only the configured list)")
+    # folders typed paths must lie in (resolved, symlinks followed)
+    model_dirs: tuple[str, ...] = setting("MODEL_DIRS", (), _parse_list,
+        "comma-separated folders a typed model path must lie in (ALLOW_CUSTOM_MODELS); empty = none")
+    allow_downloads: bool = setting("ALLOW_DOWNLOADS", False, _parse_bool,
+        "let a typed Hub id be downloaded (ALLOW_CUSTOM_MODELS; uses HF_TOKEN if set)")
+    max_loaded: int = setting("COMPARE_MAX_LOADED", 3, _parse_int,
+        "model configurations the Compare view keeps loaded at most (least recently used unloaded first)")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    engine: str = setting("ENGINE", "local", _parse_choice(ENGINES),
+        "local = load MODEL_ID here; openai = chat through the OpenAI-compatible server at OPENAI_BASE_URL")
+    base_url: str | None = setting("OPENAI_BASE_URL", None, _parse_opt_str,
+        "a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, this demo), e.g. "
+        "http://127.0.0.1:8000/v1; also offered in the Compare view when set")
+    api_key: str | None = setting("OPENAI_API_KEY", None, _parse_opt_str,
+        "API key for OPENAI_BASE_URL (empty = none); never logged or shown", secret=True)
+    model: str | None = setting("OPENAI_MODEL", None, _parse_opt_str,
+        "model id on OPENAI_BASE_URL; empty = the first model the server lists")
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings = field(default_factory=ModelSettings)
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    compare: CompareSettings = field(default_factory=CompareSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    remote: RemoteSettings = field(default_factory=RemoteSettings)
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        env_file: str | os.PathLike[str] | None = ".env",
+        overrides: Mapping[str, Any] | None = None,
+    ) -> Settings:
+        """Build validated settings. `overrides` are keyed by setting name (e.g. "MODEL_ID") and win."""
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        if env_file is not None and Path(env_file).is_file():
+            raw.update(read_env_file(env_file))
+        raw.update({k: v for k, v in environ.items() if k in SPEC_BY_NAME})
+        for key, value in (overrides or {}).items():
+            if key not in SPEC_BY_NAME:
+                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
+            if value is not None:
+                raw[key] = value
+        for ours, gradios in GRADIO_FALLBACKS:  # Gradio's (and Spaces') own variables, where ours are not set
+            if ours not in raw and str(environ.get(gradios, "")).strip():
+                raw[ours] = environ[gradios]
+        return cls.from_mapping(raw)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> Settings:
+        sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        for key, value in raw.items():
+            spec = SPEC_BY_NAME.get(key)
+            if spec is None:
+                raise SettingsError(f"Unknown setting {key!r}. Known settings: {', '.join(SPEC_BY_NAME)}.")
+            sections[spec.section][spec.attr] = spec.parse(key, value)
+        settings = cls(**{name: _SECTIONS[name](**values) for name, values in sections.items()})
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        m = self.model
+        _check_choice("QUANTIZATION", m.quantization, QUANTIZATION_MODES)
+        _check_choice("COMPUTE_DTYPE", m.compute_dtype, DTYPES)
+        _check_choice("ATTN_IMPLEMENTATION", m.attn_implementation, ATTN_IMPLEMENTATIONS)
+        _check_choice("DEVICE", m.device, DEVICES)
+        _check_choice("DECODE_PATH", m.decode_path, DECODE_PATHS)
+        if m.double_quant and m.quantization not in ("nf4", "fp4"):
+            raise SettingsError(
+                f"DOUBLE_QUANT applies to 4-bit modes only, but QUANTIZATION={m.quantization}; "
+                "remove DOUBLE_QUANT or choose QUANTIZATION=nf4/fp4."
+            )
+        if m.quantization == "int8" and m.compute_dtype not in ("auto", "float16"):
+            raise SettingsError("QUANTIZATION=int8 computes in float16; set COMPUTE_DTYPE=auto or float16.")
+        if m.max_memory is not None:
+            parse_max_memory(m.max_memory)
+        self.generation.validate()
+        _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
+        _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
+        _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
+        _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)
+        _check_range("MAX_SYSTEM_PROMPT_CHARS", self.chat.max_system_prompt_chars, MAX_SYSTEM_PROMPT_CHARS_RANGE)
+        _check_range("SESSION_MAX_WAITING", self.server.session_max_waiting, SESSION_MAX_WAITING_RANGE)
+        _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
+        if not self.server.login_window_s > 0:
+            raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
+        if not self.server.export_ttl_s > 0:
+            raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
+        _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
+        if self.server.max_batch_size is not None:
+            _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
+        if not 0 < self.server.port < 65536:
+            raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
+        if self.server.auth is not None:
+            parse_auth(self.server.auth)
+        for mode in self.compare.modes:
+            _check_choice("COMPARE_MODES", mode, COMPARE_MODES)
+        if self.model.prefill_graph_tokens is not None and self.model.prefill_graph_tokens < 0:
+            raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
+        if self.memory.prefill_chunk_tokens is not None and self.memory.prefill_chunk_tokens < 0:
+            raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
+        _check_choice("ENGINE", self.remote.engine, ENGINES)
+        url = self.remote.base_url
+        if url is not None and not url.startswith(("http://", "https://")):
+            raise SettingsError(f"OPENAI_BASE_URL must start with http:// or https://, got {url!r}; write e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
+        if self.remote.engine == "openai" and url is None:
+            raise SettingsError("ENGINE=openai needs OPENAI_BASE_URL, the server's OpenAI API root, e.g. "
+                                "OPENAI_BASE_URL=http://127.0.0.1:8000/v1.")
+
+    def replace(self, **section_updates: Mapping[str, Any]) -> Settings:
+        """Copy with updated fields, e.g. settings.replace(model={"quantization": "none"})."""
+        kwargs = {name: dataclasses.replace(getattr(self, name), **upd) for name, upd in section_updates.items()}
+        new = dataclasses.replace(self, **kwargs)
+        new.validate()
+        return new
+
+
 @dataclass(frozen=True)
 class SettingSpec:
     name: str  # environment variable / .env key; the CLI flag is --name-in-kebab-case
@@ -450,115 +527,16 @@ class SettingSpec:
         return ",".join(default) if isinstance(default, tuple) else default
 
 
-SPECS: tuple[SettingSpec, ...] = (
-    SettingSpec("MODEL_ID", "model", "model_id", _parse_opt_str,
-                "HF model id or local folder; empty = the embedded SmolLM2-135M-Instruct"),
-    SettingSpec("MODEL_REVISION", "model", "revision", _parse_opt_str, "branch, tag or commit of MODEL_ID"),
-    SettingSpec("QUANTIZATION", "model", "quantization", _parse_choice(QUANTIZATION_MODES),
-                "nf4 | fp4 | int8 (bitsandbytes) | none (plain weights in COMPUTE_DTYPE)"),
-    SettingSpec("DOUBLE_QUANT", "model", "double_quant", _parse_opt_bool,
-                "nf4/fp4 only (empty = on): also quantize the quantization constants (~0.4 bit/weight saved)"),
-    SettingSpec("COMPUTE_DTYPE", "model", "compute_dtype", _parse_choice(DTYPES),
-                "auto = bfloat16 where the device supports it, else float16 (float32 on CPU for none)"),
-    SettingSpec("ATTN_IMPLEMENTATION", "model", "attn_implementation", _parse_choice(ATTN_IMPLEMENTATIONS),
-                "sdpa | eager | flash_attention_2 (falls back to sdpa with a notice when not installed)"),
-    SettingSpec("DEVICE", "model", "device", _parse_choice(DEVICES), "auto = cuda when available, else cpu"),
-    SettingSpec("MAX_MEMORY", "model", "max_memory", _parse_opt_str,
-                "per-device caps, e.g. 0=6GiB,cpu=24GiB; enables CPU offload (slow: last resort)"),
-    SettingSpec("TRUST_REMOTE_CODE", "model", "trust_remote_code", _parse_bool,
-                "run Python code shipped with the model repo (off unless you trust it)"),
-    SettingSpec("DECODE_PATH", "model", "decode_path", _parse_choice(DECODE_PATHS),
-                "auto = fast static-cache path where it can run (CUDA: compiled + CUDA graphs; CPU: int4/int8 "
-                "weight-only + compiled, the cpu path), else plain generate; cpu = the CPU path or an error"),
-    SettingSpec("PREFILL_GRAPH_TOKENS", "model", "prefill_graph_tokens", _parse_auto_int,
-                "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
-                f"the graphs hold ~0.3 GB on a 7B model); 0 = off; auto (default) = {DEFAULT_PREFILL_GRAPH_TOKENS}, "
-                f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards)"),
-    SettingSpec("CACHE_DIR", "model", "cache_dir", _parse_opt_str,
-                "where converted models live; empty = ~/.cache/llm_core"),
-    SettingSpec("HF_TOKEN", "model", "hf_token", _parse_opt_str,
-                "token for gated/private models; never logged or shown", secret=True),
-    SettingSpec("MAX_NEW_TOKENS", "generation", "max_new_tokens", _parse_int,
-                f"default reply length cap in tokens ({MAX_NEW_TOKENS_RANGE[0]}-{MAX_NEW_TOKENS_RANGE[1]})"),
-    SettingSpec("DO_SAMPLE", "generation", "do_sample", _parse_bool, "false = greedy decoding"),
-    SettingSpec("TEMPERATURE", "generation", "temperature", _parse_float, "sampling temperature (DO_SAMPLE only)"),
-    SettingSpec("TOP_P", "generation", "top_p", _parse_float, "nucleus sampling mass (DO_SAMPLE only)"),
-    SettingSpec("TOP_K", "generation", "top_k", _parse_int, "top-k sampling, 0 = off (DO_SAMPLE only)"),
-    SettingSpec("REPETITION_PENALTY", "generation", "repetition_penalty", _parse_float,
-                "1.0 = off; 1.05 discourages loops"),
-    SettingSpec("SEED", "generation", "seed", _parse_opt_int, "random seed for sampling; empty = random"),
-    SettingSpec("STREAM_TIMEOUT_S", "generation", "stream_timeout_s", _parse_float,
-                "fail a reply when no token arrives for this many seconds"),
-    SettingSpec("KV_CACHE", "generation", "kv_cache", _parse_choice(KV_CACHE_MODES),
-                "dynamic | quantized (4-bit KV, ~3.5x more context, slower) | offload (KV in CPU RAM: last resort)"),
-    SettingSpec("VRAM_BUDGET", "memory", "budget_bytes", parse_bytes,
-                "memory a reply may use in total, weights included, e.g. 7.5GiB; empty = free after load - margin"),
-    SettingSpec("MEMORY_MARGIN", "memory", "margin_bytes", parse_bytes,
-                "kept free when VRAM_BUDGET is derived; empty = 512MiB on CUDA, 1GiB on CPU"),
-    SettingSpec("PREFILL_CHUNK_TOKENS", "memory", "prefill_chunk_tokens", _parse_auto_int,
-                "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off; auto (default) = "
-                f"{DEFAULT_PREFILL_CHUNK_TOKENS}, or {SMALL_CARD_PREFILL_CHUNK_TOKENS} where memory bounds the KV "
-                "cache (small cards)"),
-    SettingSpec("SYSTEM_PROMPT", "chat", "system_prompt", _parse_str, "system prompt of new conversations"),
-    SettingSpec("HISTORY_TURNS", "chat", "history_turns", _parse_int,
-                f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})"),
-    SettingSpec("MAX_MESSAGE_CHARS", "chat", "max_message_chars", _parse_int, "longest accepted user message"),
-    SettingSpec("MAX_HISTORY_MESSAGES", "chat", "max_history_messages", _parse_int,
-                "most messages accepted in a request's history (older turns are trimmed anyway)"),
-    SettingSpec("MAX_HISTORY_CHARS", "chat", "max_history_chars", _parse_int,
-                "most characters of text accepted in a request's history"),
-    SettingSpec("MAX_SYSTEM_PROMPT_CHARS", "chat", "max_system_prompt_chars", _parse_int,
-                "longest accepted system prompt (checked before anything is tokenized)"),
-    SettingSpec("HOST", "server", "host", _parse_str,
-                "address to bind; 127.0.0.1 keeps the demo local; unset: GRADIO_SERVER_NAME if set"),
-    SettingSpec("PORT", "server", "port", _parse_int, "port to serve on; unset: GRADIO_SERVER_PORT if set"),
-    SettingSpec("SHARE", "server", "share", _parse_bool, "create a public gradio.live link"),
-    SettingSpec("AUTH", "server", "auth", _parse_opt_str,
-                "user:password[,user2:password2] required to open the demo", secret=True),
-    SettingSpec("QUEUE_SIZE", "server", "queue_size", _parse_int, "requests waiting at most; more are refused"),
-    SettingSpec("MCP_SERVER", "server", "mcp_server", _parse_bool,
-                "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
-                "GRADIO_MCP_SERVER if set"),
-    SettingSpec("MAX_BATCH_SIZE", "server", "max_batch_size", _parse_opt_int,
-                f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
-                "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
-    SettingSpec("SESSION_MAX_WAITING", "server", "session_max_waiting", _parse_int,
-                "requests one session (tab / API client) may have waiting beside its running reply; more are "
-                "refused, and a free slot goes to the session served least recently"),
-    SettingSpec("ALLOW_OPEN_HOST", "server", "allow_open_host", _parse_bool,
-                "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)"),
-    SettingSpec("LOGIN_MAX_FAILURES", "server", "login_max_failures", _parse_int,
-                "failed logins one client address may make per LOGIN_WINDOW_S before it must wait"),
-    SettingSpec("LOGIN_WINDOW_S", "server", "login_window_s", _parse_float, "seconds the login failure count spans"),
-    SettingSpec("EXPORT_TTL_S", "server", "export_ttl_s", _parse_float,
-                "exported stats files are deleted after this many seconds, and when their session ends"),
-    SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,
-                "comma-separated HF ids / folders the Compare view may load besides the served model"),
-    SettingSpec("COMPARE_MODES", "compare", "modes", _parse_list,
-                "quantization presets offered in the Compare view: " + ", ".join(COMPARE_MODES)),
-    SettingSpec("ALLOW_CUSTOM_MODELS", "compare", "allow_custom_models", _parse_bool,
-                "let users type model folders (inside MODEL_DIRS) or Hub ids (with ALLOW_DOWNLOADS) in the Compare "
-                "view (off: only the configured list)"),
-    SettingSpec("MODEL_DIRS", "compare", "model_dirs", _parse_list,
-                "comma-separated folders a typed model path must lie in (ALLOW_CUSTOM_MODELS); empty = none"),
-    SettingSpec("ALLOW_DOWNLOADS", "compare", "allow_downloads", _parse_bool,
-                "let a typed Hub id be downloaded (ALLOW_CUSTOM_MODELS; uses HF_TOKEN if set)"),
-    SettingSpec("COMPARE_MAX_LOADED", "compare", "max_loaded", _parse_int,
-                "model configurations the Compare view keeps loaded at most (least recently used unloaded first)"),
-    SettingSpec("ENGINE", "remote", "engine", _parse_choice(ENGINES),
-                "local = load MODEL_ID here; openai = chat through the OpenAI-compatible server at OPENAI_BASE_URL"),
-    SettingSpec("OPENAI_BASE_URL", "remote", "base_url", _parse_opt_str,
-                "a running OpenAI-compatible server (vLLM, SGLang, llama.cpp, this demo), e.g. "
-                "http://127.0.0.1:8000/v1; also offered in the Compare view when set"),
-    SettingSpec("OPENAI_API_KEY", "remote", "api_key", _parse_opt_str,
-                "API key for OPENAI_BASE_URL (empty = none); never logged or shown", secret=True),
-    SettingSpec("OPENAI_MODEL", "remote", "model", _parse_opt_str,
-                "model id on OPENAI_BASE_URL; empty = the first model the server lists"),
+# Section order is the order settings appear in .env.example and the CLI's help.
+_SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "memory": MemorySettings,
+                              "chat": ChatSettings, "server": ServerSettings, "compare": CompareSettings,
+                              "remote": RemoteSettings}
+SPECS: tuple[SettingSpec, ...] = tuple(
+    SettingSpec(f.metadata["setting"]["name"], section, f.name, f.metadata["setting"]["parser"],
+                f.metadata["setting"]["help"], f.metadata["setting"]["secret"])
+    for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls) if "setting" in f.metadata
 )
 SPEC_BY_NAME: dict[str, SettingSpec] = {s.name: s for s in SPECS}
-_SECTIONS: dict[str, type] = {"model": ModelSettings, "generation": GenerationSettings, "chat": ChatSettings,
-                              "server": ServerSettings, "compare": CompareSettings, "memory": MemorySettings,
-                              "remote": RemoteSettings}
 
 
 def env_example() -> str:

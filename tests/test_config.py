@@ -90,3 +90,19 @@ def test_every_setting_has_a_flag_and_flags_reach_settings() -> None:
     assert (s.model.quantization, s.server.share, s.generation.max_new_tokens) == ("fp4", True, 64)
     with pytest.raises(SystemExit):
         parse_args(["--no-such-flag", "1"])
+
+
+def test_each_setting_is_declared_once_on_its_field() -> None:
+    """SPECS is derived from the dataclass fields: one spec per field, names unique, defaults from the field."""
+    import dataclasses
+
+    from llm_core.config import _SECTIONS
+
+    declared = [(section, f.name) for section, cls in _SECTIONS.items() for f in dataclasses.fields(cls)
+                if "setting" in f.metadata]
+    assert [(s.section, s.attr) for s in SPECS] == declared
+    assert len({s.name for s in SPECS}) == len(SPECS)
+    defaults = Settings()
+    for spec in SPECS:
+        value = getattr(getattr(defaults, spec.section), spec.attr)
+        assert spec.default() == (",".join(value) if isinstance(value, tuple) else value)
