@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, percentile
+from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, percentile
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
 
@@ -208,7 +208,7 @@ class Bench:
     def run(self) -> None:
         a = self.args
         t_all = time.perf_counter()
-        if not (self.ckpt / "config.json").is_file():
+        if not checkpoint_ready(self.ckpt):
             t = time.perf_counter()
             shape = "tiny" if a.smoke else a.arch
             make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")

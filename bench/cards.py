@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from bench.harness import Recorder, make_random_checkpoint
+from bench.harness import Recorder, checkpoint_ready, make_random_checkpoint
 
 GiB = 2**30
 
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         folder = args.ckpt_dir / f"{case.model}-{case.positions}"
         try:
-            if not (folder / "config.json").is_file():
+            if not checkpoint_ready(folder):
                 t = time.perf_counter()
                 make_random_checkpoint(case.model, folder, torch.device(SCALE.device), case.positions)
                 rec.add(what="checkpoint", model=case.model, positions=case.positions,

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
-from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, median
+from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, median
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, PreparedPrompt, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
@@ -319,7 +319,7 @@ class CompareBench:
         # The context length is part of the name: it sizes the engine's static cache, so a checkpoint of another
         # length (e.g. bench.decode's, 16k, in a shared work dir) must not be picked up.
         folder = self.work / f"ckpt-{self.arch}-ctx{positions}"
-        if not (folder / "config.json").is_file():
+        if not checkpoint_ready(folder):
             t0 = time.perf_counter()
             make_random_checkpoint(self.arch, folder, self.device, positions)
             free_memory(self.device)

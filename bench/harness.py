@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,22 @@ def percentile(values: list[float], q: float) -> float | None:
 # --- random-weight checkpoints -------------------------------------------------------------------------------
 
 
+CHECKPOINT_DONE = ".complete"  # written last: a folder without it is half-written (a full disk, a killed run)
+
+
+def checkpoint_ready(folder: Path) -> bool:
+    """A checkpoint make_random_checkpoint finished; a folder with config.json but no weights is not one."""
+    return (folder / CHECKPOINT_DONE).is_file()
+
+
 def make_random_checkpoint(arch: str | dict[str, Any], folder: Path, device: torch.device, max_positions: int,
                            *, tokenizer: str = "word") -> Path:
     """A random-weight llama of a named shape (RANDOM_ARCHS) or a given one, saved as bf16 safetensors with a
     tokenizer, so every recipe loads it exactly as it loads a real checkpoint.
 
     tokenizer="word": word-level, "t<id>" <-> id exactly (prompts of a chosen length; bench.compare_bench's
-    prompt_ids); "chatml": byte-level BPE with a ChatML template, so real text chats go through ChatEngine."""
+    prompt_ids); "chatml": byte-level BPE with a ChatML template, so real text chats go through ChatEngine.
+    Written into a ".partial" folder first and renamed when whole, so `checkpoint_ready` never sees half of one."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     shape = dict(RANDOM_ARCHS[arch] if isinstance(arch, str) else arch)
@@ -122,12 +132,17 @@ def make_random_checkpoint(arch: str | dict[str, Any], folder: Path, device: tor
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=pad)
-    model.save_pretrained(folder, safe_serialization=True)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
     del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    _tokenizer(tokenizer, int(cfg.vocab_size)).save_pretrained(folder)
+    _tokenizer(tokenizer, int(cfg.vocab_size)).save_pretrained(partial)
+    (partial / CHECKPOINT_DONE).write_text("ok\n")
+    shutil.rmtree(folder, ignore_errors=True)  # a half-written one from an earlier run
+    partial.rename(folder)
     return folder
 
 
