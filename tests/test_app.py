@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 
-from app import EMBEDDED_CHOICE as EMBEDDED
-from app import NO_SIDE, build_demo, launch
+from app import launch
 from llm_core.engine.chat import ChatEngine
+from ui import build_demo
+from ui.common import EMBEDDED_CHOICE as EMBEDDED
+from ui.compare import NO_SIDE
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",

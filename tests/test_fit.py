@@ -116,7 +116,7 @@ def test_fit_cli_on_the_embedded_models_config(capsys: pytest.CaptureFixture[str
 
 
 def test_app_fit_panel_answers_in_markdown() -> None:
-    from app import fit_answer
+    from ui.fit import fit_answer
 
     text = fit_answer(None, 8, "nf4", "quantized", 256, cache_dir=str(MODEL_CACHE))
     assert "Fast-path KV cache" in text and "Longest prompt" in text and torch is not None

@@ -12,13 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from app import build_demo, check_mcp_support, launch
+from app import check_mcp_support, launch
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import EnginePool
 from llm_core.errors import SettingsError
 from tests.conftest import MODEL_CACHE
 from tests.test_app import CHROMIUM, CHROMIUM_FLAGS, free_port
+from ui import build_demo
 
 
 def settings_from(environ: dict[str, str], env_file: Path | None = None, **flags: Any) -> Settings:
@@ -152,13 +153,13 @@ def test_empty_message_is_a_warning_and_the_conversation_stays_in_view(served_on
 
 
 def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
-    from app import _summary_bars
+    from ui.compare import summary_bars
 
     long_label = "/models/meta-llama/Llama-3.1-8B-Instruct-with-a-long-folder-name · int8 · eager"
     rows = [{"configuration": long_label, "decode_tokens_per_s": 28.0, "ttft_ms": 50.0, "peak_memory_mib": 900.0},
             {"configuration": "embedded · <b>none</b> · sdpa", "decode_tokens_per_s": 20.0, "ttft_ms": None,
              "peak_memory_mib": 300.0}]
-    page = _summary_bars(rows)
+    page = summary_bars(rows)
     speed = page.split('data-metric="decode_tokens_per_s"')[1].split('data-metric="ttft_ms"')[0]
     widths = [float(w) for w in re.findall(r'class="bar" data-value="[^"]*" style="width:([\d.]+)%', speed)]
     assert widths == [100.0, pytest.approx(100 * 20 / 28, abs=0.01)]  # 28 vs 20 drawn as 28 vs 20: from zero
@@ -168,20 +169,20 @@ def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
 
 
 def test_session_stats_plot_one_series_per_configuration_with_whole_reply_numbers() -> None:
-    from app import _history_frame, _history_plot
+    from ui.stats import history_frame, history_plot
 
     base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "dynamic",
             "decode_tokens_per_s": 10.0, "peak_rss_bytes": 2**30}
     remote = {"model": "SmolLM2-135M-Instruct", "quantization": "remote", "attention": "", "decode_path": "remote"}
-    assert _history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it
+    assert history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it
     rows = [{**base, "quantization": "nf4", "double_quant": True}, {**base, "quantization": "none"},
             {**base, "quantization": "nf4", "double_quant": False},
             {**base, "quantization": "nf4", "double_quant": True}]
-    frame = _history_frame(rows)
+    frame = history_frame(rows)
     assert list(frame["reply"]) == ["1", "2", "3", "4"]
     assert list(frame["configuration"]) == ["embedded · nf4 · sdpa", "embedded · none · sdpa",
                                             "embedded · nf4-nodq · sdpa", "embedded · nf4 · sdpa"]
-    plot = _history_plot(frame)
+    plot = history_plot(frame)
     assert plot.sort == ["1", "2", "3", "4"]
     assert plot.value["datatypes"]["reply"] == "nominal"  # whole numbers as categories, never 1.5 on the axis
 
