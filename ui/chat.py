@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gradio as gr
@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from llm_core.config import ChatSettings
 from llm_core.errors import InputError, LLMCoreError
 from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, content_to_text, turns_from_messages
+from llm_core.metrics import ReplyStats
 
 from .common import PROGRESS, ChatHistory, Options, PageContext, add_rows, gen_options, session, stats_json, whole
 from .errors import user_error
@@ -101,15 +102,22 @@ class ChatHandlers:
             for update in stream:
                 shown[-1] = {"role": "assistant", "content": update.text}
                 done = update.done
-                yield gr.skip(), shown, format_stats(update.stats, live=not done), (
-                    stats_json(update.stats) if done else gr.skip()), (
-                    add_rows(rows, [update.stats]) if done else gr.skip())
+                stats = self._with_others_share(update.stats) if done else update.stats
+                yield gr.skip(), shown, format_stats(stats, live=not done), (
+                    stats_json(stats) if done else gr.skip()), (add_rows(rows, [stats]) if done else gr.skip())
         except LLMCoreError as exc:
             note = {"role": "assistant", "content": str(exc), "metadata": {"title": ERROR_TITLE}}
             shown = [*shown[:-1], *([shown[-1]] if update.text else []), note]
-            yield gr.skip(), shown, format_stats(update.stats, live=False), stats_json(update.stats), add_rows(
-                rows, [update.stats])
+            stats = self._with_others_share(update.stats)
+            yield gr.skip(), shown, format_stats(stats, live=False), stats_json(stats), add_rows(rows, [stats])
             raise user_error(exc) from None
+
+    def _with_others_share(self, stats: ReplyStats) -> ReplyStats:
+        """The reply's stats with the share of the process peak that other loaded engines (Compare's) held."""
+        if stats.decode_path == "remote":
+            return stats
+        pool = self.ctx.pool
+        return replace(stats, others_resident_bytes=pool.others_resident_bytes(pool.primary_config))
 
     def regenerate(self, history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
                    do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,

@@ -45,7 +45,8 @@ def remote_choice(settings: Settings) -> str | None:
 
 
 def header(report: Any) -> str:
-    return f"## Local LLM demo · {report.model} · {report.quantization} · {report.device_name}"
+    quantization = getattr(report, "quantization_label", report.quantization)  # a remote engine's is "remote"
+    return f"## Local LLM demo · {report.model} · {quantization} · {report.device_name}"
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ SUMMARY_COLUMNS = ["configuration", "ttft_ms", "decode_tokens_per_s", "new_token
                    "load_s"]
 BAR_METRICS = (("decode_tokens_per_s", "Decode tokens/s", "higher is faster", "{:,.1f}"),
                ("ttft_ms", "Time to first token (ms)", "lower is faster", "{:,.0f}"),
-               ("peak_memory_mib", "Peak memory (MiB), this configuration's own", "lower is smaller", "{:,.0f}"))
+               ("peak_memory_mib", "Peak memory (MiB)", "lower is smaller", "{:,.1f}"))
 
 
 def default_sides(settings: Settings) -> list[tuple[str | None, str]]:
@@ -95,6 +95,8 @@ class CompareHandler:
                     side_stats[step.index] = format_stats(step.update.stats, live=not step.update.done)
                 elif not step.done:
                     side_stats[step.index] = f"*Loading / starting {step.config.label}…*"
+                for i, result in enumerate(step.results):  # a finished side: its stats as the comparison counted them
+                    side_stats[i] = format_stats(result.stats)
                 summary = [r.summary_row() for r in step.results]
                 yield (*texts, *side_stats, summary_frame(summary), summary_bars(summary),
                        step.difference or "\n".join(f"*{n}*" for n in notes),

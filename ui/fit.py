@@ -11,21 +11,22 @@ from llm_core.engine.compare import allowed_models
 from llm_core.errors import LLMCoreError
 
 from .common import model_choice, model_id
-from .errors import user_error
+from .errors import user_error, warn_on_bad_input
 
 FIT_CARDS_GIB = (8, 12, 16, 24, 48, 80)
 
 
 def fit_answer(choice: str | None, card_gib: Any, quantization: str, kv_cache: str, max_new_tokens: Any,
                cache_dir: str | None = None) -> str:
-    """The "Will it fit?" panel's answer (Markdown) for a model of the served/Compare list or a typed one."""
-    from llm_core.fit import fit_config, load_config
+    """The "Will it fit?" panel's answer (Markdown) for a model of the served/Compare list or a typed one. Every
+    input is checked by llm_core.fit (a card size it cannot read, new tokens below 1: InputError)."""
+    from llm_core.fit import card_bytes_of, fit_config, load_config
 
-    model = model_id(choice) or ""
     try:
-        config = load_config(model, cache_dir=cache_dir)
-        report = fit_config(config, int(float(card_gib) * 2**30), model=choice or "embedded model",
-                            quantization=quantization, kv_cache=kv_cache, max_new_tokens=int(max_new_tokens))
+        card_bytes = card_bytes_of(card_gib)
+        config = load_config(model_id(choice) or "", cache_dir=cache_dir)
+        report = fit_config(config, card_bytes, model=choice or "embedded model", quantization=quantization,
+                            kv_cache=kv_cache, max_new_tokens=max_new_tokens)
     except LLMCoreError as exc:
         raise user_error(exc) from None
     return report.to_markdown()
@@ -50,9 +51,12 @@ def build_fit_tab(settings: Settings) -> None:
             new_tokens = gr.Number(value=settings.generation.max_new_tokens, precision=0, label="Max new tokens",
                                    elem_id="fit-new")
         button = gr.Button("Will it fit?", elem_id="fit-run")
+        api_fit = gr.Button(visible=False, elem_id="api-fit")  # the /fit endpoint: bad input fails the call
         answer = gr.Markdown(elem_id="fit-answer")
 
     def answer_fit(choice: str | None, card_gib: Any, quant: str, kv: str, new: Any) -> str:
         return fit_answer(choice, card_gib, quant, kv, new, cache_dir=settings.model.cache_dir)
 
-    button.click(answer_fit, [model, card, quantization, kv_cache, new_tokens], answer, api_name="fit")
+    inputs = [model, card, quantization, kv_cache, new_tokens]
+    button.click(warn_on_bad_input(answer_fit), inputs, answer, api_name="fit_in_page", api_visibility="private")
+    api_fit.click(answer_fit, inputs, answer, api_name="fit")

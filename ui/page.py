@@ -18,6 +18,11 @@ from .fit import build_fit_tab
 from .model import current_model
 from .stats import StatsTab, build_stats_tab, show_history
 
+# The label column of the key-value tables (Model panel, stats panels, fit answer): Gradio's tables break words
+# anywhere to fit, which split a narrow column's labels mid-word ("Sourc e"); labels stay whole, values wrap.
+PAGE_CSS = ("#model-info td:first-child, #stats td:first-child, [id^=compare-stats-] td:first-child, "
+            "#fit-answer td:first-child { white-space: nowrap; overflow-wrap: normal; word-break: normal; }")
+
 
 def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:
     """The whole UI: Chat, Compare, Will it fit? and Session stats tabs. Conversation state lives in each browser
@@ -28,6 +33,7 @@ def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None 
     ttl_s = int(settings.server.export_ttl_s)
     # Gradio keeps its own copy of each served file: delete_cache drops those after the same time.
     with gr.Blocks(title="Local LLM demo", fill_height=True, delete_cache=(min(ttl_s, 600), ttl_s)) as demo:
+        gr.HTML(f"<style>{PAGE_CSS}</style>", elem_id="page-css", container=False, padding=False)
         page_header = gr.Markdown(header(report), elem_id="header")
         stats_history = gr.State([])
         chat = build_chat_tab(ctx, report, page_header)

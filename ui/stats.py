@@ -9,7 +9,7 @@ from typing import Any
 
 import gradio as gr
 
-from llm_core.metrics import ReplyStats, export_csv, format_bytes
+from llm_core.metrics import ReplyStats, configuration_label, export_csv, format_bytes, format_mib
 
 from .common import PageContext, session
 
@@ -46,40 +46,32 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
 
 
 def _memory_row(stats: ReplyStats, *, live: bool) -> tuple[str, str]:
-    """The stats panel's memory row: (label, value)."""
-    predicted = format_bytes(stats.predicted_peak_bytes)
+    """The stats panel's memory row: (label, value). The peak is the reply's own (ReplyStats.own_peak_bytes), in
+    MiB as every table writes it; the other loaded engines' share of the process peak is said here, once."""
     if stats.decode_path == "remote":  # measured by the engine's process, if it reports it at all
         peak = stats.peak_memory_bytes
         return "Peak memory", "…" if live else "not reported by the engine" if peak is None else (
-            f"{format_bytes(peak)} (reported by the engine)")
-    if stats.peak_vram_allocated_bytes is not None:
-        memory = (f"predicted {predicted} · measured {format_bytes(stats.peak_vram_allocated_bytes)} allocated / "
-                  f"{format_bytes(stats.peak_vram_reserved_bytes)} reserved")
-        if stats.peak_batch_rows is not None:  # replies overlapped: the batch's peak during this reply
-            rows_text = f"{stats.peak_batch_rows} repl{'y' if stats.peak_batch_rows == 1 else 'ies'}"
-            memory += f" (the batch's, {rows_text} decoding at that peak)"
-        return "Peak VRAM", memory
-    return "Peak RSS (CPU)", (f"{format_bytes(stats.peak_rss_bytes) if not live else '…'} process "
-                              f"(model's predicted peak {predicted})")
-
-
-def history_label(row: dict[str, Any]) -> str:
-    """A reply's configuration in the words of the Compare view: model · quantization preset · attention."""
-    model = str(row.get("model") or "?")
-    model = "embedded" if model.endswith("(embedded)") else model
-    quantization = row.get("quantization") or "?"
-    if quantization == "remote":  # as the Compare view names a remote engine's side
-        return f"{model} · remote"
-    if quantization == "nf4" and not row.get("double_quant"):
-        quantization = "nf4-nodq"
-    parts = [model, quantization, str(row.get("attention") or "?")]
-    if row.get("kv_cache") not in (None, "dynamic"):
-        parts.append(f"{row['kv_cache']} KV")
-    return " · ".join(parts)
+            f"{format_mib(peak)} (reported by the engine)")
+    cuda = stats.peak_vram_allocated_bytes is not None
+    if live and not cuda:
+        return "Peak RSS (CPU)", "…"
+    memory = format_mib(stats.own_peak_bytes) + (" allocated" if cuda else "")
+    if stats.others_resident_bytes:
+        memory += (f" (the process peak less {format_mib(stats.others_resident_bytes)} held by the other loaded "
+                   "engines)")
+    if cuda:
+        memory += f" · {format_mib(stats.peak_vram_reserved_bytes)} reserved by the process"
+    predicted = "predicted" if cuda else "the model's predicted peak"  # RSS also counts torch and the libraries
+    memory += f" · {predicted} {format_mib(stats.predicted_peak_bytes)}"
+    if stats.peak_batch_rows is not None:  # replies overlapped: the batch's peak during this reply
+        rows_text = f"{stats.peak_batch_rows} repl{'y' if stats.peak_batch_rows == 1 else 'ies'}"
+        memory += f" (the batch's, {rows_text} decoding at that peak)"
+    return ("Peak VRAM" if cuda else "Peak RSS (CPU)"), memory
 
 
 HISTORY_COLUMNS = ["reply", "configuration", "model", "quantization", "decode_path", "prompt_tokens", "new_tokens",
                    "ttft_ms", "decode_tokens_per_s", "peak_memory_mib", "kv_cache_mib"]
+PLOT_HEADROOM = 1.15  # the y axis ends this far above the highest point, so no point sits on the upper edge
 
 
 def history_frame(rows: list[dict[str, Any]]) -> Any:
@@ -87,33 +79,35 @@ def history_frame(rows: list[dict[str, Any]]) -> Any:
 
     data = []
     for i, row in enumerate(rows, start=1):
-        peak = row.get("peak_vram_allocated_bytes") or row.get("peak_rss_bytes")
+        stats = ReplyStats.from_dict(row)
+        peak = stats.own_peak_bytes
         data.append({
             # A category, not a number: the plots' axis then shows whole reply numbers only (a numeric axis ticks
             # 1.2, 1.4, ...); their order is given to the plots explicitly (history_plot).
-            "reply": str(i), "configuration": history_label(row), "model": row.get("model"),
-            "quantization": row.get("quantization"),
-            "decode_path": row.get("decode_path"), "prompt_tokens": row.get("prompt_tokens"),
-            "new_tokens": row.get("new_tokens"),
-            "ttft_ms": None if row.get("ttft_s") is None else round(row["ttft_s"] * 1000, 1),
-            "decode_tokens_per_s": None if row.get("decode_tokens_per_s") is None else round(
-                row["decode_tokens_per_s"], 2),
+            "reply": str(i), "configuration": configuration_label(stats), "model": stats.model,
+            "quantization": stats.quantization, "decode_path": stats.decode_path,
+            "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
+            "ttft_ms": None if stats.ttft_s is None else round(stats.ttft_s * 1000, 1),
+            "decode_tokens_per_s": None if stats.decode_tokens_per_s is None else round(stats.decode_tokens_per_s, 2),
             "peak_memory_mib": None if peak is None else round(peak / 2**20, 1),
-            "kv_cache_mib": None if row.get("kv_cache_bytes") is None else round(row["kv_cache_bytes"] / 2**20, 2),
+            "kv_cache_mib": None if stats.kv_cache_bytes is None else round(stats.kv_cache_bytes / 2**20, 2),
         })
     return pd.DataFrame(data, columns=HISTORY_COLUMNS)
 
 
-def history_plot(frame: Any) -> Any:
-    """A Session stats plot's update: one series of points per configuration, replies in order on the x axis."""
-    return gr.ScatterPlot(value=frame, sort=list(frame["reply"]))
+def history_plot(frame: Any, y: str) -> Any:
+    """A Session stats plot's update: one series of points per configuration, replies in order on the x axis, the
+    y axis from zero to PLOT_HEADROOM above the highest point."""
+    values = [float(v) for v in frame[y] if v is not None and v == v] if y in frame else []
+    top = max(values, default=0.0) * PLOT_HEADROOM or None
+    return gr.ScatterPlot(value=frame, sort=list(frame["reply"]), y_lim=[0, top])
 
 
 def show_history(history_rows: list[dict[str, Any]]) -> tuple[Any, ...]:
     """The Session stats tab from the session's rows. Takes no client data: the rows are a gr.State, written only by
     the chat and compare handlers from the engine's own stats."""
     frame = history_frame(history_rows)
-    return frame, frame, frame
+    return frame, history_plot(frame, "decode_tokens_per_s"), history_plot(frame, "peak_memory_mib")
 
 
 @dataclass
