@@ -38,7 +38,7 @@ lint: setup-dev
 	$(BIN)/ruff check .
 
 types: setup-dev
-	$(BIN)/mypy llm_core app.py
+	$(BIN)/mypy llm_core app.py ui
 
 bench-smoke: setup
 	$(BIN)/python -m bench.decode --cpu-smoke

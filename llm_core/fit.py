@@ -25,7 +25,7 @@ from .config import (
     SettingsError,
     parse_bytes,
 )
-from .errors import LLMCoreError, ModelLoadError
+from .errors import InputError, LLMCoreError, ModelLoadError
 from .memory.model import (
     BNB_4BIT_BLOCK,
     DEFAULT_CUDA_MARGIN_BYTES,
@@ -184,6 +184,39 @@ class FitReport:
         return head + "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 
+def offload_bytes(weights_bytes: int, budget_bytes: int) -> int:
+    """Weights that would live in CPU RAM and cross PCIe every token: what leaves ~1 GiB of the budget for the KV
+    cache and the prefill, never more than the model has."""
+    return min(weights_bytes, max(0, weights_bytes - budget_bytes + GiB))
+
+
+def card_bytes_of(value: Any) -> int:
+    """A card size as the fit tab takes it: GiB as a number (8, 12.5) or a size with its unit (8GiB, 24GB)."""
+    text = "" if value is None else str(value).strip()
+    try:
+        size = float(text) * GiB
+    except ValueError:
+        try:
+            size = float(parse_bytes("card size", text) or 0)
+        except SettingsError:
+            raise InputError(f"Card size {text!r} is not a size: give GiB as a number (8, 12.5) or with a unit "
+                             "(8GiB, 24GB).") from None
+    if not size > 0 or size == float("inf"):
+        raise InputError(f"Card size must be more than 0 GiB, got {text or 'nothing'!r}.")
+    return int(size)
+
+
+def _new_tokens_of(value: Any, context_length: int) -> int:
+    """max_new_tokens as a whole number from 1 to the model's context, or an InputError saying what is wrong."""
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole:
+        raise InputError(f"Max new tokens must be a whole number of at least 1, got {value!r}.")
+    if not 1 <= int(value) < context_length:
+        raise InputError(f"Max new tokens must be from 1 to {context_length - 1:,} (the model's context is "
+                         f"{context_length:,} tokens), got {int(value):,}.")
+    return int(value)
+
+
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
                kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
                prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
@@ -196,10 +229,12 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
         raise SettingsError(f"KV cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_MODES)}.")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     weights = estimate_weights_bytes(config, quantization, compute_dtype) if weights_bytes is None else weights_bytes
+    if not card_bytes > 0:
+        raise InputError(f"Card size must be more than 0 bytes, got {card_bytes!r}.")
     margin = DEFAULT_CUDA_MARGIN_BYTES if margin_bytes is None else int(margin_bytes)
     budget = max(0, int(card_bytes) - margin)
     facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
-    n = int(max_new_tokens)
+    n = _new_tokens_of(max_new_tokens, facts.context_length)
     kv_format = "int8" if kv_cache == "quantized" else "bf16"
     fused = replace(facts, fast_prefill=True)
     chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_format=kv_format)
@@ -210,8 +245,8 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
                                   prefill_chunk_tokens=chunk)
     if weights + facts.workspace_bytes >= budget:
-        offload = weights - budget + GiB  # leave ~1 GiB for the KV cache and the prefill
-        note = (f"With MAX_MEMORY offload about {human_bytes(max(offload, 0))} of weights would cross PCIe every "
+        offload = offload_bytes(weights, budget)
+        note = (f"With MAX_MEMORY offload about {human_bytes(offload)} of weights would cross PCIe every "
                 "token: "
                 f"about {OFFLOAD_BYTES_PER_S / max(offload, 1):.1f} tokens/s at best (a last resort).")
         return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype), decode_path="none",
@@ -252,7 +287,7 @@ def check_weights_fit(settings: Any) -> None:
         return
     if weights > budget:
         quant = settings.model.quantization
-        offload = weights - budget + GiB
+        offload = offload_bytes(weights, budget)
         raise ModelLoadError(
             f"{model or 'The embedded model'} does not fit: its weights alone need about {human_bytes(weights)} "
             f"with QUANTIZATION={quant}, more than VRAM_BUDGET={human_bytes(budget)}. Use QUANTIZATION=nf4, a smaller "

@@ -19,6 +19,7 @@ import torch
 from .config import ModelSettings, parse_max_memory
 from .errors import ModelLoadError, SettingsError
 from .memory.device import free_memory
+from .metrics import quantization_label
 from .models import ModelSource, resolve_source
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ class LoadReport:
     context_length: int
     versions: dict[str, str]
     notes: tuple[str, ...] = ()
-    quantized_linear_layers: int = 0
+    quantized_linear_layers: int = 0  # bitsandbytes layers, or the linears the CPU path quantized itself
+    quantization_requested: str = ""  # the preset asked for, where the CPU path quantized the weights itself
     decode_path: str = "plain"  # set by the engine after warm-up
     decode_path_reason: str = ""
     warmup_s: float = 0.0
@@ -134,16 +136,27 @@ class LoadReport:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def quantization_label(self) -> str:
+        return quantization_label(self.quantization, self.quantization_requested)
+
+    def _quantized_layers_text(self) -> str:
+        if self.quantization_requested:  # the CPU path's own int4/int8 linears, fused per layer
+            return f"{self.quantized_linear_layers} ({self.quantization}, quantized by the CPU path at load)"
+        if self.quantization == "none":
+            return "none (unquantized weights)"
+        return f"{self.quantized_linear_layers} (bitsandbytes)"
+
     def as_markdown(self) -> str:
         rows = [
             ("Model", self.model),
             ("Source", self.origin + (f" @ {self.revision}" if self.revision else "")),
-            ("Quantization", self.quantization + (" + double quant" if self.double_quant else "")),
+            ("Quantization", self.quantization_label + (" + double quant" if self.double_quant else "")),
             ("Compute dtype", self.compute_dtype),
             ("Attention", self.attention),
             ("Device", f"{self.device} ({self.device_name})" + (", CPU offload" if self.offloaded else "")),
             ("Weights memory", f"{self.weights_bytes / 2**20:,.1f} MiB"),
-            ("Quantized linear layers", str(self.quantized_linear_layers)),
+            ("Quantized linear layers", self._quantized_layers_text()),
             ("Context length", f"{self.context_length:,} tokens"),
             ("Load time", f"{self.load_s:.1f} s (warm-up {self.warmup_s:.1f} s)"),
             ("Decode path", self.decode_path + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")),
@@ -182,6 +195,11 @@ class LoadedModel:
         if eos is None:
             return frozenset()
         return frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def _preset_name(settings: ModelSettings) -> str:
+    """The quantization preset a setting names, as the Compare view says it (nf4 without double quant: nf4-nodq)."""
+    return "nf4-nodq" if settings.quantization == "nf4" and not settings.use_double_quant else settings.quantization
 
 
 def count_quantized_linears(model: Any) -> int:
@@ -308,7 +326,9 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
         context_length=context_length_of(model.config, tokenizer),
         versions=library_versions(),
         notes=tuple(notes),
-        quantized_linear_layers=count_quantized_linears(model),
+        quantized_linear_layers=count_quantized_linears(model) if cpu_format is None else sum(
+            len(layer) for layer in extra["cpu_weights"].layers),
+        quantization_requested=_preset_name(settings) if cpu_format in ("int4", "int8") else "",
     )
     say(f"Loaded {source.display_name} in {load_s:.1f} s.")
     return LoadedModel(model, tokenizer, settings, device, compute_dtype, report, source, extra)

@@ -29,7 +29,8 @@ class ReplyStats:
     # What produced the reply (tags for comparing and exporting).
     model: str = ""
     revision: str | None = None
-    quantization: str = ""
+    quantization: str = ""  # the weights' format as they ran (the CPU path runs nf4 and fp4 as int4)
+    quantization_requested: str = ""  # the preset asked for, where the CPU path quantized the weights itself
     double_quant: bool = False
     compute_dtype: str = ""
     attention: str = ""
@@ -50,6 +51,9 @@ class ReplyStats:
     # Batched fast path: replies overlap, so the peak above is the batch's during this reply (reset before and read
     # after each decode step or prefill chunk), and this is how many rows were decoding at that peak.
     peak_batch_rows: int | None = None
+    # The peak above is the process's: this much of it was held by the other loaded engines (Compare keeps them),
+    # as measured when they were loaded.
+    others_resident_bytes: int = 0
     kv_cache_bytes: int | None = None  # bytes held by the KV cache at the end of the reply
     predicted_peak_bytes: int | None = None  # memory model's peak allocated for prompt + max_new_tokens
     memory_budget_bytes: int | None = None  # what the memory guard planned this reply against
@@ -66,9 +70,41 @@ class ReplyStats:
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), ensure_ascii=False)
 
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> ReplyStats:
+        """The inverse of as_dict (keys it does not know are left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in row.items() if k in names})
+
     @property
     def peak_memory_bytes(self) -> int | None:
+        """The process's measured peak: CUDA max allocated, else the CPU's peak RSS."""
         return self.peak_vram_allocated_bytes if self.peak_vram_allocated_bytes is not None else self.peak_rss_bytes
+
+    @property
+    def own_peak_bytes(self) -> int | None:
+        """This reply's peak memory, the one every view shows: the process peak less the other loaded engines'."""
+        peak = self.peak_memory_bytes
+        return None if peak is None else max(0, peak - self.others_resident_bytes)
+
+
+def quantization_label(ran: str, requested: str = "") -> str:
+    """The weights' format as it ran, with the preset asked for where the CPU path quantized them itself."""
+    return f"{requested} -> {ran} on CPU" if requested and requested != ran else ran
+
+
+def configuration_label(stats: ReplyStats) -> str:
+    """What produced a reply, in the words every view uses: model · quantization (as asked -> as it ran) · attention,
+    e.g. "embedded · nf4 -> int4 on CPU · sdpa"."""
+    model = stats.model or "?"
+    model = "embedded" if model.endswith("(embedded)") else model
+    if stats.quantization == "remote":
+        return f"{model} · remote"
+    ran = "nf4-nodq" if stats.quantization == "nf4" and not stats.double_quant else (stats.quantization or "?")
+    parts = [model, quantization_label(ran, stats.quantization_requested), stats.attention or "?"]
+    if stats.kv_cache not in ("", "dynamic"):
+        parts.append(f"{stats.kv_cache} KV")
+    return " · ".join(parts)
 
 
 class TokenClock:
@@ -99,6 +135,11 @@ class TokenClock:
         decode_s = None if first is None or last is None else last - first
         rate = (count - 1) / decode_s if decode_s and count > 1 else None
         return {"new_tokens": count, "ttft_s": ttft, "decode_s": decode_s, "decode_tokens_per_s": rate}
+
+
+def format_mib(n: int | float | None) -> str:
+    """Bytes in MiB with one decimal: how every view writes a reply's peak memory (tables and panels alike)."""
+    return "n/a" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
 def format_bytes(n: int | float | None) -> str:

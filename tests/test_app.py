@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import socket
@@ -11,9 +12,11 @@ from typing import Any
 
 import pytest
 
-from app import EMBEDDED_CHOICE as EMBEDDED
-from app import NO_SIDE, build_demo, launch
+from app import launch
 from llm_core.engine.chat import ChatEngine
+from ui import build_demo
+from ui.common import EMBEDDED_CHOICE as EMBEDDED
+from ui.compare import NO_SIDE
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -187,3 +190,104 @@ def test_browser_compare_view_and_session_stats_export(app_url: str, artifacts_d
             page.screenshot(path=str(artifacts_dir / "session-stats.png"), full_page=True)
         finally:
             browser.close()
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*\.?\d*", text)]
+
+
+def _cell_numbers(row: Any) -> list[float]:
+    """The numbers of a table row, one per cell (a row's text runs its cells together)."""
+    cells = row.evaluate("tr => [...tr.children].map(c => c.textContent.trim())")
+    return [float(c.replace(",", "")) for c in cells if re.fullmatch(r"\d[\d,]*\.?\d*", c)]
+
+
+def _shows(page: Any, row: Any, value: float, timeout_s: float = 20.0) -> bool:
+    """Whether a table row shows `value` in one of its cells, once the table has rendered (read again until then)."""
+    for _ in range(int(timeout_s * 4)):
+        if row.count() and any(abs(n - value) < 0.05 for n in _cell_numbers(row)):
+            return True
+        page.wait_for_timeout(250)
+    return False
+
+
+@contextlib.contextmanager
+def opened_page(url: str, height: int = 1000) -> Iterator[Any]:
+    """The app's page in headless Debian Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": height})
+            page.goto(url)
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
+def test_browser_fit_tab_refuses_bad_inputs_with_a_warning(app_url: str, artifacts_dir: Path) -> None:
+    from playwright.sync_api import expect
+
+    with opened_page(app_url) as page:
+        page.get_by_role("tab", name="Will it fit?").click()
+        answer = page.locator("#fit-answer")
+        new_tokens = page.locator("#fit-new input")
+        card = page.locator("#fit-card input")
+
+        def refused(says: str) -> None:
+            page.locator("#fit-run").click()
+            toast = page.locator(".toast-body").filter(has_text=says)
+            expect(toast).to_be_visible(timeout=20_000)
+            expect(toast).to_have_class(re.compile(r"\bwarning\b"))  # a warning, not an error placeholder
+            expect(answer.locator("[data-testid='status-tracker'] .error")).to_have_count(0)
+            toast.locator("..").locator(".toast-close").first.click()
+
+        new_tokens.fill("-5")
+        refused("Max new tokens must be from 1")
+        new_tokens.fill("256")
+        card.fill("abc")
+        card.press("Enter")
+        refused("Card size 'abc' is not a size")
+        expect(answer).not_to_contain_text("could not convert")
+        card.fill("8")
+        card.press("Enter")
+        page.locator("#fit-run").click()
+        expect(answer).to_contain_text("Longest prompt", timeout=20_000)
+        page.screenshot(path=str(artifacts_dir / "fit-tab.png"), full_page=True)
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
+def test_browser_one_peak_number_per_reply_and_readable_model_labels(app_url: str, artifacts_dir: Path) -> None:
+    """After a comparison with both engines loaded: the none side's peak memory is one number in its panel, the
+    summary and Session stats; the other engines' share is said once; the Model panel's labels never break."""
+    from playwright.sync_api import expect
+
+    with opened_page(app_url, height=1100) as page:
+        page.locator("#model-panel button").first.click()  # open the Model accordion
+        label = page.locator("#model-info td").filter(has_text=re.compile(r"^Source$")).first
+        expect(label).to_be_visible(timeout=20_000)
+        assert label.evaluate("td => getComputedStyle(td).whiteSpace") == "nowrap"
+        lines = label.evaluate("td => { const r = document.createRange(); r.selectNodeContents(td); "
+                               "return new Set([...r.getClientRects()].map(b => Math.round(b.top))).size; }")
+        assert lines == 1  # the label's text on one line: "Source", never "Sourc" over "e"
+
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#compare-input textarea").fill("Name a planet.")
+        page.locator("#compare-run").click()
+        expect(page.locator("#compare-diff")).to_contain_text("Outputs", timeout=180_000)
+        panel = page.locator("#compare-stats-1")
+        expect(panel).to_contain_text("Finished by")
+        row = panel.locator("tr").filter(has_text="Peak RSS").inner_text()
+        peak_mib = _numbers(row.split("MiB")[0])[-1]
+        assert panel.inner_text().count("held by the other loaded engines") == 1  # nf4 is loaded beside it
+        summary = page.locator("#compare-summary tr").filter(has_text="embedded · none · sdpa").last
+        assert _shows(page, summary, peak_mib), (row, _cell_numbers(summary))
+
+        page.get_by_role("tab", name="Session stats").click()
+        history = page.locator("#history-table tr").filter(has_text="embedded · none · sdpa").last
+        assert _shows(page, history, peak_mib), (row, _cell_numbers(history))
+        page.screenshot(path=str(artifacts_dir / "one-peak.png"), full_page=True)

@@ -429,8 +429,8 @@ def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path
 def test_the_panel_says_a_batched_replys_peak_is_the_batchs() -> None:
     """Replies overlap on the batched path, so the peak shown is the batch's during this reply, with how many
     replies were decoding at that moment; a reply served alone shows no such note."""
-    from app import format_stats
     from llm_core.metrics import ReplyStats
+    from ui.stats import format_stats
 
     base = dict(model="m", quantization="nf4", kv_cache="dynamic", prompt_tokens=10, new_tokens=5,
                 peak_vram_allocated_bytes=5 * 2**30, peak_vram_reserved_bytes=6 * 2**30, predicted_peak_bytes=2**30)

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from app import build_demo
 from app import launch as launch_app
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.engine.serving import BatchScheduler, ReplySlots, SamplingOptions, resolve_max_batch_size
@@ -22,6 +21,7 @@ from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, Se
 from llm_core.history import check_history_size
 from tests.conftest import drain, make_settings, run_threads
 from tests.test_app import free_port, text
+from ui import build_demo
 
 SYSTEM = "You are a helpful assistant."
 JOB_TIMEOUT_S = 240.0

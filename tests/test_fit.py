@@ -4,6 +4,7 @@ for 8/12/16/24 GiB cards, the CLI on the embedded model's config, and the app's 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,7 +13,7 @@ from transformers import LlamaConfig
 
 from llm_core.fit import estimate_weights_bytes, fit_config, load_config, main
 from llm_core.loading import load_model
-from llm_core.memory.model import GiB, ModelMemoryFacts, max_context_tokens, model_weights_bytes
+from llm_core.memory.model import GiB, ModelMemoryFacts, human_bytes, max_context_tokens, model_weights_bytes
 from llm_core.memory.plan import resolve_prefill_chunk_tokens, resolve_prefill_graph_tokens, static_cache_plan
 from tests.conftest import MODEL_CACHE, make_settings
 
@@ -116,10 +117,47 @@ def test_fit_cli_on_the_embedded_models_config(capsys: pytest.CaptureFixture[str
 
 
 def test_app_fit_panel_answers_in_markdown() -> None:
-    from app import fit_answer
+    from ui.fit import fit_answer
 
     text = fit_answer(None, 8, "nf4", "quantized", 256, cache_dir=str(MODEL_CACHE))
     assert "Fast-path KV cache" in text and "Longest prompt" in text and torch is not None
+
+
+@pytest.mark.parametrize(("card", "new_tokens", "says"), [
+    ("abc", 256, "Card size 'abc' is not a size"),
+    ("0", 256, "Card size must be more than 0"),
+    ("-8", 256, "Card size must be more than 0"),
+    (8, -5, "Max new tokens must be from 1"),
+    (8, 0, "Max new tokens must be from 1"),
+    (8, 2.5, "Max new tokens must be a whole number"),
+    (8, None, "Max new tokens must be a whole number"),
+    (8, 10**7, "Max new tokens must be from 1 to 8,191"),
+])
+def test_fit_inputs_are_refused_with_what_is_wrong(card: object, new_tokens: object, says: str) -> None:
+    from llm_core.errors import InputError
+    from llm_core.fit import card_bytes_of
+
+    with pytest.raises(InputError, match=re.escape(says)):
+        fit_config(load_config("", cache_dir=str(MODEL_CACHE)), card_bytes_of(card), max_new_tokens=new_tokens)
+
+
+def test_fit_card_sizes_in_gib_or_with_a_unit() -> None:
+    from llm_core.fit import card_bytes_of
+
+    assert card_bytes_of(8) == card_bytes_of("8") == card_bytes_of("8GiB") == 8 * GiB
+    assert card_bytes_of("12.5") == int(12.5 * GiB)
+
+
+def test_offload_note_never_moves_more_bytes_than_the_model_has() -> None:
+    """A 135M model on a card smaller than its weights: the bytes said to cross PCIe are at most its weights."""
+    from llm_core.fit import offload_bytes
+
+    config = load_config("", cache_dir=str(MODEL_CACHE))
+    report = fit_config(config, 64 * 2**20, quantization="none")
+    assert not report.fits and "cross PCIe" in report.offload_note
+    assert offload_bytes(report.weights_bytes, report.budget_bytes) <= report.weights_bytes
+    assert human_bytes(report.weights_bytes) in report.offload_note
+    assert offload_bytes(10 * GiB, 8 * GiB) == 3 * GiB  # a big model: what leaves ~1 GiB of the budget free
 
 
 def test_the_engine_says_weights_do_not_fit_before_loading_anything(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from app import build_demo, launch
+from app import launch
 from llm_core.engine.compare import CompareConfig, EnginePool
 from llm_core.errors import InputError, ModelLoadError
 from tests.conftest import make_settings
 from tests.test_app import CHROMIUM, CHROMIUM_FLAGS, free_port
+from ui import build_demo
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
-from app import build_demo, launch
+from app import launch
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import EnginePool
 from llm_core.history import build_messages
 from llm_core.web.openai_api import served_model_id
 from tests.test_app import free_port
+from ui import build_demo
 
 openai = pytest.importorskip("openai")
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from app import EMBEDDED_CHOICE, NO_SIDE, _remote_choice, build_demo, format_stats, launch
+from app import launch
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import EnginePool
 from llm_core.engine.remote import NOT_REPORTED, REPORTED, RemoteEngine
@@ -26,6 +26,10 @@ from llm_core.errors import BusyError, ModelLoadError, SettingsError
 from llm_core.metrics import ReplyStats
 from tests.conftest import make_settings
 from tests.test_app import SYSTEM, free_port, text
+from ui import build_demo
+from ui.common import EMBEDDED_CHOICE, remote_choice
+from ui.compare import NO_SIDE
+from ui.stats import format_stats
 
 openai = pytest.importorskip("openai")
 
@@ -161,7 +165,7 @@ def test_compare_puts_local_nf4_beside_the_remote_engine(nf4_engine: ChatEngine,
     demo, url = serve(nf4_engine, settings)
     try:
         client = Client(url + "/", verbose=False)
-        sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", _remote_choice(settings), "nf4", "sdpa", "dynamic",
+        sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", remote_choice(settings), "nf4", "sdpa", "dynamic",
                  EMBEDDED_CHOICE, NO_SIDE, "sdpa", "dynamic"]
         final = list(client.submit("What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50,
                                    1.05, "dynamic", api_name="/compare"))[-1]
@@ -223,7 +227,7 @@ def test_vllm_cpu_engine_behind_the_same_ui_and_compare(nf4_engine: ChatEngine, 
         settings = make_settings(OPENAI_BASE_URL=url)
         demo, front = serve(nf4_engine, settings)
         try:
-            sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", _remote_choice(settings), "nf4", "sdpa", "dynamic",
+            sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", remote_choice(settings), "nf4", "sdpa", "dynamic",
                      EMBEDDED_CHOICE, NO_SIDE, "sdpa", "dynamic"]
             out = list(Client(front + "/", verbose=False).submit(
                 "What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "dynamic",

@@ -12,13 +12,14 @@ from typing import Any
 import httpx
 import pytest
 
-from app import build_demo, check_mcp_support, launch
+from app import check_mcp_support, launch
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import EnginePool
 from llm_core.errors import SettingsError
 from tests.conftest import MODEL_CACHE
 from tests.test_app import CHROMIUM, CHROMIUM_FLAGS, free_port
+from ui import build_demo
 
 
 def settings_from(environ: dict[str, str], env_file: Path | None = None, **flags: Any) -> Settings:
@@ -152,13 +153,13 @@ def test_empty_message_is_a_warning_and_the_conversation_stays_in_view(served_on
 
 
 def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
-    from app import _summary_bars
+    from ui.compare import summary_bars
 
     long_label = "/models/meta-llama/Llama-3.1-8B-Instruct-with-a-long-folder-name · int8 · eager"
     rows = [{"configuration": long_label, "decode_tokens_per_s": 28.0, "ttft_ms": 50.0, "peak_memory_mib": 900.0},
             {"configuration": "embedded · <b>none</b> · sdpa", "decode_tokens_per_s": 20.0, "ttft_ms": None,
              "peak_memory_mib": 300.0}]
-    page = _summary_bars(rows)
+    page = summary_bars(rows)
     speed = page.split('data-metric="decode_tokens_per_s"')[1].split('data-metric="ttft_ms"')[0]
     widths = [float(w) for w in re.findall(r'class="bar" data-value="[^"]*" style="width:([\d.]+)%', speed)]
     assert widths == [100.0, pytest.approx(100 * 20 / 28, abs=0.01)]  # 28 vs 20 drawn as 28 vs 20: from zero
@@ -168,22 +169,66 @@ def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
 
 
 def test_session_stats_plot_one_series_per_configuration_with_whole_reply_numbers() -> None:
-    from app import _history_frame, _history_plot
+    from ui.stats import history_frame, history_plot
 
     base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "dynamic",
             "decode_tokens_per_s": 10.0, "peak_rss_bytes": 2**30}
     remote = {"model": "SmolLM2-135M-Instruct", "quantization": "remote", "attention": "", "decode_path": "remote"}
-    assert _history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it
+    assert history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it
     rows = [{**base, "quantization": "nf4", "double_quant": True}, {**base, "quantization": "none"},
             {**base, "quantization": "nf4", "double_quant": False},
             {**base, "quantization": "nf4", "double_quant": True}]
-    frame = _history_frame(rows)
+    frame = history_frame(rows)
     assert list(frame["reply"]) == ["1", "2", "3", "4"]
     assert list(frame["configuration"]) == ["embedded · nf4 · sdpa", "embedded · none · sdpa",
                                             "embedded · nf4-nodq · sdpa", "embedded · nf4 · sdpa"]
-    plot = _history_plot(frame)
+    plot = history_plot(frame, "decode_tokens_per_s")
     assert plot.sort == ["1", "2", "3", "4"]
     assert plot.value["datatypes"]["reply"] == "nominal"  # whole numbers as categories, never 1.5 on the axis
+
+
+def test_session_stats_plots_leave_headroom_above_their_highest_point() -> None:
+    from ui.stats import PLOT_HEADROOM, history_frame, history_plot
+
+    rows = [{"model": "m", "decode_tokens_per_s": speed, "peak_rss_bytes": 300 * 2**20} for speed in (12.0, 40.0)]
+    frame = history_frame(rows)
+    assert history_plot(frame, "decode_tokens_per_s").y_lim == [0, pytest.approx(40.0 * PLOT_HEADROOM)]
+    assert history_plot(frame, "peak_memory_mib").y_lim == [0, pytest.approx(300.0 * PLOT_HEADROOM)]
+    assert PLOT_HEADROOM > 1
+
+
+def test_one_peak_memory_number_in_the_panel_the_compare_summary_and_session_stats() -> None:
+    """A reply measured at a 1,551.8 MiB process peak while other loaded engines held 808.8 MiB: every view shows
+    its own 743.0 MiB, and only the panel says (once) what the other engines held."""
+    from llm_core.engine.compare import CompareConfig, SideResult
+    from llm_core.metrics import ReplyStats
+    from ui.compare import summary_frame
+    from ui.stats import format_stats, history_frame
+
+    stats = ReplyStats(model="SmolLM2-135M-Instruct (embedded)", quantization="nf4", double_quant=True,
+                       attention="sdpa", decode_path="plain", peak_rss_bytes=int(1551.8 * 2**20),
+                       others_resident_bytes=int(808.8 * 2**20), new_tokens=8, predicted_peak_bytes=400 * 2**20)
+    panel = format_stats(stats)
+    assert re.findall(r"[\d,.]+ MiB", panel.split("Peak RSS (CPU) |")[1].split("|")[0])[0] == "743.0 MiB"
+    assert panel.count("held by the other loaded engines") == 1 and "1.52 GiB" not in panel
+    summary = summary_frame([SideResult(CompareConfig(None, "nf4"), "text", stats, None).summary_row()])
+    assert list(summary["peak_memory_mib"]) == [743.0]
+    assert list(history_frame([stats.as_dict()])["peak_memory_mib"]) == [743.0]
+
+
+def test_labels_say_what_ran_the_same_in_compare_and_session_stats() -> None:
+    from llm_core.engine.compare import CompareConfig, SideResult
+    from llm_core.metrics import ReplyStats
+    from ui.stats import history_frame
+
+    cpu = ReplyStats(model="SmolLM2-135M-Instruct (embedded)", quantization="int4", quantization_requested="nf4",
+                     attention="sdpa", decode_path="cpu")
+    label = "embedded · nf4 -> int4 on CPU · sdpa"
+    assert SideResult(CompareConfig(None, "nf4"), "", cpu, None).summary_row()["configuration"] == label
+    assert list(history_frame([cpu.as_dict()])["configuration"]) == [label]
+    int8 = ReplyStats(model="m", quantization="int8", quantization_requested="int8", attention="sdpa",
+                      decode_path="cpu")
+    assert list(history_frame([int8.as_dict()])["configuration"]) == ["m · int8 · sdpa"]  # ran as asked: no arrow
 
 
 def test_compare_refuses_an_empty_prompt_before_loading_anything() -> None:

@@ -975,6 +975,7 @@ class ChatEngine:
         backend = self._backend_for(prepared.kv_cache)
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
+            quantization_requested=report.quantization_requested,
             double_quant=report.double_quant, kv_cache=prepared.kv_cache,
             compute_dtype=report.compute_dtype, attention=report.attention, decode_path=backend.name,
             device=report.device_name, versions=dict(report.versions),

@@ -33,7 +33,7 @@ from ..history import clean_text
 from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
 from ..memory.kv_cache import check_kv_mode
-from ..metrics import ReplyStats, format_bytes
+from ..metrics import ReplyStats, configuration_label, format_bytes
 from .backend import ChatBackend
 from .chat import ChatEngine, ReplyUpdate
 
@@ -384,19 +384,19 @@ class SideResult:
     stats: ReplyStats
     load_s: float | None  # None when the engine was already resident
     notes: tuple[str, ...] = ()
-    # Peak memory is the process's: the other configurations still loaded during this reply held this much of it.
-    others_resident_bytes: int = 0
+
+    @property
+    def others_resident_bytes(self) -> int:
+        return self.stats.others_resident_bytes
 
     @property
     def own_peak_bytes(self) -> int | None:
-        """This configuration's peak: the process peak less what the other loaded configurations held."""
-        peak = self.stats.peak_memory_bytes
-        return None if peak is None else max(0, peak - self.others_resident_bytes)
+        return self.stats.own_peak_bytes
 
     def summary_row(self) -> dict[str, Any]:
         s = self.stats
         return {
-            "configuration": self.config.label,
+            "configuration": configuration_label(s),
             "ttft_ms": None if s.ttft_s is None else round(s.ttft_s * 1000, 1),
             "decode_tokens_per_s": None if s.decode_tokens_per_s is None else round(s.decode_tokens_per_s, 2),
             "new_tokens": s.new_tokens,
@@ -482,14 +482,9 @@ class Comparison:
                         self.pool.unload(config)  # a refused side does not leave its model loaded
                     raise
                 assert last is not None and last.done
-                result = SideResult(config, last.text, last.stats, load_s, tuple(notes),
-                                    self.pool.others_resident_bytes(config))
-                side_notes = list(notes)
-                if result.others_resident_bytes and result.own_peak_bytes is not None:
-                    side_notes.append(f"Peak memory is the process's: {format_bytes(result.others_resident_bytes)} "
-                                      "of it is held by the other loaded configurations; this one's own peak is "
-                                      f"{format_bytes(result.own_peak_bytes)}.")
-                results.append(replace(result, stats=replace(last.stats, notes=[*last.stats.notes, *side_notes])))
+                stats = replace(last.stats, others_resident_bytes=self.pool.others_resident_bytes(config),
+                                notes=[*last.stats.notes, *notes])
+                results.append(SideResult(config, last.text, stats, load_s, tuple(notes)))
         yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
                             difference=first_difference([r.text for r in results]))
 
