@@ -43,6 +43,7 @@ import torch
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, percentile
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.fast.rows import RowsPlan
 
 CONTEXT_TOKENS = 4096
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -105,7 +106,8 @@ class Bench:
                      weights_bytes=engine.report.weights_bytes,
                      slots=slots.slots if slots else None, slot_tokens=slots.slot_tokens if slots else None,
                      slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
-                     rows_max=slots.rows_max if slots else None,
+                     rows_plan=dict(slots.rows_max.kernels) if slots and isinstance(slots.rows_max, RowsPlan) else None,
+                     rows_timings_us=slots.rows_timings_us if slots else None,
                      graphs=sorted(slots._graphs) if slots else None, compiled=slots.compiled if slots else None)
         return engine
 

@@ -21,8 +21,8 @@ from llm_core.fast.batched import (
     attention_rows,
     batch_bucket,
     layer_rows,
-    pick_rows_max,
 )
+from llm_core.fast.rows import pick_rows_plan
 from llm_core.sampling import SamplingOptions
 from tests.conftest import drain, make_settings, run_threads
 
@@ -285,13 +285,15 @@ def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp
     slots.use_graphs = False
 
 
-def test_the_rows_kernel_serves_the_batch_sizes_below_the_first_where_dequantize_and_matmul_is_as_fast() -> None:
-    """The start-up pick from timings {rows: (kernel µs, dequantize + matmul µs)}: the kernel up to the last size
-    before the first it does not win (even if it wins again above), none if it loses at 2 rows."""
-    assert pick_rows_max({2: (50, 400), 4: (60, 410), 8: (120, 420), 16: (500, 430), 32: (300, 440)}) == 8
-    assert pick_rows_max({2: (50, 400), 4: (60, 410), 8: (120, 420), 16: (200, 430), 32: (400, 440)}) == 32
-    assert pick_rows_max({2: (450, 400), 4: (60, 410)}) == 0
-    assert pick_rows_max({}) == 0
+def test_each_batch_bucket_takes_its_fastest_rows_kernel_and_dequantize_and_matmul_wins_ties() -> None:
+    """The start-up pick from timings {bucket: {kernel: µs}}: the fastest per bucket; a tie goes to dequantize +
+    matmul; a batch takes its bucket's kernel, dequantize + matmul beyond the last bucket or with no timings."""
+    plan = pick_rows_plan({2: {"mm": 50, "bnb": 60, "dequant": 400}, 4: {"mm": 70, "bnb": 60, "dequant": 410},
+                           8: {"mm": 420, "dequant": 420}, 32: {"bnb": 300}})
+    assert plan.kernels == ((2, "mm"), (4, "bnb"), (8, "dequant"), (32, "bnb"))
+    assert [plan.kernel_for(b) for b in (2, 3, 4, 5, 8, 9, 32, 33)] == ["mm", "bnb", "bnb", "dequant", "dequant",
+                                                                       "bnb", "bnb", "dequant"]
+    assert plan.mm_max == 2 and pick_rows_plan({}).kernel_for(2) == "dequant"
 
 
 def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a_time(
@@ -412,9 +414,11 @@ def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path
                                            MAX_BATCH_SIZE="4", QUANTIZATION=quantization))
     slots = engine.fast_scheduler.decoder
     assert slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
-    if quantization == "nf4":  # checked, then timed against dequantize + matmul at each bucket: it serves some or none
-        note = next(n for n in slots.notes if n.startswith("NF4 rows kernel"))
-        assert slots.rows_max in (0, 2, 4) and "kernel vs dequantize + matmul: 2 rows" in note, slots.notes
+    if quantization == "nf4":  # nf4_mm checked, then every candidate timed at each bucket: each takes its fastest
+        note = next(n for n in slots.notes if n.startswith("NF4 rows kernels per batch"))
+        assert "2 rows mm" in note and sorted(slots.rows_timings_us) == [2, 4], slots.notes
+        assert all(t[k] == min(t.values()) for t, (_, k) in zip(slots.rows_timings_us.values(),
+                                                                 slots.rows_max.kernels, strict=True))
     else:
         assert not slots.rows_kernel, slots.notes
     gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)

@@ -20,10 +20,11 @@ Loop (one scheduler thread owns the device; request threads only queue work and 
 
 Step: embedding + RoPE for B positions, per layer the fast path's projections on B rows (one token each), a KV write
 per row, attention per row over its own length (Triton: a row dimension on the split-K kernel; torch elsewhere),
-SwiGLU, the head. Linears on B > 1 rows: NF4 through llm_core.nf4_rows (each weight decoded once for all rows,
-tensor-core dots) where it is available and checked at warm-up, else dequantize + matmul (correct everywhere);
-dense weights through cuBLAS; B = 1 takes the single-reply kernels (linear_decode). On CUDA the step is compiled
-and captured as one CUDA graph per batch bucket (1, 2, 4, 8, 16, 32) at warm-up; on CPU it runs eagerly.
+SwiGLU, the head. Linears on B > 1 rows: NF4 through the kernel the warm-up picked per batch bucket
+(llm_core.fast.rows: llm_core.nf4_mm, each weight decoded once for all rows; bitsandbytes' gemm_4bit; dequantize +
+matmul, correct everywhere); dense weights through cuBLAS; B = 1 takes the single-reply kernels (linear_decode). On
+CUDA the step is compiled and captured as one CUDA graph per batch bucket (1, 2, 4, 8, 16, 32) at warm-up; on CPU it
+runs eagerly.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from ..streams import Finished, TokenStreams
 from . import kvquant
 from .generate import FastDecoder, _prefill_attention_scope
 from .kernels.attention import round_up
-from .kernels.nf4_gemv import ROWS_MAX
+from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
 from .layer import (
     HeadSpec,
@@ -67,6 +68,7 @@ from .layer import (
     rotate_half,
 )
 from .pack import LinSpec, bias_of
+from .rows import ROWS_KERNELS, RowsPlan, kernel_for, nf4_rows_linear, pick_rows_plan
 from .timing import time_in_cuda_graph
 
 log = logging.getLogger(__name__)
@@ -87,40 +89,28 @@ def batch_bucket(rows: int, slots: int) -> int:
 # --- the step, for B rows ------------------------------------------------------------------------------------------
 
 
-def pick_rows_max(timings: dict[int, tuple[float, float]]) -> int:
-    """From {batch rows: (rows kernel µs, dequantize + matmul µs)}: the largest batch size up to which the rows kernel
-    is faster at every timed size, i.e. the sizes below the first (ascending) where dequantize + matmul is at least
-    as fast; 0 when it is not faster at the smallest."""
-    best = 0
-    for rows, (kernel, dequant) in sorted(timings.items()):
-        if kernel >= dequant:
-            break
-        best = rows
-    return best
-
-
-def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: int = 0) -> torch.Tensor:
-    """x (B, K) -> (B, N): the single-reply kernel for one row; for more, llm_core.nf4_rows (NF4, B <= `rows_max`),
-    cuBLAS (dense), or dequantize + matmul (NF4, int8: correct on every device)."""
+def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0
+                ) -> torch.Tensor:
+    """x (B, K) -> (B, N): the single-reply kernel for one row; for more, NF4 through the plan's kernel for B
+    (llm_core.fast.rows: llm_core.nf4_mm or bitsandbytes' gemm_4bit; an int n: nf4_mm for B <= n), cuBLAS (dense),
+    or dequantize + matmul (NF4, int8: correct on every device)."""
     if x.shape[0] == 1:
         return linear_decode(spec, x, ts)
     if spec.fmt == "dense":
         return F.linear(x, ts[0], bias_of(spec, ts))
-    if spec.fmt == "nf4" and x.shape[0] <= min(rows_max, ROWS_MAX):
-        if spec.absmax == "fp32":
-            return torch.ops.llm_core.nf4_rows(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
-                                               spec.blocksize, False, list(spec.levels))
-        return torch.ops.llm_core.nf4_rows(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
-                                           spec.blocksize, True, list(spec.levels))
+    kernel = kernel_for(rows_max, x.shape[0]) if spec.fmt == "nf4" and x.shape[0] <= MM_MAX else "dequant"
+    if kernel != "dequant":
+        return nf4_rows_linear(kernel, spec, x, ts)
     return linear_prefill(spec, x, ts)
 
 
-def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: int = 0
+def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0
                ) -> Sequence[torch.Tensor]:
     """A fused linear (q/k/v, gate/up) over B rows, one output per part: as linear_rows, except that where that
     would dequantize + matmul, each part's weight is dequantized on its own (linear_prefill_parts)."""
     rows = x.shape[0]
-    if rows > 1 and spec.fmt != "dense" and not (spec.fmt == "nf4" and rows <= min(rows_max, ROWS_MAX)):
+    served = spec.fmt == "nf4" and rows <= MM_MAX and kernel_for(rows_max, rows) != "dequant"
+    if rows > 1 and spec.fmt != "dense" and not served:
         return linear_prefill_parts(spec, x, ts)
     return linear_rows(spec, x, ts, rows_max).split(list(spec.splits), dim=-1)
 
@@ -147,7 +137,7 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               w: Sequence[torch.Tensor], rows_max: int = 0, span: int | None = None
+               w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.layer_decode for B rows, one token each: h, hn (B, H); cos/sin (B, D); pos (B,) int64
     where row b's K/V is written; last (B,) the last cache row it attends to (= pos for a live row; 0 for an idle
@@ -184,7 +174,7 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
 
 
 def head_rows(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen: torch.Tensor,
-              penalty: torch.Tensor, eos_bias: torch.Tensor, rows_max: int = 0
+              penalty: torch.Tensor, eos_bias: torch.Tensor, rows_max: RowsPlan | int = 0
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.head_logits per row: hn (B, H), seen (B, V) bool, penalty (B, 1), eos_bias (B, V) ->
     scores (B, V) fp32 and the greedy tokens (B,)."""
@@ -212,9 +202,10 @@ class SlotDecoder:
         self.slot_tokens = round_up(max(int(slot_tokens), 16), 16)
         self.compile = decoder.compile
         self.use_graphs = decoder.use_graphs
-        # llm_core.nf4_rows serves batches of 2..rows_max rows (0: none): set at warm-up where it matches
-        # dequantize + matmul and is the faster of the two (_pick_rows_kernel)
-        self.rows_max = 0
+        # the kernel per batch bucket for NF4 linears over B > 1 rows (0: dequantize + matmul for all): set at
+        # warm-up to the fastest candidate that matches dequantize + matmul (_pick_rows_kernel)
+        self.rows_max: RowsPlan | int = 0
+        self.rows_timings_us: dict[int, dict[str, float]] = {}  # the pick's timings: {bucket: {kernel: µs}}
         self.notes: list[str] = []
         a = decoder._arch
         vocab, dev, n = a.vocab, self.device, self.slots
@@ -327,62 +318,66 @@ class SlotDecoder:
 
     @property
     def rows_kernel(self) -> bool:
-        """Whether llm_core.nf4_rows serves any batch size (bench records and tests read this)."""
-        return self.rows_max > 0
+        """Whether llm_core.nf4_mm serves any batch size (bench records and tests read this)."""
+        return isinstance(self.rows_max, RowsPlan) and self.rows_max.mm_max > 0
 
     def _pick_rows_kernel(self) -> None:
-        """llm_core.nf4_rows for the batch sizes where it is right and faster: checked against dequantize + matmul
-        on the first layer's NF4 linears for a batch of 8 (relative error < 2%, the bf16 rounding of the products),
-        then both forms timed there, inside a CUDA graph, at every batch bucket above 1; the kernel serves batches
-        up to the largest bucket below the first where dequantize + matmul is as fast (pick_rows_max). Issue 16's
-        step profile had the kernel at ~0.45 ms per layer for 8 rows, likely slower than dequantize + cuBLAS, which
-        the warm-up had checked for accuracy only."""
+        """The kernel for NF4 linears over B > 1 rows, per batch bucket: llm_core.nf4_mm checked against dequantize +
+        matmul on the first layer's NF4 linears for a batch of 8 (relative error < 2%, the bf16 rounding of the
+        weights and products), then every candidate (nf4_mm if it passed, bitsandbytes' gemm_4bit, dequantize +
+        matmul) timed there inside a CUDA graph at every bucket above 1, as layer_rows runs them; each bucket takes
+        its fastest (pick_rows_plan). A candidate that fails to run is left out; dequantize + matmul always runs."""
         spec = self.fast._layer_specs[0]
         nf4 = [i for i, s in enumerate(spec.linears) if s.fmt == "nf4" and s.levels]
         if not nf4 or self.fast.dtype != torch.bfloat16:
             return
-        try:
-            from .kernels.nf4_gemv import AVAILABLE
+        from .kernels.nf4_mm import triton
 
-            if not AVAILABLE:
-                return
-            lins = _split_linears(spec, self.fast._layer_weights[0])
-            worst = 0.0
+        lins = _split_linears(spec, self.fast._layer_weights[0])
+        candidates = list(ROWS_KERNELS)
+        worst = 0.0
+        try:
+            if triton is None:
+                raise RuntimeError("Triton is not installed")
             for i in nf4:
                 s = spec.linears[i]
                 x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
-                got = linear_rows(s, x, lins[i], rows_max=ROWS_MAX).float()
+                got = nf4_rows_linear("mm", s, x, lins[i]).float()
                 ref = linear_prefill(s, x, lins[i]).float()
                 worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
             if worst >= 0.02:
-                self.notes.append(f"NF4 rows kernel off: relative error {worst:.3f} vs dequantize + matmul")
-                return
+                self.notes.append(f"NF4 small-M kernel off: relative error {worst:.3f} vs dequantize + matmul")
+                candidates.remove("mm")
         except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
-            log.warning("NF4 rows kernel unavailable: %s: %s", type(exc).__name__, exc)
-            self.notes.append(f"NF4 rows kernel off ({type(exc).__name__}: {str(exc)[:120]})")
-            return
-        timings: dict[int, tuple[float, float]] = {}
-        try:
-            for m in (b for b in self.buckets() if b > 1):
-                xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
+            log.warning("NF4 small-M kernel unavailable: %s: %s", type(exc).__name__, exc)
+            self.notes.append(f"NF4 small-M kernel off ({type(exc).__name__}: {str(exc)[:120]})")
+            candidates.remove("mm")
+        timings: dict[int, dict[str, float]] = {}
+        for m in (b for b in self.buckets() if b > 1):
+            xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
+            timings[m] = {}
+            for kernel in candidates:
+                plan = RowsPlan(((m, kernel),))
 
-                def run(rows_max: int, xs: dict[int, torch.Tensor] = xs) -> None:
+                def run(plan: RowsPlan = plan, xs: dict[int, torch.Tensor] = xs) -> None:
                     for i in nf4:  # as layer_rows runs them
                         s = spec.linears[i]
                         if len(s.splits) > 1:
-                            fused_rows(s, xs[i], lins[i], rows_max)
+                            fused_rows(s, xs[i], lins[i], plan)
                         else:
-                            linear_rows(s, xs[i], lins[i], rows_max)
+                            linear_rows(s, xs[i], lins[i], plan)
 
-                timings[m] = (time_in_cuda_graph(lambda: run(ROWS_MAX), self.device, replays=5, warmups=2),
-                              time_in_cuda_graph(lambda: run(0), self.device, replays=5, warmups=2))
-            self.rows_max = pick_rows_max(timings)
-        except Exception as exc:  # noqa: BLE001 - untimed, the checked kernel serves every batch as before
-            log.warning("NF4 rows kernel not timed: %s: %s", type(exc).__name__, exc)
-            self.rows_max = ROWS_MAX
-        shown = ", ".join(f"{m} rows {k:.0f} vs {d:.0f} µs" for m, (k, d) in sorted(timings.items()))
-        self.notes.append(f"NF4 rows kernel (relative error {worst:.4f}) for batches of up to {self.rows_max} rows"
-                          + (f"; first layer, kernel vs dequantize + matmul: {shown}" if shown else ""))
+                try:
+                    timings[m][kernel] = round(time_in_cuda_graph(run, self.device, replays=5, warmups=2), 1)
+                except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is not chosen
+                    log.warning("rows kernel %s not timed at %d rows: %s: %s", kernel, m, type(exc).__name__, exc)
+        self.rows_max = pick_rows_plan(timings)
+        shown = "; ".join(f"{m} rows " + ", ".join(f"{k} {v:.0f}" for k, v in t.items()) + " µs"
+                          for m, t in sorted(timings.items()))
+        chosen = ", ".join(f"{b}: {k}" for b, k in self.rows_max.kernels)
+        self.notes.append(f"NF4 rows kernels per batch ({chosen}); nf4_mm relative error {worst:.4f}"
+                          + (f"; first layer's NF4 linears: {shown}" if shown else ""))
+        self.rows_timings_us = timings
         self._make_functions(compiled=False)
 
     def _warm_prefill(self) -> None:

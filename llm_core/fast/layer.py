@@ -161,7 +161,7 @@ def _split_output(linear: Linear) -> FusedParts:
 def _project_qkv(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], linear: Linear,
                  parts: FusedParts | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     if spec.fused:
-        q, k, v = (parts or _split_output(linear))(spec.linears[0], x, lins[0])
+        q, k, v = (parts if parts is not None else _split_output(linear))(spec.linears[0], x, lins[0])
         return q, k, v, 1
     return (linear(spec.linears[0], x, lins[0]), linear(spec.linears[1], x, lins[1]),
             linear(spec.linears[2], x, lins[2]), 3)
@@ -170,7 +170,7 @@ def _project_qkv(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]
 def _mlp(spec: LayerSpec, x: torch.Tensor, lins: list[list[torch.Tensor]], first: int, linear: Linear,
          parts: FusedParts | None = None) -> torch.Tensor:
     if spec.fused:
-        gate, up = (parts or _split_output(linear))(spec.linears[first], x, lins[first])
+        gate, up = (parts if parts is not None else _split_output(linear))(spec.linears[first], x, lins[first])
         down = first + 1
     else:
         gate = linear(spec.linears[first], x, lins[first])

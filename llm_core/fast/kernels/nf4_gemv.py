@@ -277,6 +277,24 @@ if triton is not None:
         return (r << 16).to(tl.float32, bitcast=True), ((r >> 16) << 16).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def tile_rows(N, M, BLOCK_N: tl.constexpr, MP: tl.constexpr):
+        """Program (n tile, k split) of a rows kernel -> its weight rows (BLOCK_N,) and activation rows (MP,), with
+        their in-range masks, and the split index."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mi = tl.arange(0, MP)
+        return rows, rows < N, mi, mi < M, tl.program_id(1)
+
+    @triton.jit
+    def block_scale(blk, mask, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, NESTED: tl.constexpr):
+        """Quant block indices (any shape) -> their absmax in fp32: read as is, or double-quantized as
+        code2[q8] * absmax2[blk // 256] + offset[blk // 256]."""
+        if NESTED:
+            code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=mask, other=0).to(tl.int32))
+            return code * tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0) + tl.load(
+                offsets_ptr + blk // 256, mask=mask, other=0.0)
+        return tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+
+    @triton.jit
     def _nf4_rows_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, M, N,
                          K: tl.constexpr, KW: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -286,12 +304,7 @@ if triton is not None:
         all M rows through tensor-core dots. Weight k = 8j + q sits in word j; instead of interleaving the 8 decoded
         planes back into k order, x is read in the same 8 planes (x[:, 8j + q]): the dot is order-free.
         y is fp32, zeroed before (SPLIT > 1 adds partial sums atomically)."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rmask = rows < N
-        mi = tl.arange(0, MP)
-        mmask = mi < M
+        rows, rmask, mi, mmask, pid_k = tile_rows(N, M, BLOCK_N, MP)
         jj = tl.arange(0, BLOCK_W)
         per_split = tl.cdiv(KW, SPLIT * BLOCK_W) * BLOCK_W
         w_lo = pid_k * per_split
@@ -303,12 +316,7 @@ if triton is not None:
             m2 = rmask[:, None] & wmask[None, :]
             words = tl.load(w_ptr + rows[:, None] * KW + wj[None, :], mask=m2, other=0)
             blk = rows[:, None] * (KW // WPB) + (wj // WPB)[None, :]
-            if NESTED:
-                code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32))
-                scale = code * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0) + tl.load(
-                    offsets_ptr + blk // 256, mask=m2, other=0.0)
-            else:
-                scale = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
+            scale = block_scale(blk, m2, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, NESTED)
             r0, r1, r2, r3 = tl.inline_asm_elementwise(ASM, "=r,=r,=r,=r,r", [words],
                                                        dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
                                                        is_pure=True, pack=1)
@@ -351,18 +359,23 @@ def _unpack_asm_for(code: tuple[float, ...]) -> str:
 ROWS_MAX = 32  # the rows kernel's largest M (the batched fast path's largest batch bucket)
 
 
+def rows_shapes(x: torch.Tensor, words: torch.Tensor, absmax: torch.Tensor | None, nested: Any
+                ) -> tuple[int, int, int, int]:
+    """(M, K, N, K/8) of a rows kernel's call, after the checks every rows kernel makes first."""
+    if triton is None:
+        raise RuntimeError("Triton is not installed")
+    if (absmax is None) == (nested is None):
+        raise ValueError("give exactly one of absmax and nested")
+    return int(x.shape[0]), int(x.shape[1]), int(words.shape[0]), int(words.shape[1])
+
+
 def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= ROWS_MAX -> (M, N) bf16 = x @ dequantize(W).T, each weight read once for all rows.
     Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning."""
-    if triton is None:
-        raise RuntimeError("Triton is not installed")
-    m, k = x.shape
-    n, kw = words.shape
-    if (absmax is None) == (nested is None):
-        raise ValueError("give exactly one of absmax and nested")
+    m, k, n, kw = rows_shapes(x, words, absmax, nested)
     wpb = blocksize // 8
     if blocksize % 8 or wpb & (wpb - 1) or kw % wpb or kw * 8 != k:
         raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")

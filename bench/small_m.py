@@ -1,0 +1,290 @@
+"""Small-M 4-bit matmul sweep: per linear of a Llama layer (qkv, o, gate_up, down), M = 1..32 activation rows,
+time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), the older llm_core kernels
+(nf4_gemv at M = 1, nf4_rows above), bitsandbytes' matmul_4bit, dequantize_4bit + matmul, and bf16 cuBLAS.
+
+    python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
+
+Weights: random bf16 of the real shape, quantized by bitsandbytes (NF4, blocksize 64, double quant), one tensor per
+fused shape (the fused parts' separate offsets only change which offset a block reads: tests/test_nf4_mm.py checks
+that layout). Clock: each variant is captured in one CUDA graph that calls it on `copies` independent weight sets
+(together over 3x the L2, so no call finds its weights in the cache), replayed 30 times with events around each
+replay; time per call = median replay / calls in the graph. Bandwidth = NF4 bytes (packed weights + 8-bit absmax +
+second-level scales) / time; the copy bandwidth (1 GiB device-to-device copy, read + write bytes) is measured in the
+same run. Each variant's output on the first weight set is checked against x @ dequantize_4bit(W).T in fp32
+(relative L2 error recorded; the bound the tests use is 1e-2). Needs CUDA, bitsandbytes and Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS = {  # arch -> {linear: (N, K)}
+    "llama-2-7b": {"qkv": (3 * 4096, 4096), "o": (4096, 4096), "gate_up": (2 * 11008, 4096), "down": (4096, 11008)},
+    "llama-3-8b": {"qkv": (4096 + 2 * 1024, 4096), "o": (4096, 4096), "gate_up": (2 * 14336, 4096),
+                   "down": (4096, 14336)},
+}
+# (BLOCK_N, BLOCK_K, warps) tiles for the tensor-core form, and for the CUDA-core form at M <= 4 (smaller: the
+# broadcast product holds M x tile values)
+DOT_TILES = [(16, 512, 4), (32, 256, 4), (64, 256, 8), (64, 128, 4), (128, 128, 8)]
+FMA_TILES = [(16, 256, 4), (32, 128, 4), (8, 512, 4)]
+SPLITS = (1, 2, 4, 8)
+
+
+def graph_us(calls: list[Any], replays: int = 30) -> float:
+    """Median µs per call over `replays` replays of one graph that makes every call in `calls` once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    del g
+    return statistics.median(times) / len(calls)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    us = graph_us([lambda: y.copy_(x)] * 4, replays=10)
+    return 2 * 2**30 / (us * 1e-6)
+
+
+class WeightSet:
+    """One random NF4 weight (N, K) in every form the variants read."""
+
+    def __init__(self, n: int, k: int, seed: int) -> None:
+        import bitsandbytes.functional as bf
+
+        from llm_core.fast.kernels.nf4_gemv import words_view
+
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.w = (torch.randn(n, k, device="cuda", generator=g) / math.sqrt(k)).to(torch.bfloat16)
+        self.q, self.st = bf.quantize_4bit(self.w, blocksize=64, quant_type="nf4", compress_statistics=True)
+        st = self.st
+        self.packed = self.q.view(torch.uint8).reshape(n, k // 2)
+        words = words_view(self.packed)
+        assert words is not None
+        self.words = words
+        self.q8 = st.absmax.view(-1)
+        self.absmax2 = st.state2.absmax.float()
+        self.offsets = st.offset.float().reshape(()).repeat(self.absmax2.numel())
+        self.code2 = st.state2.code.float()
+        self.code = st.code.float()
+        self.levels = [float(v) for v in st.code.float().tolist()]
+        self.nf4_bytes = self.packed.numel() + self.q8.numel() + 4 * (self.absmax2.numel() + self.offsets.numel())
+
+    def nested(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q8, self.absmax2, self.offsets, self.code2
+
+
+def variants(m: int, n: int, k: int, sms: int) -> list[tuple[str, dict[str, Any]]]:
+    from llm_core.fast.kernels.nf4_mm import MMConfig, default_config
+
+    out: list[tuple[str, dict[str, Any]]] = [("ours-default:asm", {"config": default_config(m, n, k, sms),
+                                                                   "decode": "asm"})]
+    tiles = [(t, True) for t in DOT_TILES] + ([(t, False) for t in FMA_TILES] if m <= 4 else [])
+    for (bn, bk, warps), dot in tiles:
+        for split in SPLITS:
+            programs = -(-n // bn) * split
+            if not sms <= programs <= 12 * sms or k // (bk * split) < 2:
+                continue
+            cfg = MMConfig(bn, bk, split, warps, 3, dot)
+            out.append((f"ours:asm:{bn}x{bk}/s{split}/w{warps}/st3/{'dot' if dot else 'fma'}",
+                        {"config": cfg, "decode": "asm"}))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--archs", default="llama-2-7b,llama-3-8b")
+    ap.add_argument("--ms", default="1,2,4,8,16,32")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this long")
+    ap.add_argument("--refine", type=int, default=3, help="re-time the best N configs with other stages / decodes")
+    args = ap.parse_args()
+
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bf
+    import triton
+
+    from llm_core.fast.kernels import nf4_gemv
+    from llm_core.fast.kernels.nf4_mm import MMConfig, nf4_mm
+
+    t_start = time.perf_counter()
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    l2 = int(getattr(props, "L2_cache_size", 50 * 2**20))
+    doc: dict[str, Any] = {"meta": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                    "triton": triton.__version__, "bitsandbytes": bnb.__version__, "sms": sms,
+                                    "l2_bytes": l2, "clock": __doc__.split("Clock: ")[1].split(" Bandwidth")[0]},
+                           "records": []}
+    bw = copy_bandwidth()
+    doc["meta"]["copy_bytes_per_s"] = bw
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    ms = [int(v) for v in args.ms.split(",")]
+
+    def save() -> None:
+        args.out.write_text(json.dumps(doc, indent=1))
+
+    for arch in args.archs.split(","):
+        for lin, (n, k) in LAYERS[arch].items():
+            if time.perf_counter() - t_start > args.budget_s:
+                doc["meta"]["stopped_early"] = f"budget {args.budget_s} s reached before {arch} {lin}"
+                save()
+                break
+            first = WeightSet(n, k, seed=1)
+            copies = max(2, math.ceil(3 * l2 / first.nf4_bytes))
+            sets = [first] + [WeightSet(n, k, seed=2 + i) for i in range(copies - 1)]
+            deq_ref = bf.dequantize_4bit(first.q, first.st).float()
+            for m in ms:
+                xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in sets]
+                ref = xs[0].float() @ deq_ref.T
+                rec: dict[str, Any] = {"arch": arch, "linear": lin, "n": n, "k": k, "m": m, "copies": copies,
+                                       "nf4_bytes": first.nf4_bytes, "ideal_us": first.nf4_bytes / bw * 1e6,
+                                       "us": {}, "rel_err": {}, "errors": {}}
+
+                def timed(name: str, make: Any, rec: dict[str, Any] = rec, xs: list[torch.Tensor] = xs,
+                          ref: torch.Tensor = ref, sets: list[WeightSet] = sets) -> None:
+                    try:
+                        out = make(sets[0], xs[0])()
+                        rec["rel_err"][name] = round(float((out.float() - ref).norm() / ref.norm()), 5)
+                        rec["us"][name] = round(graph_us([make(s, x) for s, x in zip(sets, xs, strict=True)]), 2)
+                    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
+                        rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+
+                def ours(cfg: MMConfig, decode: str) -> Any:
+                    return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
+                                                        decode=decode, levels=s.levels))
+
+                for name, kw in variants(m, n, k, sms):
+                    timed(name, ours(kw["config"], kw["decode"]))
+                ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("ours:"))
+                for _, key in ranked[:args.refine]:
+                    cfg, _ = config_of(key)
+                    for stages in (2, 4):
+                        timed(key.replace("/st3/", f"/st{stages}/"),
+                              ours(MMConfig(cfg.block_n, cfg.block_k, cfg.split, cfg.warps, stages, cfg.dot), "asm"))
+                    timed(key.replace(":asm:", ":gather:"), ours(cfg, "gather"))
+                if m == 1:
+                    timed("nf4_gemv", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels,
+                                                                               nested=s.nested())))
+                else:
+                    timed("nf4_rows", lambda s, x: (lambda: nf4_gemv.nf4_rows(x, s.words, 64, s.levels,
+                                                                               nested=s.nested())))
+                with torch.inference_mode():
+                    timed("bnb.matmul_4bit", lambda s, x: (lambda: bnb.matmul_4bit(x, s.q.t(), quant_state=s.st)))
+                timed("dequant+matmul", lambda s, x: (lambda: x @ bf.dequantize_4bit(s.q, s.st).t()))
+                timed("bf16_cublas", lambda s, x: (lambda: x @ s.w.t()))
+                best = min(((v, key) for key, v in rec["us"].items() if key.startswith("ours")), default=None)
+                if best is not None:
+                    rec["best_ours"] = best[1]
+                    rec["best_ours_us"] = best[0]
+                    rec["best_ours_fraction_of_copy_bw"] = round(first.nf4_bytes / (best[0] * 1e-6) / bw, 3)
+                if best is not None and best[1].startswith("ours:"):
+                    rec["best_compile"] = compile_info(best[1], sets[0], xs[0])
+                rec["max_rel_err_ours"] = max((v for key, v in rec["rel_err"].items() if key.startswith("ours")),
+                                              default=None)
+                doc["records"].append(rec)
+                save()
+                others = {key: rec["us"].get(key) for key in ("nf4_gemv", "nf4_rows", "bnb.matmul_4bit",
+                                                              "dequant+matmul", "bf16_cublas") if key in rec["us"]}
+                print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
+                      f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
+                      f"{others} errors={len(rec['errors'])}", flush=True)
+            sets.clear()
+            del first, deq_ref
+            torch.cuda.empty_cache()
+    doc["summary"] = summarize(doc)
+    save()
+    print_table(doc)
+
+
+def config_of(key: str) -> tuple[Any, str]:
+    """'ours:<decode>:<BN>x<BK>/s<split>/w<warps>/st<stages>/<dot|fma>' -> (MMConfig, decode)."""
+    from llm_core.fast.kernels.nf4_mm import MMConfig
+
+    _, decode, rest = key.split(":")
+    tile, split, warps, stages, form = rest.split("/")
+    bn, bk = (int(v) for v in tile.split("x"))
+    return MMConfig(bn, bk, int(split[1:]), int(warps[1:]), int(stages[2:]), form == "dot"), decode
+
+
+def compile_info(key: str, s: WeightSet, x: torch.Tensor) -> dict[str, Any]:
+    """Registers, spills and shared memory of a config's compiled kernel (Triton's compile metadata)."""
+    from llm_core.fast.kernels.nf4_mm import nf4_mm
+
+    cfg, decode = config_of(key)
+    got: list[Any] = []
+    nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg, decode=decode, levels=s.levels, compiled=got)
+    kern = got[0]
+    return {"n_regs": getattr(kern, "n_regs", None), "n_spills": getattr(kern, "n_spills", None),
+            "shared_bytes": getattr(getattr(kern, "metadata", None), "shared", None)}
+
+
+def summarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """Per arch and M: the layer's four linears summed, for each family's best entry."""
+    out: dict[str, Any] = {}
+    bw = doc["meta"]["copy_bytes_per_s"]
+    fams = {"ours": lambda key: key.startswith("ours"), "ours-default": lambda key: key == "ours-default:asm",
+            "llm_core-old": lambda key: key in ("nf4_gemv", "nf4_rows"),
+            "bnb": lambda key: key == "bnb.matmul_4bit", "dequant+matmul": lambda key: key == "dequant+matmul",
+            "bf16": lambda key: key == "bf16_cublas"}
+    for r in doc["records"]:
+        row = out.setdefault(r["arch"], {}).setdefault(str(r["m"]), {"linears": [], "nf4_bytes": 0})
+        row["linears"].append(r["linear"])
+        row["nf4_bytes"] += r["nf4_bytes"]
+        for fam, pick in fams.items():
+            vals = [v for key, v in r["us"].items() if pick(key)]
+            if vals:
+                row[fam + "_us"] = round(row.get(fam + "_us", 0.0) + min(vals), 2)
+    for rows in out.values():
+        for row in rows.values():
+            if "ours_us" in row:
+                row["ours_fraction_of_copy_bw"] = round(row["nf4_bytes"] / (row["ours_us"] * 1e-6) / bw, 3)
+                for other in ("bnb", "dequant+matmul", "bf16", "llm_core-old"):
+                    if other + "_us" in row:
+                        row[f"{other}_over_ours"] = round(row[other + "_us"] / row["ours_us"], 2)
+        if "1" in rows and "ours_us" in rows["1"]:
+            for row in rows.values():
+                if "ours_us" in row:
+                    row["ours_over_m1"] = round(row["ours_us"] / rows["1"]["ours_us"], 2)
+    return out
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    print(f"copy {doc['meta']['copy_bytes_per_s'] / 1e12:.3f} TB/s; per layer (4 linears), µs:")
+    print("arch        M  ours  frac  xM1  default  old   bnb  deq+mm  bf16")
+    for arch, rows in doc.get("summary", {}).items():
+        for m, r in rows.items():
+            print(f"{arch:10s} {m:>2s} {r.get('ours_us', 0):6.1f} {r.get('ours_fraction_of_copy_bw', 0):5.2f} "
+                  f"{r.get('ours_over_m1', 0):4.2f} {r.get('ours-default_us', 0):7.1f} "
+                  f"{r.get('llm_core-old_us', 0):6.1f} {r.get('bnb_us', 0):6.1f} {r.get('dequant+matmul_us', 0):6.1f} "
+                  f"{r.get('bf16_us', 0):6.1f}  {len(r['linears'])} linears")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""Which kernel multiplies an NF4 linear by B > 1 rows in the batched decode step, per batch bucket; the start-up
+pick (SlotDecoder._pick_rows_kernel) times the candidates and fills a RowsPlan. Knows nothing of slots or scheduling.
+
+Kernels: "mm" llm_core.nf4_mm (each 4-bit weight read once for all rows, launch shape nf4_mm.default_config),
+"bnb" bitsandbytes' gemm_4bit op (its own small-M kernel or dequantize + cuBLAS, by its own dispatch), "dequant"
+dequantize_4bit + matmul (correct on every device; fused q/k/v and gate/up one part at a time)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .pack import LinSpec, absmax_2d, bias_of, code_of
+
+ROWS_KERNELS = ("mm", "bnb", "dequant")
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    """{batch bucket: kernel} for NF4 linears over B > 1 rows; a batch of B rows takes the entry of the smallest
+    bucket >= B, and "dequant" where there is none. Frozen and hashable: the compiled step closes over it."""
+
+    kernels: tuple[tuple[int, str], ...] = ()
+
+    def kernel_for(self, rows: int) -> str:
+        for bucket, kernel in sorted(self.kernels):
+            if rows <= bucket:
+                return kernel
+        return "dequant"
+
+    @property
+    def mm_max(self) -> int:
+        """The largest bucket llm_core.nf4_mm serves (0: none), for the bench records."""
+        return max((b for b, k in self.kernels if k == "mm"), default=0)
+
+
+def kernel_for(plan: RowsPlan | int, rows: int) -> str:
+    """A plan's kernel for `rows`; an int n means llm_core.nf4_mm for 2..n rows and dequantize + matmul above."""
+    if isinstance(plan, RowsPlan):
+        return plan.kernel_for(rows)
+    return "mm" if rows <= plan else "dequant"
+
+
+def pick_rows_plan(timings: dict[int, dict[str, float]]) -> RowsPlan:
+    """From {bucket: {kernel: µs}}: the fastest kernel at each bucket (ties go to dequantize + matmul, which every
+    device runs, then to bitsandbytes)."""
+    order = {"dequant": 0, "bnb": 1, "mm": 2}
+    return RowsPlan(tuple((bucket, min(t, key=lambda k: (t[k], order.get(k, 3))))
+                          for bucket, t in sorted(timings.items()) if t))
+
+
+def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """x (B, K) bf16 -> (B, N) through llm_core.nf4_mm ("mm") or bitsandbytes' gemm_4bit ("bnb")."""
+    bias = bias_of(spec, ts)
+    if kernel == "mm":
+        if spec.absmax == "fp32":
+            return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], code_of(spec, ts), bias,
+                                             spec.blocksize, False, list(spec.levels), "asm", [])
+        return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], code_of(spec, ts), bias,
+                                         spec.blocksize, True, list(spec.levels), "asm", [])
+    if kernel != "bnb":
+        raise ValueError(f"no rows kernel {kernel!r}")
+    packed = ts[0].view(-1, 1)
+    if spec.absmax == "nested" and spec.uniform_offset:
+        return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4", bias,
+                                                ts[1], ts[4], ts[5])
+    return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], absmax_2d(spec, ts).view(-1),
+                                            spec.blocksize, "nf4", bias)
