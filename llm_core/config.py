@@ -154,6 +154,8 @@ class MemorySettings:
     # long prompts are prefilled in chunks of this size (flat peak); 0 = off; None = auto
     # (llm_core.memory.plan.resolve_prefill_chunk_tokens)
     prefill_chunk_tokens: int | None = None
+    # a reply prefills only the prompt tokens after the longest prefix whose KV the last reply left in the cache
+    prefix_cache: bool = True
 
 
 @dataclass(frozen=True)
@@ -499,6 +501,9 @@ SPECS: tuple[SettingSpec, ...] = (
                 "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off; auto (default) = "
                 f"{DEFAULT_PREFILL_CHUNK_TOKENS}, or {SMALL_CARD_PREFILL_CHUNK_TOKENS} where memory bounds the KV "
                 "cache (small cards)"),
+    SettingSpec("PREFIX_CACHE", "memory", "prefix_cache", _parse_bool,
+                "keep the KV of the last reply's tokens and prefill only what a new prompt adds after the longest "
+                "common prefix (next chat turn, Regenerate, a shared system prompt); off = prefill every prompt whole"),
     SettingSpec("SYSTEM_PROMPT", "chat", "system_prompt", _parse_str, "system prompt of new conversations"),
     SettingSpec("HISTORY_TURNS", "chat", "history_turns", _parse_int,
                 f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})"),
