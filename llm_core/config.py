@@ -365,6 +365,10 @@ class MemorySettings:
         "prefill long prompts in chunks of this many tokens (flattens the peak); 0 = off; auto (default) = "
         f"{DEFAULT_PREFILL_CHUNK_TOKENS}, or {SMALL_CARD_PREFILL_CHUNK_TOKENS} where memory bounds the KV "
         "cache (small cards)")
+    # a reply prefills only the prompt tokens after the longest prefix whose KV the last reply left in the cache
+    prefix_cache: bool = setting("PREFIX_CACHE", True, _parse_bool,
+        "keep the KV of the last reply's tokens and prefill only what a new prompt adds after the longest "
+        "common prefix (next chat turn, Regenerate, a shared system prompt); off = prefill every prompt whole")
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class ReplyStats:
     versions: dict[str, str] = field(default_factory=dict)
     # What it cost.
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV came from the cache (not prefilled); in prompt_tokens
     new_tokens: int = 0  # generated token ids (not text chunks), EOS included if produced
     ttft_s: float | None = None  # request received -> first generated token on the host
     decode_tokens_per_s: float | None = None  # (new_tokens - 1) / decode_s

@@ -28,6 +28,7 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
         ("TTFT", num(stats.ttft_s and stats.ttft_s * 1000, ",.0f", "ms")),
         ("Decode speed", num(stats.decode_tokens_per_s, ",.1f", "tokens/s")),
         ("Tokens in / out", f"{stats.prompt_tokens:,} / {stats.new_tokens:,}"),
+        ("Prompt from cache", "n/a" if remote else f"{stats.cached_prompt_tokens:,} of {stats.prompt_tokens:,} tokens"),
         ("End to end", num(stats.end_to_end_s, ",.2f", "s") if not live else "streaming…"),
         (memory_label, memory),
         ("KV cache", "…" if live else "not reported by the engine" if remote and stats.kv_cache_bytes is None

@@ -49,6 +49,8 @@ from ..memory.model import (
 )
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..metrics import ReplyStats, TokenClock
+from .plain_prefix import PlainPrefixCache
+from .prefix_cache import PrefixCache
 from .serving import BatchScheduler, ReplySlots, RowKV
 
 log = logging.getLogger(__name__)
@@ -169,13 +171,15 @@ class DecodeBackend(Protocol):
     """The loop that produces tokens for one prepared prompt: plain `generate`, the fast static-cache path, or the
     batch scheduler. `run` streams token ids into `streamer` until EOS, prepared.gen.max_new_tokens or `stop_event`.
     `make_cache` gives the object whose bytes the stats report; `cache_at_start`: whether run() needs it passed in
-    (the fast path's is its static cache, viewed only for the final stats, so the view costs nothing in TTFT)."""
+    (the fast path's is its static cache, viewed only for the final stats, so the view costs nothing in TTFT).
+    `run` returns the prompt tokens whose KV came from a cache instead of the prefill (None or 0: none)."""
 
     name: str
     reason: str
     cache_at_start: bool
 
-    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None: ...
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any
+            ) -> int | None: ...
 
     def make_cache(self) -> Any: ...
 
@@ -188,13 +192,30 @@ class PlainBackend:
     reason: str
     prefill_chunk_tokens: int | None
     check_oom: Callable[[str], None]  # the engine's OOM injector, read at each call (tests swap it)
+    prefix: PlainPrefixCache | None = None  # PREFIX_CACHE: the kept DynamicCache (claimed by ChatEngine._stream)
     name: str = "plain"
     cache_at_start: bool = True
 
     def make_cache(self) -> Any:
         return make_cache("dynamic", self.loaded.model)
 
-    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        prefix = self.prefix if self.prefix is not None and self.prefix.owns(cache) else None
+        if prefix is None:
+            self._generate(prepared, streamer, stop_event, cache)
+            return 0
+        ids: list[int] | None = None
+        try:
+            prompt = prepared.input_ids[0].tolist() if bool(prepared.attention_mask.all()) else []
+            cached = prefix.begin(cache, prompt)
+            ids = self._generate(prepared, streamer, stop_event, cache)
+            return cached
+        finally:
+            prefix.release(stop_event, ids)  # ids None: an error, the cache is dropped
+
+    def _generate(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any
+                  ) -> list[int]:
+        """generate's returned ids (prompt + new) of the one row."""
         model, gen = self.loaded.model, prepared.gen
         self.check_oom("prefill")
         chunk = self.prefill_chunk_tokens
@@ -217,7 +238,7 @@ class PlainBackend:
                 torch.manual_seed(gen.seed)
         else:  # greedy: neutralise sampling defaults from the model's generation_config
             kwargs.update(temperature=None, top_p=None, top_k=None)
-        model.generate(**kwargs)
+        return [int(i) for i in model.generate(**kwargs)[0].tolist()]
 
 
 @dataclass
@@ -232,10 +253,12 @@ class FastBackend:
     def make_cache(self) -> Any:
         return self.decoder.cache
 
-    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
         gen = prepared.gen
+        info: dict[str, int] = {}
         self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
-                              gen.max_new_tokens, min_new_tokens=gen.min_new_tokens)
+                              gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, info=info)
+        return info.get("cached_prompt_tokens", 0)
 
 
 class ChatEngine:
@@ -259,6 +282,9 @@ class ChatEngine:
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
         self._prefill_chunk_tokens = self._resolve_prefill_chunk_tokens()  # PREFILL_CHUNK_TOKENS (None = one pass)
+        # PREFIX_CACHE: each single-reply path keeps the ids whose KV its cache holds and prefills only the rest
+        self._prefix_cache = settings.memory.prefix_cache
+        self._plain_prefix = PlainPrefixCache(loaded.model) if self._prefix_cache else None
         self.backend: DecodeBackend = self._plain_backend(
             "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
         self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
@@ -285,7 +311,7 @@ class ChatEngine:
 
     def _plain_backend(self, reason: str) -> PlainBackend:
         return PlainBackend(self.loaded, reason, self._prefill_chunk_tokens,
-                            lambda point: self.oom_injector.check(point))
+                            lambda point: self.oom_injector.check(point), self._plain_prefix)
 
     def _select_backend(self) -> None:
         mode = self.settings.model.decode_path
@@ -296,7 +322,7 @@ class ChatEngine:
             from .cpu_backend import cpu_backend
 
             self.backend = cpu_backend(self.loaded, weights, self._fast_cache_tokens(),
-                                       self._prefill_chunk_tokens)
+                                       self._prefill_chunk_tokens, prefix_cache=self._prefix_cache)
             return
         try:
             from .. import fast
@@ -330,7 +356,8 @@ class ChatEngine:
             self.memory_facts = plain_facts
             self.backend = self._plain_backend(f"no room for the fast path's KV cache: {exc}")
             return
-        decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options)
+        decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options,
+                                   prefix_cache=PrefixCache() if self._prefix_cache else None)
         if self._fast_kv_format == "int8":
             reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
@@ -528,6 +555,7 @@ class ChatEngine:
                 "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=quantized or a "
                 "larger VRAM_BUDGET.")
         decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
+        decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
         scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
                                        eos_token_ids=sorted(self.loaded.eos_token_ids))
         self._fast_batched_reason = (fast.reason, size)
@@ -984,20 +1012,26 @@ class ChatEngine:
             predicted_peak_bytes=prepared.predicted.peak_allocated_bytes if prepared.predicted else None,
             memory_budget_bytes=self.memory_budget.budget_bytes, context_fit_tokens=prepared.context_fit_tokens,
         )
-        if backend is self._plain:
-            cache = make_cache(prepared.kv_cache, self.loaded.model,
-                               capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)
+        if backend is self._plain:  # the kept cache when it serves this reply (run() gives it back), else a new one
+            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "dynamic" \
+                else None
+            cache = claimed if claimed is not None else make_cache(
+                prepared.kv_cache, self.loaded.model, capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)
         else:
             cache = backend.make_cache() if backend.cache_at_start else None  # else _final_stats makes it
         errors: list[BaseException] = []
+        cached: list[int] = []
 
         def work() -> None:
             try:
                 with torch.inference_mode():
-                    backend.run(prepared, streamer, stop_event, cache)
+                    cached.append(int(backend.run(prepared, streamer, stop_event, cache) or 0))
             except BaseException as exc:  # relayed to the caller below, never swallowed
                 errors.append(exc)
                 streamer.end()
+            finally:  # the kept plain cache, if run() did not give it back (it was replaced): dropped
+                if self._plain_prefix is not None:
+                    self._plain_prefix.release(stop_event, None)
 
         cached_free = _cached_free_bytes(loaded.device)
         if not getattr(backend, "measures_peak", False):  # overlapping replies: the backend records each one's peak
@@ -1022,6 +1056,7 @@ class ChatEngine:
             if errors:
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
+            stats = replace(stats, cached_prompt_tokens=cached[0] if cached else 0)
             final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend,
                                           cached_free)
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
@@ -1079,6 +1114,8 @@ class ChatEngine:
             return exc
         if is_oom_error(exc):
             traceback.clear_frames(exc.__traceback__)  # the failed step's frames still hold activations
+            if self._plain_prefix is not None:  # the kept KV goes first (the static caches' ids are already forgotten)
+                self._plain_prefix.drop()
             free_memory(self.loaded.device)
             return OutOfMemoryError(
                 "The device ran out of memory during this reply. Memory was freed and the conversation kept; "

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..loading import LoadedModel
+from .prefix_cache import PrefixCache
 from .serving import RowKV
 
 
@@ -25,12 +26,16 @@ class CPUBackend:
         allocated empty, so rows never written are never resident)."""
         return RowKV()
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        """Returns the prompt tokens whose KV came from the cache (not prefilled)."""
         gen = prepared.gen
+        info: dict[str, int] = {}
         try:
             self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
                                   gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-                                  eos_ids=self.decoder.loaded.eos_token_ids, prefill_chunk=self.prefill_chunk_tokens)
+                                  eos_ids=self.decoder.loaded.eos_token_ids, prefill_chunk=self.prefill_chunk_tokens,
+                                  info=info)
+            return info.get("cached_prompt_tokens", 0)
         finally:
             if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
                 self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
@@ -38,11 +43,14 @@ class CPUBackend:
                 cache.nbytes = self.decoder.rows_used * self.decoder.kv_bytes_per_token()
 
 
-def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_chunk_tokens: int | None) -> CPUBackend:
-    """The backend for a model that loading.py quantized for the CPU path; the reason is what the model panel shows."""
+def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_chunk_tokens: int | None, *,
+                prefix_cache: bool = True) -> CPUBackend:
+    """The backend for a model that loading.py quantized for the CPU path; the reason is what the model panel shows.
+    prefix_cache: reuse the KV of the longest prefix a prompt shares with the last reply's ids (PREFIX_CACHE)."""
     from ..fast.cpu import CPUDecoder
 
-    decoder = CPUDecoder(loaded, weights, max_cache_len=min(loaded.context_length, cache_tokens))
+    decoder = CPUDecoder(loaded, weights, max_cache_len=min(loaded.context_length, cache_tokens),
+                         prefix_cache=PrefixCache() if prefix_cache else None)
     asked = loaded.settings.quantization
     if weights.fmt == "dense":
         what = f"{str(weights.layers[0][0].tensors[0].dtype).removeprefix('torch.')} weights (QUANTIZATION=none)"

@@ -33,7 +33,7 @@ import time
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,9 @@ from torch import nn
 from ..config import GenerationSettings
 from ..errors import GenerationError
 from ..sampling import logits_processors, next_token, sampling_generator
+
+if TYPE_CHECKING:
+    from ..engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -448,10 +451,12 @@ class CPUDecoder:
     """Static KV cache, quantized weights and the compiled decode step of one loaded (CPU-quantized) model.
 
     One reply at a time (a lock). `generate` has FastDecoder's contract: it streams token ids into a
-    TextIteratorStreamer-like object and honours a stop event."""
+    TextIteratorStreamer-like object and honours a stop event. With a `prefix_cache`, a reply prefills only the
+    prompt tokens after the longest prefix whose KV the last reply left in the static cache."""
 
     def __init__(self, loaded: Any, weights: CPUWeights, *, max_cache_len: int | None = None,
-                 compile: str = "graphs", layers_per_graph: int | None = None) -> None:
+                 compile: str = "graphs", layers_per_graph: int | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         model = loaded.model
         cfg = model.config
         inner = model.model
@@ -478,6 +483,7 @@ class CPUDecoder:
         self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
+        self.prefix_cache = prefix_cache  # the ids whose KV the static cache holds (None: every reply from 0)
         self._k: list[torch.Tensor] = []  # per layer (L, Hkv, D), each its own tensor: written in place by the graph
         self._v: list[torch.Tensor] = []
         self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
@@ -538,6 +544,7 @@ class CPUDecoder:
         """torch.empty: pages are touched (and count in RSS) only as rows are written; no row is read unwritten.
         One tensor per layer: a graph that writes into a view of a larger tensor copies more than the row."""
         s = self.spec
+        self._forget()
         self._k, self._v = [], []
         for _ in range(s.n_layers):
             self._k.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
@@ -584,12 +591,18 @@ class CPUDecoder:
             self._step = self._eager_step
             return self._step(ids, pos, n, sel)
 
-    def _prefill(self, ids: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
-        """Eager over the prompt (chunks of `chunk` tokens); the last position's logits (1, V) fp32."""
+    def _forget(self) -> None:
+        """The static cache is written outside a reply (or re-allocated): nothing in it may be reused."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate()
+
+    def _prefill(self, ids: torch.Tensor, chunk: int | None = None, first: int = 0) -> torch.Tensor:
+        """Eager over the prompt from position `first` (rows 0..first-1 already hold its KV), in chunks of `chunk`
+        tokens; the last position's logits (1, V) fp32."""
         total = ids.numel()
-        chunk = chunk or total
+        chunk = chunk or total - first
         logits = None
-        for start in range(0, total, chunk):
+        for start in range(first, total, chunk):
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel())
             cos, sin = self._cos[pos], self._sin[pos]
@@ -603,7 +616,7 @@ class CPUDecoder:
         """Allocate the cache and compile the step (its attended length dynamic from the second call on)."""
         t0 = time.perf_counter()
         with self._lock, torch.inference_mode(False), torch.no_grad():
-            self._allocate(self.max_cache_len)
+            self._allocate(self.max_cache_len)  # forgets any cached prefix
             self._prefill(torch.arange(4))
             t1 = time.perf_counter()
             sel = Selection.neutral(self.weights.head.n)
@@ -618,6 +631,7 @@ class CPUDecoder:
         token through the decode step (no penalty). For the agreement tests and benchmarks."""
         ids = input_ids[0]
         with self._lock, torch.inference_mode(False), torch.no_grad():
+            self._forget()
             if not self._k:
                 self._allocate(self.max_cache_len)
             rows = [self._prefill(ids.to(torch.long))]
@@ -628,22 +642,27 @@ class CPUDecoder:
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
-                 min_new_tokens: int = 0, eos_ids: Sequence[int] = (), prefill_chunk: int | None = None
-                 ) -> list[int]:
+                 min_new_tokens: int = 0, eos_ids: Sequence[int] = (), prefill_chunk: int | None = None,
+                 info: dict[str, Any] | None = None) -> list[int]:
         """Like model.generate for batch 1 (repetition penalty, sampling, min_new_tokens as generate applies them):
         streamer.put(prompt), then every new token as it is made, then streamer.end() (also on stop or error).
-        Returns the new token ids."""
+        Returns the new token ids; `info` (if given) gets cached_prompt_tokens: the prompt tokens not prefilled
+        because their KV was in the cache."""
         try:
             with self._lock, torch.inference_mode(False), torch.no_grad():
-                return self._generate(input_ids, attention_mask, gen, streamer, stop_event, int(max_new_tokens),
-                                      int(min_new_tokens), set(eos_ids), prefill_chunk)
+                try:
+                    return self._generate(input_ids, attention_mask, gen, streamer, stop_event, int(max_new_tokens),
+                                          int(min_new_tokens), set(eos_ids), prefill_chunk, info)
+                except BaseException:  # a half-written cache: nothing of it is reused
+                    self._forget()
+                    raise
         finally:
             if streamer is not None:
                 streamer.end()
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                   streamer: Any, stop_event: threading.Event, limit: int, min_new: int, eos: set[int],
-                  prefill_chunk: int | None) -> list[int]:
+                  prefill_chunk: int | None, info: dict[str, Any] | None) -> list[int]:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise GenerationError(f"The CPU decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
         ids = input_ids[0]
@@ -672,7 +691,11 @@ class CPUDecoder:
         if min_new > 0 and eos:
             sel.bias = ban
         self._rows_used = prompt_len
-        scores, best = select_scores(self._prefill(ids.to(torch.long), prefill_chunk), sel.seen, sel.penalty,
+        prompt = ids.tolist()
+        first = self.prefix_cache.begin(prompt) if self.prefix_cache is not None else 0
+        if info is not None:
+            info["cached_prompt_tokens"] = first
+        scores, best = select_scores(self._prefill(ids.to(torch.long), prefill_chunk, first), sel.seen, sel.penalty,
                                      sel.bias)
         out: list[int] = []
         while True:
@@ -682,6 +705,8 @@ class CPUDecoder:
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
             if token in eos or len(out) >= limit or stop_event.is_set():
+                if self.prefix_cache is not None:  # every id but the last was fed: its KV is in rows 0..P+n-2
+                    self.prefix_cache.commit(prompt + out[:-1])
                 return out
             if len(out) >= min_new:
                 sel.bias = no_ban

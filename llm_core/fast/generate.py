@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,9 @@ from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOption
 from .pack import PackedLinear, pack_linears
 from .support import Arch, fast_path_support, is_dense_linear
 from .timing import time_in_cuda_graph
+
+if TYPE_CHECKING:
+    from ..engine.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -80,11 +83,12 @@ class FastDecoder:
     """Owns the static KV cache, packed weights, compiled step and captured graphs of one loaded model.
 
     One reply at a time (a lock). Building it re-points the model's q/k/v and gate/up weights at fused storage
-    (same values); plain `model.generate` keeps working on the same model.
+    (same values); plain `model.generate` keeps working on the same model. With a `prefix_cache`, a reply prefills
+    only the prompt tokens after the longest prefix whose KV the last reply left in the static cache.
     """
 
     def __init__(self, loaded: LoadedModel, *, max_cache_len: int | None = None, compile: bool | None = None,
-                 options: FastDecodeOptions | None = None) -> None:
+                 options: FastDecodeOptions | None = None, prefix_cache: PrefixCache | None = None) -> None:
         ok, reason = fast_path_support(loaded, allow_cpu=True)
         if not ok:
             raise GenerationError(f"The fast decode path cannot run for this model: {reason}.")
@@ -99,6 +103,7 @@ class FastDecoder:
         self.reason = reason
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
+        self.prefix_cache = prefix_cache  # the ids whose KV the static cache holds (None: every reply from 0)
         self.gemv_timings_us: dict[str, float] = {}  # start-up timing of each 4-bit kernel (auto)
         self.dense_gemv_timings_us: dict[str, float] = {}  # and of cuBLAS / llm_core.dense_gemv (dense_gemv=auto)
         if self.options.gemv == "nf4" and self.dtype != torch.bfloat16:  # the kernel reads bf16 activations
@@ -344,7 +349,13 @@ class FastDecoder:
             raise torch.cuda.OutOfMemoryError(
                 f"The prefill's CUDA graphs could not be captured beside a {tokens:,}-token KV cache.")
 
+    def _forget(self) -> None:
+        """The static cache is written outside a reply, re-allocated or released: nothing in it may be reused."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.invalidate()
+
     def _allocate(self, tokens: int) -> None:
+        self._forget()
         self._prefill_capture_oom = False  # set when a prefill graph's capture runs out of memory
         self._graphs.clear()
         self._pf_graphs.clear()  # their pool goes with them: freed before the new cache is allocated
@@ -412,6 +423,7 @@ class FastDecoder:
         return self.warmup_s
 
     def _allocate_plain(self, tokens: int) -> None:
+        self._forget()
         self._graphs.clear()
         self._k = self._v = None
         self._k, self._v = self._cache_tensors(tokens)
@@ -574,13 +586,19 @@ class FastDecoder:
         return self._buckets[bisect.bisect_left(self._buckets, length)]
 
     # --- prefill -----------------------------------------------------------------------------------------------
-    def _prefill(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids (P,) -> (scores (1, V), greedy token (1,)); fills cache rows 0..P-1. Marks prompt tokens as seen."""
+    def _prefill(self, ids: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (P,) -> (scores (1, V), greedy token (1,)); fills cache rows first..P-1 (rows 0..first-1 already hold
+        the KV of ids[:first]). Marks every prompt token as seen. The padded graphs start at row 0, so a prefill
+        after a cached prefix runs the chunked passes, whose class with start > 0 warm-up compiled."""
         assert self._k is not None and self._v is not None
         total = ids.numel()
         self._seen.index_fill_(0, ids, True)
         chunk = self.options.prefill_chunk_tokens or total
         bucket = round_up(total, PREFILL_BUCKET_TOKENS)
+        if first:
+            with _prefill_attention_scope(self.options.prefill_attention, self.device):
+                hn_last = self._prefill_layers(ids, total, chunk, first)
+            return self._head_fn(hn_last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
         if self._pf_ids is not None and chunk >= total and bucket in self._prefill_buckets():
             # right-padded to the bucket: static ids, the last real row picked on the device
             self._pf_ids[:total].copy_(ids)
@@ -607,9 +625,9 @@ class FastDecoder:
         self._pf_scores.copy_(scores)
         self._pf_tok.copy_(nxt)
 
-    def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int) -> torch.Tensor:
+    def _prefill_layers(self, ids: torch.Tensor, total: int, chunk: int, first: int = 0) -> torch.Tensor:
         hn_last = None
-        for start in range(0, total, chunk):
+        for start in range(first, total, chunk):
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel(), device=self.device)
             hn = self._prefill_pass(part, pos, start)
@@ -640,14 +658,19 @@ class FastDecoder:
     # --- generate --------------------------------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
-                 min_new_tokens: int = 0) -> torch.Tensor:
+                 min_new_tokens: int = 0, info: dict[str, Any] | None = None) -> torch.Tensor:
         """Like model.generate for batch 1: returns (1, P+N) ids. streamer.put(prompt) first, then each new token
-        as it is produced (one step behind the GPU), then streamer.end(), also on stop or error."""
+        as it is produced (one step behind the GPU), then streamer.end(), also on stop or error. `info` (if given)
+        gets cached_prompt_tokens: the prompt tokens not prefilled because their KV was in the cache."""
         try:  # warm-up's grad mode whatever the caller's: tensors made under inference_mode carry other dispatch
             # keys, and dynamo would recompile the prefill, head and prologue inside the first reply
             with self._lock, torch.inference_mode(False), torch.no_grad():
-                new = self._generate(input_ids, attention_mask, gen, streamer, stop_event, max_new_tokens,
-                                     min_new_tokens)
+                try:
+                    new = self._generate(input_ids, attention_mask, gen, streamer, stop_event, max_new_tokens,
+                                         min_new_tokens, info)
+                except BaseException:  # a half-written cache: nothing of it is reused
+                    self._forget()
+                    raise
             tail = torch.tensor([new], dtype=input_ids.dtype, device=input_ids.device).view(1, -1)
             return torch.cat([input_ids, tail], dim=1)
         except torch.cuda.OutOfMemoryError as exc:
@@ -674,8 +697,8 @@ class FastDecoder:
         return ids.to(self.device)
 
     def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
-                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int
-                  ) -> list[int]:
+                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, min_new_tokens: int,
+                  info: dict[str, Any] | None = None) -> list[int]:
         clock = {"entry": time.perf_counter()}
         self._clock = clock
         ids = self._prompt_ids(input_ids, attention_mask)
@@ -701,10 +724,14 @@ class FastDecoder:
         events = self._prefill_events
         if events is None and self.device.type == "cuda":
             events = self._prefill_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        prompt = ids.tolist()
+        first = self.prefix_cache.begin(prompt) if self.prefix_cache is not None else 0
+        if info is not None:
+            info["cached_prompt_tokens"] = first
         clock["prefill_start"] = time.perf_counter()
         if events is not None:
             events[0].record()
-        scores, nxt = self._prefill(ids)
+        scores, nxt = self._prefill(ids, first)
         if events is not None:
             events[1].record()
         clock["prefill_launched"] = time.perf_counter()
@@ -731,6 +758,8 @@ class FastDecoder:
                 streamer.put(torch.tensor([token]))
             if token in eos or not launched or stop_event.is_set():
                 break
+        if self.prefix_cache is not None:  # steps 1..n-1 fed out[:-1]; out[-1]'s row may be written, never claimed
+            self.prefix_cache.commit(prompt + out[:-1])
         return out
 
     def _publish(self, index: int) -> None:
@@ -751,6 +780,7 @@ class FastDecoder:
         """Give back the static cache, the captured graphs and their pools (the engine then serves from plain
         generate; the fused weights stay, shared with the model)."""
         with self._lock:
+            self._forget()
             self._graphs.clear()
             self._pf_graphs.clear()
             self._pool = self._pf_pool = None
@@ -790,6 +820,7 @@ class FastDecoder:
                     "tokens": self._cache_len}
 
     def _worst_reply_pass(self) -> None:
+        self._forget()
         end = self._cache_len - 1
         chunk = min(self.options.prefill_chunk_tokens or end, end)
         start = end - chunk
@@ -808,6 +839,7 @@ class FastDecoder:
         """One prefill of `ids` (1, S) into the cache as a reply runs it, no decode: the last position's scores
         (1, V). It only launches work on CUDA: call sync() before reading a clock. For the prefill benchmarks."""
         with self._lock, torch.no_grad():
+            self._forget()
             self._seen.zero_()
             return self._prefill(ids)[0]
 
@@ -834,6 +866,7 @@ class FastDecoder:
         ids = self._prompt_ids(input_ids, None)
         need = ids.numel() + len(forced) + 1
         with self._lock, torch.no_grad():
+            self._forget()
             if need > self._cache_len:
                 self._allocate(round_up(need, 16))
             self._seen.zero_()
@@ -850,6 +883,7 @@ class FastDecoder:
     def time_decode_steps(self, context_tokens: int, steps: int) -> float:
         """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
         with self._lock, torch.no_grad():
+            self._forget()
             if context_tokens + steps > self._cache_len:
                 self._allocate(round_up(context_tokens + steps, 16))
             self._pos.fill_(context_tokens)

@@ -276,10 +276,11 @@ class OpenAIServer:
         return engine, model_id, stream, first
 
 
-def _usage(update: ReplyUpdate) -> dict[str, int]:
+def _usage(update: ReplyUpdate) -> dict[str, Any]:
     completion = update.stats.new_tokens  # generated token ids, EOS included (a remote engine's own count)
     return {"prompt_tokens": update.stats.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": update.stats.prompt_tokens + completion}
+            "total_tokens": update.stats.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": update.stats.cached_prompt_tokens}}
 
 
 def _stats_field(stats: ReplyStats) -> dict[str, Any]:

@@ -1,0 +1,316 @@
+"""Prefix reuse across replies: the bookkeeping alone, then replies through ChatEngine on the CPU path, the fast
+decoder's eager loop and the plain path, each token-identical (fp32, greedy) to the same reply from a cold cache."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.config import GenerationSettings
+from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.engine.prefix_cache import PrefixCache, common_prefix
+from llm_core.errors import GenerationError, OutOfMemoryError
+from llm_core.history import Turn
+from tests.conftest import make_settings
+
+GEN = GenerationSettings(max_new_tokens=12, repetition_penalty=1.05)
+SYSTEM = "You are a helpful assistant who answers briefly."
+
+
+# --- the bookkeeping -----------------------------------------------------------------------------------------
+
+def test_reusable_is_the_longest_common_prefix() -> None:
+    cache = PrefixCache()
+    cache.commit([1, 2, 3, 4, 5])
+    assert cache.reusable([1, 2, 3, 9, 9, 9]) == 3
+    assert cache.reusable([7, 2, 3]) == 0
+    assert common_prefix([1, 2], [1, 2, 3]) == 2
+
+
+def test_reusable_leaves_at_least_one_prompt_token_to_prefill() -> None:
+    cache = PrefixCache()
+    cache.commit([1, 2, 3, 4, 5])
+    assert cache.reusable([1, 2, 3]) == 2  # the whole prompt is cached: its last token still runs (logits)
+    assert cache.reusable([1, 2, 3, 4, 5]) == 4
+    assert cache.reusable([1]) == 0
+    assert cache.reusable([]) == 0
+
+
+def test_another_key_reuses_nothing() -> None:
+    cache = PrefixCache()
+    cache.commit([1, 2, 3, 4], key=("model-a", "bf16"))
+    assert cache.reusable([1, 2, 3, 4, 5], key=("model-a", "bf16")) == 4
+    assert cache.reusable([1, 2, 3, 4, 5], key=("model-a", "int8")) == 0
+    assert cache.begin([1, 2, 3, 4, 5], key=("model-a", "int8")) == 0
+    assert cache.ids == ()
+
+
+def test_begin_keeps_only_the_reused_ids_marked() -> None:
+    cache = PrefixCache()
+    cache.commit([1, 2, 3, 4, 5, 6])
+    assert cache.begin([1, 2, 8, 9]) == 2
+    assert cache.ids == (1, 2)  # rows 2.. are overwritten by this reply: not reusable until it commits
+    cache.commit([1, 2, 8, 9, 10])
+    assert cache.reusable([1, 2, 8, 9, 10, 11]) == 5
+
+
+def test_invalidate_forgets_everything() -> None:
+    cache = PrefixCache()
+    cache.commit([1, 2, 3])
+    cache.invalidate()
+    assert cache.ids == ()
+    assert cache.reusable([1, 2, 3, 4]) == 0
+
+
+# --- replies through the engine --------------------------------------------------------------------------------
+
+def _engine(decode_path: str, **extra: str) -> ChatEngine:
+    torch.manual_seed(0)
+    return ChatEngine.load(make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH=decode_path,
+                                         **extra))
+
+
+@pytest.fixture(scope="module")
+def cpu_fp32() -> Iterator[ChatEngine]:
+    """The CPU path (DECODE_PATH=auto on CPU) with dense fp32 weights and cache: the token-equality reference."""
+    engine = _engine("auto")
+    assert engine.backend.name == "cpu"
+    yield engine
+
+
+@pytest.fixture(scope="module")
+def fast_fp32() -> Iterator[ChatEngine]:
+    """The fast path's FastDecoder run eagerly on CPU: the single-reply CUDA loop's prefix code, without a GPU."""
+    engine = _engine("fast")
+    assert engine.backend.name == "fast"
+    yield engine
+
+
+@pytest.fixture(scope="module")
+def plain_fp32() -> Iterator[ChatEngine]:
+    """transformers' generate with the kept DynamicCache."""
+    yield _engine("plain")
+
+
+PATHS = ["cpu_fp32", "fast_fp32", "plain_fp32"]
+
+
+def _forget(engine: ChatEngine) -> None:
+    """Make the next reply start from a cold cache (the reference every reused reply must equal)."""
+    decoder = getattr(engine.backend, "decoder", None)
+    if decoder is not None:
+        decoder.prefix_cache.invalidate()
+    if engine._plain_prefix is not None:
+        engine._plain_prefix.drop()
+
+
+def _prefix_ids(engine: ChatEngine) -> tuple[int, ...]:
+    decoder = getattr(engine.backend, "decoder", None)
+    return decoder.prefix_cache.ids if decoder is not None else engine._plain_prefix.prefix.ids
+
+
+def _prompt(engine: ChatEngine, message: str, history: list[Turn], turns: int, system: str) -> list[int]:
+    prepared = engine.prepare(message, history, gen=GEN, history_turns=turns, system_prompt=system)
+    return prepared.input_ids[0].tolist()
+
+
+def _reply(engine: ChatEngine, message: str, history: list[Turn], *, turns: int = 8, system: str = SYSTEM,
+           stop_after: int | None = None) -> ReplyUpdate:
+    rid = f"r{threading.get_ident()}"
+    last = None
+    for update in engine.stream_chat(message, history, gen=GEN, history_turns=turns, system_prompt=system,
+                                     request_id=rid):
+        last = update
+        if stop_after is not None and not update.done and update.stats.new_tokens >= stop_after:
+            engine.stop(rid)
+    assert last is not None and last.done
+    return last
+
+
+def _expected_cached(prev_prompt: list[int], prev_new: tuple[int, ...], prompt: list[int]) -> int:
+    """Computed from the ids alone: what the last reply left in the cache is its prompt and every new id but the
+    last (never fed back); the prompt's last token is always prefilled."""
+    held = prev_prompt + list(prev_new[:-1])
+    n = 0
+    while n < min(len(held), len(prompt)) and held[n] == prompt[n]:
+        n += 1
+    return min(n, len(prompt) - 1)
+
+
+def _check_warm_equals_cold(engine: ChatEngine, message: str, history: list[Turn], *, turns: int = 8,
+                            system: str = SYSTEM) -> ReplyUpdate:
+    """Reply with whatever the cache holds, then the same from a cold cache: same tokens; the cold one reused 0."""
+    warm = _reply(engine, message, history, turns=turns, system=system)
+    _forget(engine)
+    cold = _reply(engine, message, history, turns=turns, system=system)
+    assert cold.stats.cached_prompt_tokens == 0
+    assert warm.token_ids == cold.token_ids
+    return warm
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_continued_chat_reuses_the_history_and_equals_a_cold_start(path: str, request: Any) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    history: list[Turn] = []
+    messages = ["Name three colours.", "Which of them is the warmest?", "And the coldest?", "Thanks. One more?"]
+    prev_prompt: list[int] = []
+    prev_new: tuple[int, ...] = ()
+    for i, message in enumerate(messages):
+        prompt = _prompt(engine, message, history, 8, SYSTEM)
+        update = _check_warm_equals_cold(engine, message, history)
+        if i:
+            want = _expected_cached(prev_prompt, prev_new, prompt)
+            assert want > len(prev_prompt) // 2  # the whole earlier history is shared
+            assert update.stats.cached_prompt_tokens == want
+            assert update.stats.prompt_tokens == len(prompt)
+        prev_prompt, prev_new = prompt, update.token_ids
+        history = [*history, Turn(message, update.text)]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_regenerate_reuses_all_but_the_last_prompt_token(path: str, request: Any) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    history = [Turn("Hi there.", "Hello! How can I help?")]
+    first = _reply(engine, "Tell me a fact about owls.", history)
+    prompt = _prompt(engine, "Tell me a fact about owls.", history, 8, SYSTEM)
+    again = _check_warm_equals_cold(engine, "Tell me a fact about owls.", history)
+    assert again.stats.cached_prompt_tokens == len(prompt) - 1
+    assert again.token_ids == first.token_ids
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_trimmed_history_reuses_only_what_still_matches(path: str, request: Any) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    history = [Turn("First question about cats?", "Cats sleep a lot."),
+               Turn("Second question about dogs?", "Dogs like walks.")]
+    before = _reply(engine, "Third question about birds?", history, turns=2)
+    before_prompt = _prompt(engine, "Third question about birds?", history, 2, SYSTEM)
+    history = [*history, Turn("Third question about birds?", before.text)]
+    # two turns kept of three: the oldest drops, so the prompt diverges right after the system prompt
+    prompt = _prompt(engine, "Fourth question about fish?", history, 2, SYSTEM)
+    want = _expected_cached(before_prompt, before.token_ids, prompt)
+    assert 0 < want < len(before_prompt) // 2
+    after = _check_warm_equals_cold(engine, "Fourth question about fish?", history, turns=2)
+    assert after.stats.cached_prompt_tokens == want
+    assert after.stats.dropped_turns == 1
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_second_user_reuses_the_shared_system_prompt(path: str, request: Any) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    alice = _reply(engine, "Alice asks: what is a prime number?", [])
+    alice_prompt = _prompt(engine, "Alice asks: what is a prime number?", [], 8, SYSTEM)
+    prompt = _prompt(engine, "Bob asks about the moon.", [], 8, SYSTEM)
+    want = _expected_cached(alice_prompt, alice.token_ids, prompt)
+    system_only = _prompt(engine, "x", [], 8, SYSTEM)
+    assert want >= common_prefix(system_only, prompt) > 0
+    bob = _check_warm_equals_cold(engine, "Bob asks about the moon.", [])
+    assert bob.stats.cached_prompt_tokens == want
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_stopped_reply_leaves_only_what_it_wrote_reusable(path: str, request: Any) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    stopped = _reply(engine, "Count slowly from one to twenty.", [], stop_after=3)
+    assert stopped.stats.finish_reason == "stopped"
+    prompt = _prompt(engine, "Count slowly from one to twenty.", [], 8, SYSTEM)
+    assert len(_prefix_ids(engine)) == len(prompt) + len(stopped.token_ids) - 1
+    history = [Turn("Count slowly from one to twenty.", stopped.text)]
+    next_prompt = _prompt(engine, "Go on.", history, 8, SYSTEM)
+    after = _check_warm_equals_cold(engine, "Go on.", history)
+    assert after.stats.cached_prompt_tokens == _expected_cached(prompt, stopped.token_ids, next_prompt) > 0
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_an_error_mid_reply_leaves_nothing_reusable(path: str, request: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    engine: ChatEngine = request.getfixturevalue(path)
+    _forget(engine)
+    first = _reply(engine, "Say hello.", [])
+    assert _prefix_ids(engine)
+    history = [Turn("Say hello.", first.text)]
+    if path == "plain_fp32":  # an OOM after the prefill wrote the cache, raised from generate's stopping criterion
+        with engine.oom_injector.armed_for("decode", times=1), pytest.raises(OutOfMemoryError):
+            _reply(engine, "Now say goodbye.", history)
+    else:  # the decode step fails after the prefill wrote the cache's rows
+        decoder = engine.backend.decoder
+        name = "_decode" if path == "cpu_fp32" else "_run_step"
+
+        def boom(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("injected decode failure")
+
+        monkeypatch.setattr(decoder, name, boom)
+        with pytest.raises(GenerationError):
+            _reply(engine, "Now say goodbye.", history)
+        monkeypatch.undo()
+    assert _prefix_ids(engine) == ()
+    after = _reply(engine, "Now say goodbye.", history)
+    assert after.stats.cached_prompt_tokens == 0
+
+
+def test_reallocating_the_cpu_cache_forgets_the_prefix(cpu_fp32: ChatEngine) -> None:
+    _reply(cpu_fp32, "Say hello.", [])
+    assert _prefix_ids(cpu_fp32)
+    cpu_fp32.backend.decoder.warmup()  # writes and re-allocates the static cache
+    assert _prefix_ids(cpu_fp32) == ()
+    assert _reply(cpu_fp32, "Say hello.", []).stats.cached_prompt_tokens == 0
+
+
+def test_prefix_cache_off_prefills_every_prompt_whole() -> None:
+    engine = _engine("plain", PREFIX_CACHE="off")
+    assert engine._plain_prefix is None
+    first = _reply(engine, "Say hello.", [])
+    again = _reply(engine, "Say hello.", [])
+    assert first.stats.cached_prompt_tokens == again.stats.cached_prompt_tokens == 0
+    assert first.token_ids == again.token_ids
+
+
+def test_openai_usage_reports_the_cached_tokens() -> None:
+    from llm_core.metrics import ReplyStats
+    from llm_core.web.openai_api import _usage
+
+    usage = _usage(ReplyUpdate("hi", ReplyStats(prompt_tokens=40, cached_prompt_tokens=31, new_tokens=3), True))
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 31}
+    assert usage["prompt_tokens"] == 40 and usage["total_tokens"] == 43
+
+
+# --- GPU: the CUDA fast path's captured graphs around a reused prefix -------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("prompt_tokens", [200, 1500])  # inside the padded prefill graphs / past them, chunked
+def test_cuda_fast_decoder_reply_after_a_cached_prefix_equals_a_cold_one(tmp_path: Any, prompt_tokens: int) -> None:
+    """A random tiny llama in fp32, compiled with CUDA graphs: a second turn (first turn's prompt + reply + new
+    tokens) prefilled after the cached prefix gives the tokens the same decoder gives from a cold cache."""
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
+    from llm_core.fast import FastDecodeOptions, FastDecoder
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 4096)
+    loaded = load(str(folder), "none", "cuda", tmp_path / "cache", "float32")
+    prefix = PrefixCache()
+    dec = FastDecoder(loaded, max_cache_len=4096, prefix_cache=prefix,
+                      options=FastDecodeOptions(prefill_graph_tokens=1024, prefill_chunk_tokens=512))
+    dec.warmup()
+    gen = GenerationSettings(repetition_penalty=1.05)
+    ids = torch.randint(3, 500, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).cuda()
+    out = dec.generate(ids, None, gen, None, threading.Event(), 16)
+    extra = torch.randint(3, 500, (1, 300), generator=torch.Generator().manual_seed(1)).cuda()
+    turn2 = torch.cat([out, extra], dim=1)
+    info: dict[str, int] = {}
+    warm = dec.generate(turn2, None, gen, None, threading.Event(), 24, info=info)
+    assert info["cached_prompt_tokens"] == out.shape[1] - 1
+    prefix.invalidate()
+    cold_info: dict[str, int] = {}
+    cold = dec.generate(turn2, None, gen, None, threading.Event(), 24, info=cold_info)
+    assert cold_info["cached_prompt_tokens"] == 0
+    assert warm.tolist() == cold.tolist()
