@@ -130,10 +130,12 @@ class ServerSettings:
     queue_size: int = 64
     mcp_server: bool = False  # Gradio's MCP server for the chat endpoint (needs gradio[mcp])
     max_batch_size: int | None = None  # replies decoded together; None = auto (8 on a shared CUDA demo, else 1)
-    session_max_waiting: int = 1  # requests one session may have waiting beside its running one; more are refused
+    session_max_waiting: int = 1  # requests one person may have waiting beside their running one; more refused
     allow_open_host: bool = False  # serve a non-loopback HOST or a SHARE link without AUTH (refused unless set)
-    login_max_failures: int = 5  # failed logins one client address may make per login_window_s
+    login_max_failures: int = 5  # failed logins (or /v1 keys) per user name and per address per login_window_s
     login_window_s: float = 60.0
+    forwarded_allow_ips: tuple[str, ...] = ()  # proxies whose X-Forwarded-For is believed; none by default
+    cors_origins: tuple[str, ...] = ()  # web origins besides the demo's own whose browser requests are let in
     export_ttl_s: float = 3600.0  # exported stats files are deleted after this long (and when the session ends)
 
     @property
@@ -245,6 +247,8 @@ class Settings:
         _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
         if not self.server.login_window_s > 0:
             raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
+        _check_addresses("FORWARDED_ALLOW_IPS", self.server.forwarded_allow_ips)
+        _check_origins("CORS_ORIGINS", self.server.cors_origins)
         if not self.server.export_ttl_s > 0:
             raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
         _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
@@ -350,6 +354,27 @@ def parse_bytes(name: str, value: Any) -> int | None:
 def _parse_list(name: str, value: Any) -> tuple[str, ...]:
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     return tuple(item.strip() for item in items if str(item).strip())
+
+
+def _check_addresses(name: str, items: tuple[str, ...]) -> None:
+    import ipaddress
+
+    for item in items:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise SettingsError(f"{name} takes IP addresses or networks (e.g. 127.0.0.1,10.0.0.0/8), got {item!r}. "
+                                "List only the reverse proxies in front of the demo; '*' would let every client "
+                                "choose its own address.") from None
+
+
+def _check_origins(name: str, items: tuple[str, ...]) -> None:
+    import re
+
+    for item in items:
+        if item != "*" and not re.fullmatch(r"https?://[^/\s]+", item):
+            raise SettingsError(f"{name} takes web origins such as https://chat.example.com or http://localhost:3000 "
+                                f"(scheme and host, no path), or *, got {item!r}.")
 
 
 def _parse_opt_int(name: str, value: Any) -> int | None:
@@ -523,13 +548,21 @@ SPECS: tuple[SettingSpec, ...] = (
                 f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
                 "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time"),
     SettingSpec("SESSION_MAX_WAITING", "server", "session_max_waiting", _parse_int,
-                "requests one session (tab / API client) may have waiting beside its running reply; more are "
-                "refused, and a free slot goes to the session served least recently"),
+                "requests one person (a login, its API key, or an address without AUTH; all their tabs and clients "
+                "together) may have waiting beside their running reply; more are refused, and a free slot goes "
+                "to the person served least recently"),
     SettingSpec("ALLOW_OPEN_HOST", "server", "allow_open_host", _parse_bool,
                 "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)"),
     SettingSpec("LOGIN_MAX_FAILURES", "server", "login_max_failures", _parse_int,
-                "failed logins one client address may make per LOGIN_WINDOW_S before it must wait"),
+                "failed logins or /v1 API keys one user name, and one client address, may have per LOGIN_WINDOW_S; "
+                "then that user (from any address) or that address waits, even with the right password"),
     SettingSpec("LOGIN_WINDOW_S", "server", "login_window_s", _parse_float, "seconds the login failure count spans"),
+    SettingSpec("FORWARDED_ALLOW_IPS", "server", "forwarded_allow_ips", _parse_list,
+                "comma-separated addresses of reverse proxies whose X-Forwarded-For is believed (empty: none, so "
+                "a client cannot pick its own address for the login throttle and fair share)"),
+    SettingSpec("CORS_ORIGINS", "server", "cors_origins", _parse_list,
+                "comma-separated web origins (https://host[:port]) besides the demo's own whose browser requests "
+                "are accepted, /v1 included; empty: every other site's requests are refused, as OLLAMA_ORIGINS"),
     SettingSpec("EXPORT_TTL_S", "server", "export_ttl_s", _parse_float,
                 "exported stats files are deleted after this many seconds, and when their session ends"),
     SettingSpec("COMPARE_MODELS", "compare", "models", _parse_list,

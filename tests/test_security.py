@@ -21,6 +21,7 @@ from llm_core.engine.chat import ChatEngine
 from llm_core.errors import SettingsError
 from llm_core.metrics import ReplyStats, export_csv
 from llm_core.security import ExportFiles, LoginThrottle, check_exposure
+from llm_core.web.guard import NOT_YOURS
 from tests.conftest import MODEL_CACHE
 from tests.test_app import free_port
 
@@ -127,19 +128,49 @@ def test_auth_from_the_settings_guards_the_app_that_main_starts(served: tuple[An
     assert outputs[-1][3]["new_tokens"] > 0
 
 
-def test_failed_logins_are_throttled_per_address(served: tuple[Any, str]) -> None:
+def from_address(address: str, url: str) -> httpx.Client:
+    """A client whose connection comes from another loopback address (Linux routes all of 127.0.0.0/8 locally)."""
+    return httpx.Client(base_url=url, timeout=60, transport=httpx.HTTPTransport(local_address=address))
+
+
+def login(http: httpx.Client, user: str, password: str, forged: str | None = None) -> httpx.Response:
+    headers = {"X-Forwarded-For": forged} if forged else {}
+    return http.post("login", data={"username": user, "password": password}, headers=headers)
+
+
+def test_failed_logins_are_throttled_per_user_and_per_address_whatever_x_forwarded_for_says(
+        served: tuple[Any, str]) -> None:
     _, url = served
-    codes = []
-    for _ in range(LOGIN_MAX_FAILURES + 1):
-        codes.append(httpx.post(url + "login", data={"username": "alice", "password": "guess"}).status_code)
-        if codes[-1] == 429:
-            break
-    assert codes[-1] == 429 and len(codes) <= LOGIN_MAX_FAILURES + 1, codes
-    throttled = httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]})
-    assert throttled.status_code == 429  # even the right password waits
-    assert "Too many failed logins from your address; try again in" in throttled.json()["detail"]
-    time.sleep(float(throttled.headers["retry-after"]))
-    assert httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]}).status_code == 200
+    guesser = from_address("127.0.0.2", url)
+    codes = [login(guesser, "alice", "guess", forged=f"10.9.8.{i}").status_code
+             for i in range(LOGIN_MAX_FAILURES + 1)]  # a new forged address each try: not believed
+    assert codes == [400] * LOGIN_MAX_FAILURES + [429], codes
+    elsewhere = login(from_address("127.0.0.3", url), "alice", USERS["alice"])  # alice herself, another address
+    assert elsewhere.status_code == 429  # the user waits, whatever address she comes from, even with her password
+    assert "Too many failed logins for this user or from your address; try again in" in elsewhere.json()["detail"]
+    bob = login(from_address("127.0.0.3", url), "bob", USERS["bob"])
+    assert bob.status_code == 200  # another user from that address is not locked out
+    walker = from_address("127.0.0.4", url)  # one address trying many names: throttled by its address
+    codes = [login(walker, name, "guess").status_code for name in ("carol", "dave", "erin", "bob")]
+    assert codes == [400, 400, 400, 429], codes
+    time.sleep(float(elsewhere.headers["retry-after"]))
+    assert login(from_address("127.0.0.3", url), "alice", USERS["alice"]).status_code == 200  # after the wait
+
+
+def test_v1_api_keys_are_throttled_per_user_and_address_like_logins(served: tuple[Any, str]) -> None:
+    _, url = served
+    guesser = from_address("127.0.0.5", url)
+    codes = [guesser.get("v1/models", headers={"Authorization": f"Bearer bob:guess{i}",
+                                                "X-Forwarded-For": f"10.1.1.{i}"}).status_code
+             for i in range(LOGIN_MAX_FAILURES + 1)]
+    assert codes == [401] * LOGIN_MAX_FAILURES + [429], codes
+    right = from_address("127.0.0.6", url).get("v1/models", headers={"Authorization": f"Bearer bob:{USERS['bob']}"})
+    assert right.status_code == 429 and int(right.headers["retry-after"]) >= 1
+    assert set(right.json()["error"]) == {"message", "type", "param", "code"}
+    assert right.json()["error"]["code"] == "too_many_failed_keys"
+    time.sleep(float(right.headers["retry-after"]))
+    again = from_address("127.0.0.6", url).get("v1/models", headers={"Authorization": f"Bearer bob:{USERS['bob']}"})
+    assert again.status_code == 200
 
 
 def test_another_user_cannot_cancel_or_read_a_session(served: tuple[Any, str]) -> None:
@@ -156,6 +187,55 @@ def test_another_user_cannot_cancel_or_read_a_session(served: tuple[Any, str]) -
     job.result(timeout=120)
     stats = job.outputs()[-1][3]
     assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # alice's reply ran to its end
+
+
+def app_routes(app: Any) -> list[tuple[str, str]]:
+    """(method, path template) of every route the served app answers, Gradio's included routers walked into, the
+    mounted /v1 app left out (it has no sessions)."""
+    found: list[tuple[str, str]] = []
+    for route in app.routes:
+        inner = getattr(getattr(route, "include_context", None), "included_router", None)
+        for leaf in (inner.routes if inner is not None else [route]):
+            path = getattr(leaf, "path", "")
+            if not path or path.startswith("/v1"):
+                continue
+            found += [(method, path) for method in sorted(getattr(leaf, "methods", None) or {"GET"})]
+    return found
+
+
+def test_no_route_lets_another_login_use_a_session_by_its_hash(served: tuple[Any, str]) -> None:
+    """Every route of the app's own route table, and every API name of the built demo (run/*, call/*, api/*),
+    with alice's session hash in the path, the query and the body, as bob: refused (403, or 404 where the route is
+    closed), and alice's reply runs to its end."""
+    import re
+
+    demo, url = served
+    alice = client(url, "alice")
+    job = submit_chat(alice, "Count from one to forty in words.", 40)
+    wait_until(lambda: len(job.outputs()) >= 1, 120, "alice's reply to stream")
+    session = alice.session_hash
+    api_names = sorted({fn.api_name for fn in demo.fns.values() if fn.api_name})
+    assert {"chat", "stop", "clear", "show_history", "export_csv_file", "export_json_file"} <= set(api_names)
+    bob = Raw(url, "bob")
+    checked: list[str] = []
+    for method, template in app_routes(demo.app):
+        if template.rstrip("/") in ("/login", "/logout"):
+            continue  # no session: the login is throttled instead; logout only ends bob's own login
+        for api_name in (api_names if "{api_name}" in template else ["x"]):
+            values = {"session_hash": session, "api_name": api_name}
+            path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
+            body = {"data": [], "session_hash": session, "fn_index": 0, "event_data": None, "trigger_id": None,
+                    "event_id": "x"}
+            response = bob.http.request(method, path.lstrip("/"), params={"session_hash": session},
+                                        json=body if method in ("POST", "PUT", "PATCH") else None)
+            assert response.status_code in (403, 404), (method, path, response.status_code, response.text[:200])
+            if response.status_code == 403 and method != "HEAD":
+                assert NOT_YOURS in response.text, (method, path, response.text[:200])
+            checked.append(f"{method} {path}")
+    assert len(checked) > 80 and "POST /gradio_api/run/stop" in checked and "POST /gradio_api/call/clear" in checked
+    job.result(timeout=120)
+    stats = job.outputs()[-1][3]
+    assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # not stopped by bob
 
 
 def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None:
@@ -315,14 +395,21 @@ def test_malformed_payloads_get_one_sentence_not_a_validation_dump(served: tuple
     assert "validation error" not in error and "pydantic" not in error
 
 
-def test_login_throttle_forgets_an_address_after_a_success() -> None:
+def test_login_throttle_counts_each_known_user_and_each_address() -> None:
     now = [0.0]
-    throttle = LoginThrottle(2, 10, clock=lambda: now[0])
-    throttle.failed("a")
-    throttle.succeeded("a")
-    throttle.failed("a")
-    assert throttle.retry_after_s("a") == 0  # one failure since the success
-    throttle.failed("a")
-    assert throttle.retry_after_s("a") == 10 and throttle.retry_after_s("b") == 0
+    throttle = LoginThrottle(2, 10, users=["alice"], clock=lambda: now[0])
+    throttle.failed("a", "alice")
+    throttle.succeeded("a", "alice")  # the user's own success clears the user's count
+    throttle.failed("b", "alice")
+    assert throttle.retry_after_s("c", "alice") == 0  # one failure since the success
+    throttle.failed("c", "alice")
+    assert throttle.retry_after_s("d", "alice") == 10  # locked by name, from any address
+    assert throttle.retry_after_s("d", "bob") == 0 and throttle.retry_after_s("d") == 0
+    for name in ("x", "y"):  # invented names get no count of their own, but their address does
+        throttle.failed("e", name)
+    assert throttle.retry_after_s("e", "bob") == 10
+    for i in range(20_000):  # flooding addresses cannot push alice's count out of memory
+        throttle.failed(f"10.0.{i // 256}.{i % 256}", f"name{i}")
+    assert throttle.retry_after_s("f", "alice") == 10
     now[0] = 10
-    assert throttle.retry_after_s("a") == 0
+    assert throttle.retry_after_s("d", "alice") == 0
