@@ -85,14 +85,22 @@ class GuardMiddleware:
         await self.app(scope, receive, send)
 
     def _same_site(self, scope: Scope) -> bool:
-        """No Origin (not a browser's cross-site request), this server's own origin, or one the operator lists."""
-        headers = dict(scope.get("headers", []))
-        origin = headers.get(b"origin")
+        """No Origin (not a browser's cross-site request), this server's own host, or an origin the operator lists.
+        Own hosts: Host and X-Forwarded-Host (a browser page on another site cannot send the latter without a
+        preflight, which carries its foreign Origin and is refused here); with SHARE, the gradio.live link, whose
+        tunnel may not pass the public host on."""
+        origin = next((v for k, v in scope.get("headers", []) if k == b"origin"), None)
         if origin is None:
             return True
-        own = f"{scope.get('scheme', 'http')}://{headers.get(b'host', b'').decode('latin-1')}"
         text = origin.decode("latin-1")
-        return text == own or "*" in self.server.cors_origins or text in self.server.cors_origins
+        if text in self.server.cors_origins or "*" in self.server.cors_origins:
+            return True
+        netloc = text.partition("://")[2]
+        own = {v.decode("latin-1").strip() for k, v in scope.get("headers", []) if k == b"host"}
+        own |= {h.strip() for k, v in scope.get("headers", []) if k == b"x-forwarded-host"
+                for h in v.decode("latin-1").split(",")}
+        return netloc in own or (self.server.share and text.startswith("https://")
+                                 and netloc.endswith(".gradio.live"))
 
     async def _login(self, scope: Scope, receive: Receive, send: Send) -> None:
         address = _address(scope)

@@ -332,11 +332,6 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
     success is in OpenAI's error shape, unknown routes included."""
     server = OpenAIServer(get_engine, settings, describe_error, throttle)
     api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    if settings.server.cors_origins:  # the guard refuses other origins; these get CORS answers and preflights
-        from starlette.middleware.cors import CORSMiddleware
-
-        api.add_middleware(CORSMiddleware, allow_origins=list(settings.server.cors_origins),
-                           allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])
 
     def error_response(exc: Exception) -> JSONResponse:
         if isinstance(exc, ApiError):
