@@ -60,6 +60,10 @@ class GuardMiddleware:
             await _refuse(send, 403, "Requests from another web site are refused: the page's origin is not this "
                           "server's own and not listed in CORS_ORIGINS.", openai=openai, code="origin_not_allowed")
             return
+        if openai and path == OPENAI:  # the bare prefix is no route of the /v1 app; Gradio's would redirect it
+            await _refuse(send, 404, "Unknown route: this server answers GET /v1/models, GET /v1/models/{id} and "
+                          "POST /v1/chat/completions.", openai=True, code="unknown_url")
+            return
         if openai:
             await self.app(scope, receive, send)  # the /v1 app checks its own keys, body and throttle
             return
@@ -241,7 +245,7 @@ async def _refuse(send: Send, status: int, detail: str, headers: list[tuple[byte
                   openai: bool = False, code: str | None = None) -> None:
     """A refusal: OpenAI's error shape on /v1, Gradio's `detail` elsewhere (with `error` for older clients)."""
     if openai:
-        kind = "permission_error" if status == 403 else "invalid_request_error"
+        kind = "permission_error" if status == 403 else "invalid_request_error"  # OpenAI's names
         payload: dict[str, Any] = {"error": {"message": detail, "type": kind, "param": None, "code": code}}
     else:
         payload = {"detail": detail, "error": detail}

@@ -331,7 +331,9 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
     `throttle` is the login throttle, so failed keys and failed logins count together. Every answer that is not a
     success is in OpenAI's error shape, unknown routes included."""
     server = OpenAIServer(get_engine, settings, describe_error, throttle)
-    api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+    # No slash redirects: every answer is either a result or an OpenAI error (a redirect is neither).
+    api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
 
     def error_response(exc: Exception) -> JSONResponse:
         if isinstance(exc, ApiError):
