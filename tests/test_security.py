@@ -218,21 +218,29 @@ def test_no_route_lets_another_login_use_a_session_by_its_hash(served: tuple[Any
     assert {"chat", "stop", "clear", "show_history", "export_csv_file", "export_json_file"} <= set(api_names)
     bob = Raw(url, "bob")
     checked: list[str] = []
+    bobs_own = uuid.uuid4().hex
     for method, template in app_routes(demo.app):
         if template.rstrip("/") in ("/login", "/logout"):
             continue  # no session: the login is throttled instead; logout only ends bob's own login
         for api_name in (api_names if "{api_name}" in template else ["x"]):
-            values = {"session_hash": session, "api_name": api_name}
-            path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
-            body = {"data": [], "session_hash": session, "fn_index": 0, "event_data": None, "trigger_id": None,
-                    "event_id": "x"}
-            response = bob.http.request(method, path.lstrip("/"), params={"session_hash": session},
-                                        json=body if method in ("POST", "PUT", "PATCH") else None)
-            assert response.status_code in (403, 404), (method, path, response.status_code, response.text[:200])
-            if response.status_code == 403 and method != "HEAD":
-                assert NOT_YOURS in response.text, (method, path, response.text[:200])
-            checked.append(f"{method} {path}")
-    assert len(checked) > 80 and "POST /gradio_api/run/stop" in checked and "POST /gradio_api/call/clear" in checked
+            # Alice's hash in one place at a time (bob's own elsewhere): each place is checked on its own.
+            for where in ("path", "query", "body"):
+                if where == "path" and "{session_hash" not in template or where == "body" and method != "POST":
+                    continue
+                values = {"session_hash": session if where == "path" else bobs_own, "api_name": api_name}
+                path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
+                body = {"data": [], "session_hash": session if where == "body" else bobs_own, "fn_index": 0,
+                        "event_data": None, "trigger_id": None, "event_id": "x"}
+                response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
+                                            params={"session_hash": session if where == "query" else bobs_own})
+                assert response.status_code in (403, 404), (where, method, path, response.status_code,
+                                                             response.text[:200])
+                if response.status_code == 403 and method != "HEAD":
+                    assert NOT_YOURS in response.text, (method, path, response.text[:200])
+                checked.append(f"{method} {path} ({where})")
+    assert len(checked) > 200 and "POST /gradio_api/run/stop (body)" in checked
+    assert "POST /gradio_api/call/clear (body)" in checked and "GET /gradio_api/queue/data (query)" in checked
+    assert f"GET /gradio_api/heartbeat/{session} (path)" in checked
     job.result(timeout=120)
     stats = job.outputs()[-1][3]
     assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # not stopped by bob

@@ -73,8 +73,8 @@ class GuardMiddleware:
         if path.startswith(CLOSED_PREFIXES):
             await _refuse(send, 404, "Not found: this demo does not use that route.")
             return
-        session, receive = await _session_named(scope, receive)
-        if session is not None:
+        sessions, receive = await _sessions_named(scope, receive)
+        if sessions:
             user = _user(scope)
             if user is not None:
                 scope.setdefault("state", {})["login"] = user
@@ -83,7 +83,7 @@ class GuardMiddleware:
             except AuthError:
                 await _refuse(send, 401, "Not logged in.")
                 return
-            if not self.owners.claim(session, owner):
+            if not all([self.owners.claim(session, owner) for session in sessions]):
                 await _refuse(send, 403, NOT_YOURS)
                 return
         await self.app(scope, receive, send)
@@ -147,33 +147,32 @@ def _is_form(scope: Scope) -> bool:
     return headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/x-www-form-urlencoded"
 
 
-async def _session_named(scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
-    """The session hash a request names, if any: a path parameter `session_hash` of the route it matches, the
-    `session_hash` query parameter, or `session_hash` in its JSON or form body. Returns the replaying `receive`."""
+async def _sessions_named(scope: Scope, receive: Receive) -> tuple[list[str], Receive]:
+    """Every session hash a request names: a path parameter `session_hash` of the route it matches, the
+    `session_hash` query parameter, `session_hash` in its JSON or form body. All are checked, so naming one's own
+    session in one place does not carry another's in the next. Returns the replaying `receive` too."""
     from starlette.routing import Match
 
+    named: list[str] = []
     for route in getattr(scope.get("app"), "routes", ()):
         matched, child = _match(route, scope)
         if matched == Match.FULL:
             session = child.get("path_params", {}).get("session_hash")
-            if isinstance(session, str):
-                return session, receive
+            named += [session] if isinstance(session, str) else []
             break
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash")
-    if query:
-        return query[0], receive
+    named += parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [])
     if scope.get("method") not in ("POST", "PUT", "PATCH", "DELETE"):
-        return None, receive
+        return named, receive
     body, receive = await _read_body(receive)
     if _is_form(scope):
-        form = parse_qs(body.decode("latin-1")).get("session_hash")
-        return (form[0] if form else None), receive
+        return named + parse_qs(body.decode("latin-1")).get("session_hash", []), receive
     try:
         data = parse_json(body)
     except InputError:
-        return _form_field(body, b"session_hash"), receive  # multipart (component_server) or not JSON
+        field = _form_field(body, b"session_hash")  # multipart (component_server) or not JSON
+        return named + ([field] if field is not None else []), receive
     session = data.get("session_hash") if isinstance(data, dict) else None
-    return (session if isinstance(session, str) else None), receive
+    return named + ([session] if isinstance(session, str) else []), receive
 
 
 def _match(route: Any, scope: Scope) -> tuple[Any, dict[str, Any]]:
