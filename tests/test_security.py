@@ -353,12 +353,12 @@ def test_a_flood_from_one_login_by_every_route_costs_another_user_at_most_one_re
         thread.join(timeout=300)
 
     assert job.outputs()[-1][3]["new_tokens"] > 0
+    assert {who for _, who, _ in events} == {"user:alice", "user:bob"}  # 60 hashes, user fields and addresses: 1 bob
     mine = [i for i, (_, who, _) in enumerate(events) if who == "user:alice"]
     ready, start = mine[0], next(i for i in mine if events[i][0] == "starts")
     waited = [ahead for what, who, ahead in events[ready:start] if what == "waits" and who == "user:alice"]
     assert max(waited, default=0) <= 1, waited  # only the reply running when she arrived went first
     assert not [e for e in events[ready:start] if e[0] == "starts"], events[ready:start]  # none of bob's jumped her
-    assert {who for _, who, _ in events} == {"user:alice", "user:bob"}  # 60 hashes, user fields and addresses: 1 bob
     gradio_ok = sum(1 for k, r in results.items() if k.startswith("gradio") and r["success"])
     api_ok = sum(1 for k, r in results.items() if k.startswith("api") and r.status_code == 200)
     refused_api = [r for k, r in results.items() if k.startswith("api") and r.status_code == 429]
