@@ -40,6 +40,7 @@ GRADIO_FALLBACKS = (("HOST", "GRADIO_SERVER_NAME"), ("PORT", "GRADIO_SERVER_PORT
 MAX_NEW_TOKENS_RANGE = (1, 4096)
 HISTORY_TURNS_RANGE = (0, 64)
 TEMPERATURE_RANGE = (0.0, 2.0)
+MIN_SAMPLING_TEMPERATURE = 0.01  # logits / 1e-300 overflow to inf and sampling gets NaN probabilities
 TOP_P_RANGE = (0.0, 1.0)
 TOP_K_RANGE = (0, 1000)
 REPETITION_PENALTY_RANGE = (1.0, 2.0)
@@ -103,8 +104,10 @@ class GenerationSettings:
         _check_range("TOP_P", self.top_p, TOP_P_RANGE)
         _check_range("TOP_K", self.top_k, TOP_K_RANGE)
         _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
-        if self.do_sample and self.temperature <= 0:
-            raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
+        if self.do_sample and not self.temperature >= MIN_SAMPLING_TEMPERATURE:
+            raise SettingsError(f"TEMPERATURE must be at least {MIN_SAMPLING_TEMPERATURE} when DO_SAMPLE is on (a "
+                                "smaller one divides the logits past float range); use 0 or DO_SAMPLE=false for "
+                                "greedy.")
         if self.stream_timeout_s <= 0:
             raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
         _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)

@@ -153,6 +153,7 @@ def test_api_key_is_required_when_auth_is_set(api: dict[str, Any]) -> None:
     ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "role"),
     ({"temperature": 5}, 400, "TEMPERATURE"),
+    ({"temperature": 1e-300}, 400, "TEMPERATURE"),  # the fuzzer found it: logits / 1e-300 overflow (was a 500)
     ({"max_tokens": 0}, 400, "max_new_tokens"),
     ({"max_tokens": 10**6}, 400, "max_new_tokens"),
     ({"top_p": -1}, 400, "TOP_P"),
