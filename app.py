@@ -7,6 +7,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -39,9 +40,10 @@ def parse_args(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 def launch(demo: gr.Blocks, settings: Settings, pool: EnginePool | None = None, **options: Any) -> Any:
-    """Serve the demo as settings say: AUTH -> parse_auth -> Gradio's login, with login throttling per address,
-    session-owner checks on the routes Gradio leaves open, unused routes closed, clean errors for malformed
-    payloads (llm_core.web.guard); with `pool`, the OpenAI-compatible API under /v1 on the same server, on the
+    """Serve the demo as settings say: AUTH -> parse_auth -> Gradio's login, with failed logins and API keys
+    throttled per user and per address, sessions kept to their owners on every route, other sites' browser requests
+    refused, unused routes closed, clean errors for malformed payloads (llm_core.web.guard); X-Forwarded-For believed
+    only from FORWARDED_ALLOW_IPS; with `pool`, the OpenAI-compatible API under /v1 on the same server, on the
     engine that serves the chat tab (llm_core.web.openai_api); MCP_SERVER. `options` go to gr.Blocks.launch
     (tests: prevent_thread_lock, quiet)."""
     from fastapi.exceptions import RequestValidationError
@@ -51,16 +53,29 @@ def launch(demo: gr.Blocks, settings: Settings, pool: EnginePool | None = None, 
     from llm_core.web.guard import GuardMiddleware, validation_error_handler
 
     server = settings.server
-    throttle = LoginThrottle(server.login_max_failures, server.login_window_s)
-    guard = Middleware(GuardMiddleware, throttle=throttle, owners=SessionOwners(), auth=server.auth is not None)
+    logins = parse_auth(server.auth) if server.auth else None
+    throttle = LoginThrottle(server.login_max_failures, server.login_window_s,
+                             users=[user for user, _ in logins or []])
+    guard = Middleware(GuardMiddleware, throttle=throttle, owners=SessionOwners(), server=server)
     check_mcp_support(settings)
     app_kwargs: dict[str, Any] = {"middleware": [guard],
                                   "exception_handlers": {RequestValidationError: validation_error_handler}}
     if pool is not None:
-        app_kwargs["routes"] = [Mount("/v1", app=create_openai_app(pool.primary, settings, _api_error))]
-    return demo.launch(server_name=server.host, server_port=server.port, share=server.share,
-                       auth=parse_auth(server.auth) if server.auth else None, show_error=True,
-                       max_threads=_WORKER_THREADS, app_kwargs=app_kwargs, mcp_server=server.mcp_server, **options)
+        app_kwargs["routes"] = [Mount("/v1", app=create_openai_app(pool.primary, settings, _api_error,
+                                                                   throttle=throttle))]
+    # Gradio builds uvicorn's Config itself without forwarded_allow_ips, so uvicorn reads this variable, else
+    # trusts X-Forwarded-For from 127.0.0.1 (every SHARE user arrives from there). Set only while the Config is built.
+    previous = os.environ.get("FORWARDED_ALLOW_IPS")
+    os.environ["FORWARDED_ALLOW_IPS"] = ",".join(server.forwarded_allow_ips)
+    try:
+        return demo.launch(server_name=server.host, server_port=server.port, share=server.share, auth=logins,
+                           show_error=True, max_threads=_WORKER_THREADS, app_kwargs=app_kwargs,
+                           mcp_server=server.mcp_server, **options)
+    finally:
+        if previous is None:
+            os.environ.pop("FORWARDED_ALLOW_IPS", None)
+        else:
+            os.environ["FORWARDED_ALLOW_IPS"] = previous
 
 
 def start(argv: list[str] | None = None, **launch_options: Any) -> gr.Blocks:

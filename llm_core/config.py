@@ -53,6 +53,7 @@ SESSION_MAX_WAITING_RANGE = (0, 16)
 COMPARE_MAX_LOADED_RANGE = (1, 16)
 LOGIN_MAX_FAILURES_RANGE = (1, 1000)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+MIN_SAMPLING_TEMPERATURE = 0.01  # logits / 1e-300 overflow to inf and sampling gets NaN probabilities
 
 
 # --- parsing -------------------------------------------------------------------------------------
@@ -128,6 +129,27 @@ def parse_bytes(name: str, value: Any) -> int | None:
 def _parse_list(name: str, value: Any) -> tuple[str, ...]:
     items = value if isinstance(value, (list, tuple)) else str(value).split(",")
     return tuple(item.strip() for item in items if str(item).strip())
+
+
+def _check_addresses(name: str, items: tuple[str, ...]) -> None:
+    import ipaddress
+
+    for item in items:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise SettingsError(f"{name} takes IP addresses or networks (e.g. 127.0.0.1,10.0.0.0/8), got {item!r}. "
+                                "List only the reverse proxies in front of the demo; '*' would let every client "
+                                "choose its own address.") from None
+
+
+def _check_origins(name: str, items: tuple[str, ...]) -> None:
+    import re
+
+    for item in items:
+        if item != "*" and not re.fullmatch(r"https?://[^/\s]+", item):
+            raise SettingsError(f"{name} takes web origins such as https://chat.example.com or http://localhost:3000 "
+                                f"(scheme and host, no path), or *, got {item!r}.")
 
 
 def _parse_opt_int(name: str, value: Any) -> int | None:
@@ -285,8 +307,10 @@ class GenerationSettings:
         _check_range("TOP_P", self.top_p, TOP_P_RANGE)
         _check_range("TOP_K", self.top_k, TOP_K_RANGE)
         _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
-        if self.do_sample and self.temperature <= 0:
-            raise SettingsError("TEMPERATURE must be above 0 when DO_SAMPLE is on; set DO_SAMPLE=false for greedy.")
+        if self.do_sample and not self.temperature >= MIN_SAMPLING_TEMPERATURE:
+            raise SettingsError(f"TEMPERATURE must be at least {MIN_SAMPLING_TEMPERATURE} when DO_SAMPLE is on (a "
+                                "smaller one divides the logits past float range); use 0 or DO_SAMPLE=false for "
+                                "greedy.")
         if self.stream_timeout_s <= 0:
             raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
         _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)
@@ -329,14 +353,22 @@ class ServerSettings:
         f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
         "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time")
     session_max_waiting: int = setting("SESSION_MAX_WAITING", 1, _parse_int,
-        "requests one session (tab / API client) may have waiting beside its running reply; more are "
-        "refused, and a free slot goes to the session served least recently")
+        "requests one person (a login, its API key, or an address without AUTH; all their tabs and clients "
+        "together) may have waiting beside their running reply; more are refused, and a free slot goes "
+        "to the person served least recently")
     allow_open_host: bool = setting("ALLOW_OPEN_HOST", False, _parse_bool,
         "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)")
     login_max_failures: int = setting("LOGIN_MAX_FAILURES", 5, _parse_int,
-        "failed logins one client address may make per LOGIN_WINDOW_S before it must wait")
+        "failed logins or /v1 API keys one user name, and one client address, may have per LOGIN_WINDOW_S; "
+        "then that user (from any address) or that address waits, even with the right password")
     login_window_s: float = setting("LOGIN_WINDOW_S", 60.0, _parse_float,
         "seconds the login failure count spans")
+    forwarded_allow_ips: tuple[str, ...] = setting("FORWARDED_ALLOW_IPS", (), _parse_list,
+        "comma-separated addresses of reverse proxies whose X-Forwarded-For is believed (empty: none, so "
+        "a client cannot pick its own address for the login throttle and fair share)")
+    cors_origins: tuple[str, ...] = setting("CORS_ORIGINS", (), _parse_list,
+        "comma-separated web origins (https://host[:port]) besides the demo's own whose browser requests "
+        "are accepted, /v1 included; empty: every other site's requests are refused, as OLLAMA_ORIGINS")
     export_ttl_s: float = setting("EXPORT_TTL_S", 3600.0, _parse_float,
         "exported stats files are deleted after this many seconds, and when their session ends")
 
@@ -473,6 +505,8 @@ class Settings:
         _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
         if not self.server.login_window_s > 0:
             raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
+        _check_addresses("FORWARDED_ALLOW_IPS", self.server.forwarded_allow_ips)
+        _check_origins("CORS_ORIGINS", self.server.cors_origins)
         if not self.server.export_ttl_s > 0:
             raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
         _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)

@@ -23,7 +23,16 @@ class InputError(LLMCoreError):
 
 
 class BusyError(InputError):
-    """The request was refused because the server (or this session) is busy; the same request can be retried later."""
+    """The request was refused because the server (or this person) is busy, or because of too many failed logins;
+    the same request can be retried later, after `retry_after_s` when that is known."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class AuthError(LLMCoreError):
+    """A request that needs a login (or API key) came without a valid one."""
 
 
 class ContextBudgetError(LLMCoreError):

@@ -1,22 +1,25 @@
-"""What keeps a shared demo safe to share: the open-host rule, login throttling per client address, session ownership,
-CSV cell escaping and the lifetime of exported files. Knows nothing about Gradio or HTTP; the UI wires these in.
+"""What keeps a shared demo safe to share: the open-host rule, who a request's person is, login throttling per user
+and per address, session ownership, JSON parsed with a depth limit, CSV cell escaping and the lifetime of exported
+files. Knows nothing about Gradio or HTTP (a request is read by its attributes); the UI wires these in.
 
 See docs/security.md for what is protected, how, and what is left to the operator.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import tempfile
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from .config import LOOPBACK_HOSTS, ServerSettings
-from .errors import SettingsError
+from .errors import AuthError, InputError, SettingsError
 
 Clock = Callable[[], float]
 
@@ -36,41 +39,78 @@ def check_exposure(server: ServerSettings) -> str | None:
 
 
 class LoginThrottle:
-    """At most `max_failures` failed logins per client address within `window_s`; then that address waits until
-    its oldest failure leaves the window. A success clears the address. Memory is bounded (`max_addresses`)."""
+    """Failed logins (and failed /v1 API keys) counted per user name and per client address: past `max_failures`
+    within `window_s` for either, the next attempt waits until that count's oldest failure leaves the window, even
+    with the right password. Per name, so a guesser cannot reset the count by changing address; per address, so one
+    client cannot walk through every name. Only names in `users` (the AUTH logins) get their own count, so invented
+    names cannot push a real user's count out of memory. A success clears that user's count, not the address's."""
 
-    def __init__(self, max_failures: int, window_s: float, *, max_addresses: int = 10_000,
-                 clock: Clock = time.monotonic) -> None:
+    def __init__(self, max_failures: int, window_s: float, *, users: Iterable[str] = (),
+                 max_addresses: int = 10_000, clock: Clock = time.monotonic) -> None:
         self.max_failures, self.window_s, self.max_addresses = int(max_failures), float(window_s), max_addresses
+        self.users = frozenset(users)
         self._clock = clock
-        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._by_user: dict[str, deque[float]] = {}  # failure times; bounded by the AUTH logins
+        self._by_address: OrderedDict[str, deque[float]] = OrderedDict()  # bounded by max_addresses (LRU)
         self._lock = threading.Lock()
 
-    def retry_after_s(self, address: str) -> float:
-        """0 when `address` may try to log in now, else the seconds it must wait."""
+    def _counts(self, user: str | None, address: str | None) -> list[tuple[dict[str, deque[float]], str]]:
+        counts: list[tuple[dict[str, deque[float]], str]] = []
+        if user is not None and user in self.users:
+            counts.append((self._by_user, user))
+        if address is not None:
+            counts.append((self._by_address, address))
+        return counts
+
+    def retry_after_s(self, address: str | None, user: str | None = None) -> float:
+        """0 when this user from this address may try now, else the seconds to wait (the longer of the two)."""
         now = self._clock()
+        wait_s = 0.0
         with self._lock:
-            times = self._failures.get(address)
-            if times is None:
-                return 0.0
-            while times and now - times[0] >= self.window_s:
-                times.popleft()
-            if not times:
-                del self._failures[address]
-                return 0.0
-            return max(0.0, self.window_s - (now - times[0])) if len(times) >= self.max_failures else 0.0
+            for table, key in self._counts(user, address):
+                times = table.get(key)
+                if times is None:
+                    continue
+                while times and now - times[0] >= self.window_s:
+                    times.popleft()
+                if not times:
+                    del table[key]
+                elif len(times) >= self.max_failures:
+                    wait_s = max(wait_s, self.window_s - (now - times[0]))
+        return wait_s
 
-    def failed(self, address: str) -> None:
+    def failed(self, address: str | None, user: str | None = None) -> None:
         with self._lock:
-            times = self._failures.setdefault(address, deque(maxlen=self.max_failures))
-            times.append(self._clock())
-            self._failures.move_to_end(address)
-            while len(self._failures) > self.max_addresses:
-                self._failures.popitem(last=False)
+            for table, key in self._counts(user, address):
+                table.setdefault(key, deque(maxlen=self.max_failures)).append(self._clock())
+            if address is not None:
+                self._by_address.move_to_end(address)
+                while len(self._by_address) > self.max_addresses:
+                    self._by_address.popitem(last=False)
 
-    def succeeded(self, address: str) -> None:
+    def succeeded(self, address: str | None, user: str | None = None) -> None:
+        """A right password: that user's count starts again (the address's stays: it may have tried other names)."""
         with self._lock:
-            self._failures.pop(address, None)
+            if user is not None:
+                self._by_user.pop(user, None)
+            elif address is not None:
+                self._by_address.pop(address, None)
+
+
+def person_of(request: Any, server: ServerSettings) -> str:
+    """Who is asking: the one key for fair share, per-person limits and session owners. With AUTH, "user:NAME": the
+    Gradio login (`gr.Request.username`) or the user whose key a /v1 request carried (`request.state.login`, set
+    where the key is checked); without AUTH, "address:HOST", the client address (uvicorn takes it from
+    X-Forwarded-For only when the connection comes from FORWARDED_ALLOW_IPS). Takes a gr.Request or a starlette
+    Request / HTTPConnection; the session hash and OpenAI's `user` field never count. Raises AuthError when AUTH
+    is set and the request carries no login."""
+    if server.auth is not None:
+        name = getattr(request, "username", None) or getattr(getattr(request, "state", None), "login", None)
+        if not name:
+            raise AuthError("Not logged in: log in (or send your API key) first.")
+        return f"user:{name}"
+    client = getattr(request, "client", None)
+    return f"address:{getattr(client, 'host', None) or 'unknown'}"
 
 
 class SessionOwners:
@@ -97,6 +137,26 @@ class SessionOwners:
     def forget(self, session_id: str) -> None:
         with self._lock:
             self._owners.pop(session_id, None)
+
+
+MAX_JSON_DEPTH = 64  # nesting of arrays/objects a request body may have; OpenAI's bodies need under 10
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # one JSON string literal (the unrolled loop: linear time)
+
+
+def parse_json(body: bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """A request body as JSON, its nesting checked before it is parsed (json's recursive parser would overflow on
+    100,000 nested brackets). Raises InputError for a body nested deeper than `max_depth` or not JSON at all."""
+    import numpy as np
+
+    steps = np.zeros(256, dtype=np.int8)  # +1 opens a level, -1 closes one
+    steps[[ord("["), ord("{")]], steps[[ord("]"), ord("}")]] = 1, -1
+    depth = np.cumsum(steps[np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)], dtype=np.int64)
+    if depth.size and int(depth.max()) > max_depth:
+        raise InputError(f"The request body nests arrays/objects deeper than {max_depth} levels.")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise InputError("The request body is not valid JSON.") from None
 
 
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")

@@ -5,6 +5,7 @@ Every wait is bounded (deadlines, `job.result(timeout=...)`), every server binds
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -50,10 +51,13 @@ def batched_nf4(nf4_engine: ChatEngine) -> Iterator[ChatEngine]:
 
 
 def launch(engine: ChatEngine, auth: str | None = None) -> tuple[Any, str]:
+    """As app.main launches it, behind a "proxy" on 127.0.0.1 (FORWARDED_ALLOW_IPS): each test client names its own
+    address, so without AUTH each client is its own person, as users on their own machines are."""
     demo = build_demo(engine, engine.settings)
     port = free_port()
-    launch_app(demo, engine.settings.replace(server={"port": port, "auth": auth}), prevent_thread_lock=True,
-               quiet=True)  # as app.main launches it
+    launch_app(demo, engine.settings.replace(server={"port": port, "auth": auth,
+                                                     "forwarded_allow_ips": ("127.0.0.1",)}),
+               prevent_thread_lock=True, quiet=True)
     return demo, f"http://127.0.0.1:{port}/"
 
 
@@ -66,10 +70,15 @@ def batched_url(batched_nf4: ChatEngine) -> Iterator[str]:
         demo.close()
 
 
+_CLIENT_ADDRESSES = itertools.count(1)
+
+
 def new_client(url: str, **kwargs: Any) -> Any:
+    """A gradio_client session from an address of its own (the trusted proxy's X-Forwarded-For)."""
     from gradio_client import Client
 
-    return Client(url, verbose=False, **kwargs)
+    n = next(_CLIENT_ADDRESSES)
+    return Client(url, verbose=False, headers={"X-Forwarded-For": f"10.77.{n // 250}.{n % 250 + 1}"}, **kwargs)
 
 
 def submit_chat(client: Any, message: Any, history: Any = (), max_new_tokens: Any = 8, **overrides: Any) -> Any:
@@ -504,7 +513,7 @@ PASSWORD = "correct-horse-battery"
 
 @pytest.fixture(scope="module")
 def auth_url(nf4_engine: ChatEngine) -> Iterator[str]:
-    demo, url = launch(nf4_engine, auth=f"alice:{PASSWORD}")
+    demo, url = launch(nf4_engine, auth=",".join(f"{name}:{PASSWORD}" for name in ("alice", "bob", "carol")))
     try:
         yield url
     finally:
@@ -534,7 +543,7 @@ def test_queue_shows_each_waiting_user_a_position(auth_url: str) -> None:
     queue tells its client how many requests go first, in Gradio's progress overlay (status PROGRESS, desc)."""
     from gradio_client.utils import Status
 
-    clients = [new_client(auth_url, auth=("alice", PASSWORD)) for _ in range(3)]
+    clients = [new_client(auth_url, auth=(name, PASSWORD)) for name in ("alice", "bob", "carol")]  # three people
     jobs = [submit_chat(c, f"Tell me about {topic}.", max_new_tokens=12) for c, topic in
             zip(clients, ("salt", "wind", "iron"), strict=True)]
     seen: list[str] = []

@@ -22,13 +22,14 @@ from ui import build_demo
 openai = pytest.importorskip("openai")
 
 KEY = "alice:s3cret pw"
+LISTED_ORIGIN = "http://localhost:3000"  # CORS_ORIGINS of the served app: a local web UI
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
 def api(nf4_engine: ChatEngine) -> Iterator[dict[str, Any]]:
     """The demo as `app.main` serves it (UI + /v1 on one server), with a login so the API needs a key."""
-    settings = nf4_engine.settings.replace(server={"auth": f"{KEY},bob:other"})
+    settings = nf4_engine.settings.replace(server={"auth": f"{KEY},bob:other", "cors_origins": (LISTED_ORIGIN,)})
     pool = EnginePool(settings, primary=nf4_engine)
     demo = build_demo(nf4_engine, settings, pool)
     port = free_port()
@@ -153,6 +154,7 @@ def test_api_key_is_required_when_auth_is_set(api: dict[str, Any]) -> None:
     ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "last message"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, 400, "role"),
     ({"temperature": 5}, 400, "TEMPERATURE"),
+    ({"temperature": 1e-300}, 400, "TEMPERATURE"),  # the fuzzer found it: logits / 1e-300 overflow (was a 500)
     ({"max_tokens": 0}, 400, "max_new_tokens"),
     ({"max_tokens": 10**6}, 400, "max_new_tokens"),
     ({"top_p": -1}, 400, "TOP_P"),
@@ -202,8 +204,66 @@ def test_a_key_gets_one_running_and_one_waiting_reply_and_a_third_is_refused_as_
     assert nf4_engine.waiting() == 1
     with pytest.raises(openai.RateLimitError) as refused:
         ask(client, api, max_tokens=2)
-    assert refused.value.status_code == 429
+    assert refused.value.status_code == 429 and int(refused.value.response.headers["retry-after"]) >= 1
     assert "already has a reply being written and 1 waiting" in refused.value.body["message"]
     stream.close()  # the client goes away mid-reply: that reply stops, and the waiting one gets its turn
     second.join(timeout=60)
     assert result and result[0].usage.completion_tokens > 0
+
+
+def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, (response.status_code, response.text[:300])
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return dict(body["error"])
+
+
+def test_only_json_bodies_and_no_other_sites_browser_requests(api: dict[str, Any]) -> None:
+    url = api["base_url"] + "/chat/completions"
+    body = json.dumps({"model": api["model"], "messages": QUESTION, "max_tokens": 2})
+    auth = {"Authorization": f"Bearer {KEY}"}
+    plain = httpx.post(url, content=body, headers={**auth, "Content-Type": "text/plain"})
+    assert assert_openai_error(plain, 415)["code"] == "unsupported_media_type"  # a CORS "simple" request: refused
+    foreign = httpx.post(url, content=body, headers={**auth, "Content-Type": "text/plain",
+                                                    "Origin": "https://evil.example"})
+    assert assert_openai_error(foreign, 403)["code"] == "origin_not_allowed"
+    page = httpx.get(api["base_url"].removesuffix("/v1") + "/config", headers={"Origin": "https://evil.example"})
+    assert page.status_code == 403  # the Gradio routes too
+    preflight = httpx.options(url, headers={"Origin": LISTED_ORIGIN, "Access-Control-Request-Method": "POST",
+                                            "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == LISTED_ORIGIN
+    listed = httpx.post(url, content=body, headers={**auth, "Content-Type": "application/json",
+                                                   "Origin": LISTED_ORIGIN})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == LISTED_ORIGIN
+    own = api["base_url"].removesuffix("/v1")
+    same = httpx.post(url, content=body, headers={**auth, "Content-Type": "application/json", "Origin": own})
+    assert same.status_code == 200  # the demo's own page
+    unlisted = httpx.post(url, content=body, headers={**auth, "Content-Type": "application/json",
+                                                     "Origin": "http://localhost:4000"})
+    assert assert_openai_error(unlisted, 403)["code"] == "origin_not_allowed"  # Gradio's CORS would let it in
+
+
+def test_every_v1_answer_that_is_not_a_success_is_in_openai_error_shape(api: dict[str, Any], client: Any) -> None:
+    base, auth = api["base_url"], {"Authorization": f"Bearer {KEY}"}
+    for path in ("/completions", "/embeddings", "/nope", "/models/x/y/z/../.."):
+        error = assert_openai_error(httpx.post(base + path, headers=auth, json={}), 404 if path != "/models/x/y/z/../.."
+                                    else 405)
+    assert error["type"] == "invalid_request_error"
+    assert assert_openai_error(httpx.get(base + "/completions", headers=auth), 404)["code"] == "unknown_url"
+    assert assert_openai_error(httpx.delete(base + "/chat/completions", headers=auth), 405)
+    assert client.models.retrieve(api["model"]).id == api["model"]  # GET /v1/models/{id}
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4o")
+    assert missing.value.code == "model_not_found"
+    url = base + "/chat/completions"
+    json_headers = {**auth, "Content-Type": "application/json"}
+    seed = httpx.post(url, headers=json_headers, content=json.dumps(
+        {"model": api["model"], "messages": QUESTION, "seed": 2**64}))
+    assert assert_openai_error(seed, 400)["param"] == "seed"
+    deep = httpx.post(url, headers=json_headers, content=b"[" * 100_000)
+    assert "deeper than" in assert_openai_error(deep, 400)["message"]
+    deep_object = httpx.post(url, headers=json_headers, content=b'{"model": ' + b'{"a": ' * 5_000 + b"1" +
+                             b"}" * 5_001)
+    assert assert_openai_error(deep_object, 400)["code"] == "invalid_json"
+    assert ask(client, api, max_tokens=2).usage.completion_tokens > 0  # still serving

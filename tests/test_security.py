@@ -21,6 +21,7 @@ from llm_core.engine.chat import ChatEngine
 from llm_core.errors import SettingsError
 from llm_core.metrics import ReplyStats, export_csv
 from llm_core.security import ExportFiles, LoginThrottle, check_exposure
+from llm_core.web.guard import NOT_YOURS
 from tests.conftest import MODEL_CACHE
 from tests.test_app import free_port
 
@@ -127,19 +128,49 @@ def test_auth_from_the_settings_guards_the_app_that_main_starts(served: tuple[An
     assert outputs[-1][3]["new_tokens"] > 0
 
 
-def test_failed_logins_are_throttled_per_address(served: tuple[Any, str]) -> None:
+def from_address(address: str, url: str) -> httpx.Client:
+    """A client whose connection comes from another loopback address (Linux routes all of 127.0.0.0/8 locally)."""
+    return httpx.Client(base_url=url, timeout=60, transport=httpx.HTTPTransport(local_address=address))
+
+
+def login(http: httpx.Client, user: str, password: str, forged: str | None = None) -> httpx.Response:
+    headers = {"X-Forwarded-For": forged} if forged else {}
+    return http.post("login", data={"username": user, "password": password}, headers=headers)
+
+
+def test_failed_logins_are_throttled_per_user_and_per_address_whatever_x_forwarded_for_says(
+        served: tuple[Any, str]) -> None:
     _, url = served
-    codes = []
-    for _ in range(LOGIN_MAX_FAILURES + 1):
-        codes.append(httpx.post(url + "login", data={"username": "alice", "password": "guess"}).status_code)
-        if codes[-1] == 429:
-            break
-    assert codes[-1] == 429 and len(codes) <= LOGIN_MAX_FAILURES + 1, codes
-    throttled = httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]})
-    assert throttled.status_code == 429  # even the right password waits
-    assert "Too many failed logins from your address; try again in" in throttled.json()["detail"]
-    time.sleep(float(throttled.headers["retry-after"]))
-    assert httpx.post(url + "login", data={"username": "alice", "password": USERS["alice"]}).status_code == 200
+    guesser = from_address("127.0.0.2", url)
+    codes = [login(guesser, "alice", "guess", forged=f"10.9.8.{i}").status_code
+             for i in range(LOGIN_MAX_FAILURES + 1)]  # a new forged address each try: not believed
+    assert codes == [400] * LOGIN_MAX_FAILURES + [429], codes
+    elsewhere = login(from_address("127.0.0.3", url), "alice", USERS["alice"])  # alice herself, another address
+    assert elsewhere.status_code == 429  # the user waits, whatever address she comes from, even with her password
+    assert "Too many failed logins for this user or from your address; try again in" in elsewhere.json()["detail"]
+    bob = login(from_address("127.0.0.3", url), "bob", USERS["bob"])
+    assert bob.status_code == 200  # another user from that address is not locked out
+    walker = from_address("127.0.0.4", url)  # one address trying many names: throttled by its address
+    codes = [login(walker, name, "guess").status_code for name in ("carol", "dave", "erin", "bob")]
+    assert codes == [400, 400, 400, 429], codes
+    time.sleep(float(elsewhere.headers["retry-after"]))
+    assert login(from_address("127.0.0.3", url), "alice", USERS["alice"]).status_code == 200  # after the wait
+
+
+def test_v1_api_keys_are_throttled_per_user_and_address_like_logins(served: tuple[Any, str]) -> None:
+    _, url = served
+    guesser = from_address("127.0.0.5", url)
+    codes = [guesser.get("v1/models", headers={"Authorization": f"Bearer bob:guess{i}",
+                                                "X-Forwarded-For": f"10.1.1.{i}"}).status_code
+             for i in range(LOGIN_MAX_FAILURES + 1)]
+    assert codes == [401] * LOGIN_MAX_FAILURES + [429], codes
+    right = from_address("127.0.0.6", url).get("v1/models", headers={"Authorization": f"Bearer bob:{USERS['bob']}"})
+    assert right.status_code == 429 and int(right.headers["retry-after"]) >= 1
+    assert set(right.json()["error"]) == {"message", "type", "param", "code"}
+    assert right.json()["error"]["code"] == "too_many_failed_keys"
+    time.sleep(float(right.headers["retry-after"]))
+    again = from_address("127.0.0.6", url).get("v1/models", headers={"Authorization": f"Bearer bob:{USERS['bob']}"})
+    assert again.status_code == 200
 
 
 def test_another_user_cannot_cancel_or_read_a_session(served: tuple[Any, str]) -> None:
@@ -158,6 +189,63 @@ def test_another_user_cannot_cancel_or_read_a_session(served: tuple[Any, str]) -
     assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # alice's reply ran to its end
 
 
+def app_routes(app: Any) -> list[tuple[str, str]]:
+    """(method, path template) of every route the served app answers, Gradio's included routers walked into, the
+    mounted /v1 app left out (it has no sessions)."""
+    found: list[tuple[str, str]] = []
+    for route in app.routes:
+        inner = getattr(getattr(route, "include_context", None), "included_router", None)
+        for leaf in (inner.routes if inner is not None else [route]):
+            path = getattr(leaf, "path", "")
+            if not path or path.startswith("/v1"):
+                continue
+            found += [(method, path) for method in sorted(getattr(leaf, "methods", None) or {"GET"})]
+    return found
+
+
+def test_no_route_lets_another_login_use_a_session_by_its_hash(served: tuple[Any, str]) -> None:
+    """Every route of the app's own route table, and every API name of the built demo (run/*, call/*, api/*),
+    with alice's session hash in the path, the query and the body, as bob: refused (403, or 404 where the route is
+    closed), and alice's reply runs to its end."""
+    import re
+
+    demo, url = served
+    alice = client(url, "alice")
+    job = submit_chat(alice, "Count from one to forty in words.", 40)
+    wait_until(lambda: len(job.outputs()) >= 1, 120, "alice's reply to stream")
+    session = alice.session_hash
+    api_names = sorted({fn.api_name for fn in demo.fns.values() if fn.api_name})
+    assert {"chat", "stop", "clear", "show_history", "export_csv_file", "export_json_file"} <= set(api_names)
+    bob = Raw(url, "bob")
+    checked: list[str] = []
+    bobs_own = uuid.uuid4().hex
+    for method, template in app_routes(demo.app):
+        if template.rstrip("/") in ("/login", "/logout"):
+            continue  # no session: the login is throttled instead; logout only ends bob's own login
+        for api_name in (api_names if "{api_name}" in template else ["x"]):
+            # Alice's hash in one place at a time (bob's own elsewhere): each place is checked on its own.
+            for where in ("path", "query", "body"):
+                if where == "path" and "{session_hash" not in template or where == "body" and method != "POST":
+                    continue
+                values = {"session_hash": session if where == "path" else bobs_own, "api_name": api_name}
+                path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
+                body = {"data": [], "session_hash": session if where == "body" else bobs_own, "fn_index": 0,
+                        "event_data": None, "trigger_id": None, "event_id": "x"}
+                response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
+                                            params={"session_hash": session if where == "query" else bobs_own})
+                assert response.status_code in (403, 404), (where, method, path, response.status_code,
+                                                             response.text[:200])
+                if response.status_code == 403 and method != "HEAD":
+                    assert NOT_YOURS in response.text, (method, path, response.text[:200])
+                checked.append(f"{method} {path} ({where})")
+    assert len(checked) > 200 and "POST /gradio_api/run/stop (body)" in checked
+    assert "POST /gradio_api/call/clear (body)" in checked and "GET /gradio_api/queue/data (query)" in checked
+    assert f"GET /gradio_api/heartbeat/{session} (path)" in checked
+    job.result(timeout=120)
+    stats = job.outputs()[-1][3]
+    assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # not stopped by bob
+
+
 def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None:
     _, url = served
     raw = Raw(url, "alice")
@@ -170,7 +258,7 @@ def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None
 
 def timeline(jobs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, float]]:
     """When each job streamed its first output and when it finished (monotonic seconds)."""
-    seen: dict[str, dict[str, float]] = {name: {} for name in jobs}
+    seen: dict[str, dict[str, float]] = {name: {"submitted": time.monotonic()} for name in jobs}
     deadline = time.monotonic() + timeout_s
     while not all(job.done() for job in jobs.values()):
         assert time.monotonic() < deadline, "jobs still running"
@@ -210,6 +298,78 @@ def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(se
     second = max(accepted, key=lambda name: seen[name]["first"])  # the hog's waiting request
     assert seen["other"]["done"] <= seen[second]["first"]  # the other user went before it (10 ms polls)
     assert jobs["other"].outputs()[-1][3]["new_tokens"] > 0
+
+
+def test_a_flood_from_one_login_by_every_route_costs_another_user_at_most_one_reply(
+        served: tuple[Any, str], monkeypatch: pytest.MonkeyPatch, artifacts_dir: Path) -> None:
+    """Bob sends 30 chats through Gradio (each its own session hash) and 30 through /v1 (each its own `user`
+    field), every one from its own forged X-Forwarded-For. Admission counts bob once: alice's reply is the next to
+    take the (single) slot after the reply running when she arrives, before any of bob's. Asserted on the order the
+    scheduler gives; the wall times go to the record (artifacts/flood.json)."""
+    from llm_core.engine.serving import ReplySlots
+
+    demo, url = served
+    events: list[tuple[str, str, int]] = []  # (what, person, requests ahead) in the order the scheduler saw them
+    original = ReplySlots._wait_turn
+
+    def recording(self: ReplySlots, ticket: Any, on_wait: Callable[[int], None] | None = None) -> None:
+        def told(ahead: int) -> None:
+            events.append(("waits", ticket.session_id, ahead))
+            if on_wait is not None:
+                on_wait(ahead)
+
+        events.append(("ready", ticket.session_id, -1))
+        original(self, ticket, told)
+        events.append(("starts", ticket.session_id, -1))
+
+    monkeypatch.setattr(ReplySlots, "_wait_turn", recording)
+    alice = client(url, "alice")
+    quiet = timeline({"alice": submit_chat(alice, "Count from one to twenty in words.", 32)}, 120)["alice"]
+    bob_alone = timeline({"bob": submit_chat(client(url, "bob"), "Count from one to forty in words.", 48)}, 120)["bob"]
+    events.clear()
+
+    bob = Raw(url, "bob")
+    chat = fn_index(demo, "chat")
+    results: dict[str, Any] = {}
+
+    def gradio_flood(i: int) -> None:
+        bob.http.headers["X-Forwarded-For"] = f"10.0.0.{i}"  # not believed: the connection is not a listed proxy
+        results[f"gradio{i}"] = bob.event(uuid.uuid4().hex, chat, chat_data(f"Count from {i} to {i + 40}.", [], 48))
+
+    def api_flood(i: int) -> None:
+        results[f"api{i}"] = httpx.post(url + "v1/chat/completions", timeout=300, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 48, "user": f"end-user-{i}",
+            "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}]}, headers={
+            "Authorization": f"Bearer bob:{USERS['bob']}", "X-Forwarded-For": f"10.0.1.{i}"})
+
+    flood = [threading.Thread(target=f, args=(i,), daemon=True) for i in range(30) for f in (gradio_flood, api_flood)]
+    for thread in flood:
+        thread.start()
+    wait_until(lambda: any(what == "starts" and who == "user:bob" for what, who, _ in events), 120,
+               "one of bob's requests to run")
+    job = submit_chat(alice, "Count from one to twenty in words.", 32)
+    seen = timeline({"alice": job}, 300)["alice"]
+    for thread in flood:
+        thread.join(timeout=300)
+
+    assert job.outputs()[-1][3]["new_tokens"] > 0
+    assert {who for _, who, _ in events} == {"user:alice", "user:bob"}  # 60 hashes, user fields and addresses: 1 bob
+    mine = [i for i, (_, who, _) in enumerate(events) if who == "user:alice"]
+    ready, start = mine[0], next(i for i in mine if events[i][0] == "starts")
+    waited = [ahead for what, who, ahead in events[ready:start] if what == "waits" and who == "user:alice"]
+    assert max(waited, default=0) <= 1, waited  # only the reply running when she arrived went first
+    assert not [e for e in events[ready:start] if e[0] == "starts"], events[ready:start]  # none of bob's jumped her
+    gradio_ok = sum(1 for k, r in results.items() if k.startswith("gradio") and r["success"])
+    api_ok = sum(1 for k, r in results.items() if k.startswith("api") and r.status_code == 200)
+    refused_api = [r for k, r in results.items() if k.startswith("api") and r.status_code == 429]
+    assert all(r.headers.get("retry-after") for r in refused_api)
+    record = {"bob_alone_reply_s": bob_alone["done"] - bob_alone["submitted"],
+              "flood_requests": len(results), "bob_admitted_gradio": gradio_ok, "bob_admitted_api": api_ok,
+              "bob_refused": len(results) - gradio_ok - api_ok, "alice_ahead_when_ready": max(waited, default=0),
+              "alice_wait_to_first_output_s": seen["first"] - seen["submitted"],
+              "alice_quiet_to_first_output_s": quiet["first"] - quiet["submitted"],
+              "alice_reply_s": seen["done"] - seen["first"]}
+    (artifacts_dir / "flood.json").write_text(json.dumps(record, indent=2))
 
 
 def test_stop_removes_a_queued_request_through_the_api(served: tuple[Any, str]) -> None:
@@ -315,14 +475,21 @@ def test_malformed_payloads_get_one_sentence_not_a_validation_dump(served: tuple
     assert "validation error" not in error and "pydantic" not in error
 
 
-def test_login_throttle_forgets_an_address_after_a_success() -> None:
+def test_login_throttle_counts_each_known_user_and_each_address() -> None:
     now = [0.0]
-    throttle = LoginThrottle(2, 10, clock=lambda: now[0])
-    throttle.failed("a")
-    throttle.succeeded("a")
-    throttle.failed("a")
-    assert throttle.retry_after_s("a") == 0  # one failure since the success
-    throttle.failed("a")
-    assert throttle.retry_after_s("a") == 10 and throttle.retry_after_s("b") == 0
+    throttle = LoginThrottle(2, 10, users=["alice"], clock=lambda: now[0])
+    throttle.failed("a", "alice")
+    throttle.succeeded("a", "alice")  # the user's own success clears the user's count
+    throttle.failed("b", "alice")
+    assert throttle.retry_after_s("c", "alice") == 0  # one failure since the success
+    throttle.failed("c", "alice")
+    assert throttle.retry_after_s("d", "alice") == 10  # locked by name, from any address
+    assert throttle.retry_after_s("d", "bob") == 0 and throttle.retry_after_s("d") == 0
+    for name in ("x", "y"):  # invented names get no count of their own, but their address does
+        throttle.failed("e", name)
+    assert throttle.retry_after_s("e", "bob") == 10
+    for i in range(20_000):  # flooding addresses cannot push alice's count out of memory
+        throttle.failed(f"10.0.{i // 256}.{i % 256}", f"name{i}")
+    assert throttle.retry_after_s("f", "alice") == 10
     now[0] = 10
-    assert throttle.retry_after_s("a") == 0
+    assert throttle.retry_after_s("d", "alice") == 0

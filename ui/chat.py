@@ -15,6 +15,7 @@ from llm_core.config import ChatSettings
 from llm_core.errors import InputError, LLMCoreError
 from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats
+from llm_core.security import person_of
 
 from .common import PROGRESS, ChatHistory, Options, PageContext, add_rows, gen_options, session, stats_json, whole
 from .errors import user_error
@@ -90,7 +91,7 @@ class ChatHandlers:
             stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
                                              history_turns=whole(history_turns),
                                              system_prompt=chat_input.system_prompt, request_id=session(request),
-                                             on_wait=waiting)
+                                             person=person_of(request, self.ctx.settings.server), on_wait=waiting)
             first = next(stream)  # admission, trimming, the fair turn and the first token happen here
         except LLMCoreError as exc:
             raise user_error(exc) from None  # nothing was yielded: textbox and chat are untouched

@@ -951,9 +951,11 @@ class ChatEngine:
 
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
-                    request_id: str | None = None,
+                    request_id: str | None = None, person: str | None = None,
                     on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply to `message` after `history`. Yields ReplyUpdate; the last one has done=True.
+        `request_id` is what Stop names (a browser session); `person` is whom admission and fair turns count the
+        request for (llm_core.security.person_of; unset: the request_id).
 
         Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
         of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn
@@ -975,7 +977,7 @@ class ChatEngine:
         with self._stops_lock:
             self._stops.setdefault(request_id, []).append(stop_event)
         try:
-            with self._lock.ticket(request_id, stop_event) as ticket:  # refused here when the session is full
+            with self._lock.ticket(person or request_id, stop_event) as ticket:  # refused when the person is full
                 try:
                     prepared = self.prepare(text, history, gen=gen, history_turns=history_turns,
                                             system_prompt=system_prompt)

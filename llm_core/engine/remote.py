@@ -152,7 +152,7 @@ class RemoteEngine:
 
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
-                    request_id: str | None = None,
+                    request_id: str | None = None, person: str | None = None,
                     on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply from the server. History is cut to `history_turns` whole turns here; the token budget is
         the engine's (a prompt it cannot fit comes back as ContextBudgetError with its message)."""
@@ -167,7 +167,7 @@ class RemoteEngine:
         kept = list(history[len(history) - history_turns:]) if history_turns else []
         messages = build_messages(system_prompt, kept, text)
         request_id = request_id or uuid.uuid4().hex
-        with self._sessions.hold(request_id):
+        with self._sessions.hold(person or request_id):  # one running reply per person
             stop_event = threading.Event()
             with self._stops_lock:
                 self._stops[request_id] = stop_event

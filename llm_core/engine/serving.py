@@ -113,8 +113,8 @@ class _Ticket:
 
 
 class SessionSlots:
-    """At most one running reply per session, none waiting: what a remote engine (llm_core.engine.remote) allows
-    each session; a second request while one runs is refused with BusyError (HTTP 429 on the /v1 API)."""
+    """At most one running reply per person (or session), none waiting: what a remote engine (llm_core.engine.remote)
+    allows each; a second request while one runs is refused with BusyError (HTTP 429 on the /v1 API)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -142,11 +142,12 @@ class ReplySlots:
     """How many replies may be in the engine at once, and who gets the next free one.
 
     `with slots:` takes one of `n` slots (n = 1 is a plain lock: the serial engine); `with slots.exclusive():` waits
-    until no reply runs and keeps new ones out (e.g. to unload). `with slots.ticket(session, cancel) as t:` is how a
-    chat request enters: at most one running and `session_max_waiting` waiting requests per session (more are
-    refused at once with InputError); `t.wait()` takes a slot when it is this request's turn: the waiting request
-    of the session served least recently goes first, so a session that floods the engine delays another user by at
-    most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped."""
+    until no reply runs and keeps new ones out (e.g. to unload). `with slots.ticket(person, cancel) as t:` is how a
+    chat request enters: at most one running and `session_max_waiting` waiting requests per person (the key
+    llm_core.security.person_of gives: a login, or an address without AUTH; more are refused at once with
+    BusyError); `t.wait()` takes a slot when it is this request's turn: the waiting request of the person served
+    least recently goes first, so a person who floods the engine, from any number of tabs or clients, delays
+    another by at most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped."""
 
     def __init__(self, n: int = 1, *, session_max_waiting: int = 1) -> None:
         self.n = int(n)
@@ -218,9 +219,10 @@ class ReplySlots:
             held = self._running[session_id] + sum(1 for t in self._waiting if t.session_id == session_id)
             if held >= 1 + self.session_max_waiting:
                 raise BusyError(
-                    "This session already has a reply being written" + (
-                        f" and {held - 1} waiting" if held > 1 else "") + " (the limit per session is "
-                    f"{1 + self.session_max_waiting}). Wait for it to finish or press Stop, then send again.")
+                    "This user already has a reply being written" + (
+                        f" and {held - 1} waiting" if held > 1 else "") + " (the limit per user is "
+                    f"{1 + self.session_max_waiting}, across tabs and API clients). Wait for it to finish or press "
+                    "Stop, then send again.", retry_after_s=1)
             ticket = _Ticket(self, session_id, next(self._arrivals), cancel)
             self._waiting.append(ticket)
         try:

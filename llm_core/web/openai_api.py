@@ -2,7 +2,7 @@
 
 `create_openai_app` returns a FastAPI app to mount at `/v1` on the demo's own server (app.py does the mounting), so
 any OpenAI client works with `base_url="http://HOST:PORT/v1"`. Replies go through the same engine as the chat tab:
-the same memory guard, batching, per-session limit (one running reply per API key) and history trimming. `usage`
+the same memory guard, batching, per-person limit (one running reply per AUTH user) and history trimming. `usage`
 counts token ids (the prompt as fed after trimming, the generated ids), and every reply carries the engine's full
 numbers in an extra `stats` field. Library errors become OpenAI-shaped errors through `describe_error`, which the
 caller supplies (app.py: the one place where library errors are translated).
@@ -11,10 +11,13 @@ caller supplies (app.py: the one place where library errors are translated).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
+import math
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException
 
 from ..config import HISTORY_TURNS_RANGE, Settings, parse_auth
 from ..engine.backend import ChatBackend
@@ -31,6 +35,7 @@ from ..errors import BusyError, InputError, LLMCoreError
 from ..history import check_history_size, content_to_text, turns_from_messages
 from ..metrics import ReplyStats
 from ..models import EMBEDDED_NAME
+from ..security import LoginThrottle, parse_json, person_of
 
 # (HTTP status, OpenAI error type, OpenAI error code) for a library error.
 ErrorInfo = tuple[int, str, str | None]
@@ -68,7 +73,7 @@ class ChatCompletionRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as OpenAI's API
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int | None = None
@@ -111,9 +116,10 @@ class ApiError(Exception):
     """An error of the HTTP layer itself (auth, model name, body), already in OpenAI's terms."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.code, self.param = status, message, type_, code, param
+        self.retry_after_s = retry_after_s
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
@@ -171,13 +177,19 @@ class StopScanner:
 class OpenAIServer:
     """The state of one mounted API: the engine getter, settings, keys and the count of requests in flight."""
 
-    def __init__(self, get_engine: GetEngine, settings: Settings, describe_error: DescribeError) -> None:
+    def __init__(self, get_engine: GetEngine, settings: Settings, describe_error: DescribeError,
+                 throttle: LoginThrottle | None = None) -> None:
         self.get_engine = get_engine
         self.settings = settings
         self.describe_error = describe_error
         self._keys = [f"{user}:{password}" for user, password in parse_auth(settings.server.auth)] if (
             settings.server.auth) else []
+        server = settings.server
+        # Failed keys share the login throttle when app.py passes it: guesses on /login and /v1 count together.
+        self.throttle = throttle or LoginThrottle(server.login_max_failures, server.login_window_s,
+                                                  users=[key.partition(":")[0] for key in self._keys])
         self._in_flight = 0
+        self._in_flight_by_person: collections.Counter[str] = collections.Counter()
         self._in_flight_lock = threading.Lock()
         chat = settings.chat
         # Largest body accepted: every allowed character as a 6-byte JSON escape, plus 64 KiB for the rest.
@@ -190,35 +202,61 @@ class OpenAIServer:
 
     # --- access ------------------------------------------------------------------------------------
     def caller(self, request: Request) -> str:
-        """Who is asking: the AUTH user whose `user:password` is the Bearer key; anyone when AUTH is unset."""
+        """Who is asking, as llm_core.security.person_of names people: the AUTH user whose `user:password` is the
+        Bearer key (then `request.state.login`), else the client address. Failed keys are throttled per user name
+        and per address, as failed logins are."""
         if not self._keys:
-            host = request.client.host if request.client else "local"
-            return f"anonymous@{host}"
+            return person_of(request, self.settings.server)
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = key.strip()
+        address = request.client.host if request.client else None
+        name = key.partition(":")[0] if ":" in key else None
+        wait_s = self.throttle.retry_after_s(address, name)
+        if wait_s > 0:
+            raise ApiError(429, f"Too many failed API keys for this user or from your address; try again in "
+                           f"{wait_s:.0f} s.", type_="rate_limit_error", code="too_many_failed_keys",
+                           retry_after_s=wait_s)
+        if scheme.lower() != "bearer" or not key:
             raise ApiError(401, "Missing API key: send `Authorization: Bearer USER:PASSWORD` with one of the "
                            "demo's AUTH logins (the openai client: api_key=\"USER:PASSWORD\").", code="invalid_api_key")
-        key = key.strip()
         for known in self._keys:
             if hmac.compare_digest(known.encode(), key.encode()):
-                return known.partition(":")[0]
+                request.state.login = known.partition(":")[0]
+                return person_of(request, self.settings.server)
+        self.throttle.failed(address, name)
         raise ApiError(401, "Incorrect API key: use USER:PASSWORD of one of the demo's AUTH logins.",
                        code="invalid_api_key")
 
-    def enter(self) -> None:
+    def enter(self, person: str) -> None:
+        """Count a request in flight: at most QUEUE_SIZE in all, and per person one running and
+        SESSION_MAX_WAITING waiting (the engine's own limit; refused here before it takes a worker thread)."""
+        server = self.settings.server
         with self._in_flight_lock:
-            if self._in_flight >= self.settings.server.queue_size:
+            if self._in_flight >= server.queue_size:
                 raise BusyError(f"The server is busy: {self._in_flight} API requests are running or waiting "
-                                f"(QUEUE_SIZE={self.settings.server.queue_size}). Try again shortly.")
+                                f"(QUEUE_SIZE={server.queue_size}). Try again shortly.", retry_after_s=1)
+            held = self._in_flight_by_person[person]
+            if held >= 1 + server.session_max_waiting:
+                raise BusyError(f"This user already has a reply being written and {held - 1} waiting (the limit per "
+                                f"user is {1 + server.session_max_waiting}). Wait for one to finish, then send again.",
+                                retry_after_s=1)
             self._in_flight += 1
+            self._in_flight_by_person[person] += 1
 
-    def leave(self) -> None:
+    def leave(self, person: str) -> None:
         with self._in_flight_lock:
             self._in_flight -= 1
+            self._in_flight_by_person[person] -= 1
+            if self._in_flight_by_person[person] <= 0:
+                del self._in_flight_by_person[person]
 
     # --- requests ------------------------------------------------------------------------------------
     async def parse(self, request: Request) -> ChatCompletionRequest:
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json":  # text/plain would let any web page post here without a preflight
+            raise ApiError(415, f"The request body must be sent as Content-Type: application/json (got "
+                           f"{content_type or 'none'!r}).", code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise ApiError(413, f"The request body has {int(length):,} bytes; the limit is {self.max_body_bytes:,} "
@@ -228,9 +266,9 @@ class OpenAIServer:
             raise ApiError(413, f"The request body has {len(body):,} bytes; the limit is {self.max_body_bytes:,}.",
                            code="request_too_large")
         try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            raise ApiError(400, "The request body is not valid JSON.") from None
+            data = parse_json(body)  # nesting checked before parsing
+        except InputError as exc:
+            raise ApiError(400, str(exc), code="invalid_json") from None
         if not isinstance(data, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         try:
@@ -248,10 +286,11 @@ class OpenAIServer:
             raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings.", param="stop")
         return req
 
-    def start(self, req: ChatCompletionRequest, session: str) -> tuple[ChatBackend, str, Iterator[ReplyUpdate],
-                                                                          ReplyUpdate]:
+    def start(self, req: ChatCompletionRequest, session: str, person: str
+              ) -> tuple[ChatBackend, str, Iterator[ReplyUpdate], ReplyUpdate]:
         """Validate against the engine, start the reply and wait for its first update (runs in a worker thread:
-        errors before the first token still get their own HTTP status). Returns the served model's id too."""
+        errors before the first token still get their own HTTP status). Returns the served model's id too.
+        `session` names this request for Stop; `person` is whom the engine's admission counts it for."""
         engine = self.get_engine()
         model_id = served_model_id(self.settings, engine)
         if req.model != model_id:
@@ -271,7 +310,7 @@ class OpenAIServer:
         turns = turns_from_messages(conversation.history)
         # The client sends what it wants in context: keep every turn the budget allows (dropped ones are noted).
         stream = engine.stream_chat(conversation.message, turns, gen=gen, history_turns=HISTORY_TURNS_RANGE[1],
-                                    system_prompt=conversation.system_prompt, request_id=session)
+                                    system_prompt=conversation.system_prompt, request_id=session, person=person)
         first = next(stream)
         return engine, model_id, stream, first
 
@@ -287,37 +326,76 @@ def _stats_field(stats: ReplyStats) -> dict[str, Any]:
     return stats.as_dict()
 
 
-def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error: DescribeError) -> FastAPI:
-    """The `/v1` app: mount it with `Mount("/v1", app=...)`. `get_engine` returns the engine that serves chat now."""
-    server = OpenAIServer(get_engine, settings, describe_error)
-    api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
+def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error: DescribeError, *,
+                      throttle: LoginThrottle | None = None) -> FastAPI:
+    """The `/v1` app: mount it with `Mount("/v1", app=...)`. `get_engine` returns the engine that serves chat now;
+    `throttle` is the login throttle, so failed keys and failed logins count together. Every answer that is not a
+    success is in OpenAI's error shape, unknown routes included."""
+    server = OpenAIServer(get_engine, settings, describe_error, throttle)
+    # No slash redirects: every answer is either a result or an OpenAI error (a redirect is neither).
+    api = FastAPI(title="Local LLM demo: OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False)
 
     def error_response(exc: Exception) -> JSONResponse:
         if isinstance(exc, ApiError):
-            return JSONResponse(exc.body(), status_code=exc.status)
-        assert isinstance(exc, LLMCoreError)
-        status, type_, code = describe_error(exc)
-        return JSONResponse(error_body(str(exc), type_, code), status_code=status)
+            status, body, retry_s = exc.status, exc.body(), exc.retry_after_s
+        else:
+            assert isinstance(exc, LLMCoreError)
+            status, type_, code = describe_error(exc)
+            body, retry_s = error_body(str(exc), type_, code), getattr(exc, "retry_after_s", None)
+        headers = {"Retry-After": str(max(1, math.ceil(retry_s or 1)))} if status == 429 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    def http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 404:
+            message = "Unknown route: this server answers GET /v1/models, GET /v1/models/{id} and POST " \
+                      "/v1/chat/completions."
+        elif exc.status_code == 405:
+            message = "This route does not take that method."
+        else:
+            message = str(exc.detail)
+        return JSONResponse(error_body(message, "invalid_request_error", "unknown_url" if exc.status_code == 404
+                                       else None), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    def server_error(_request: Request, _exc: Exception) -> JSONResponse:
+        # A bug, not the client's fault: still OpenAI's shape, and nothing of the exception (no paths or secrets).
+        return JSONResponse(error_body("The server failed on this request; it keeps serving others.",
+                                       "server_error"), status_code=500)
 
     api.add_exception_handler(ApiError, lambda _r, exc: error_response(exc))
     api.add_exception_handler(LLMCoreError, lambda _r, exc: error_response(exc))
+    api.add_exception_handler(HTTPException, http_error)
+    api.add_exception_handler(Exception, server_error)
+
+    def model_card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "local"}
 
     @api.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:
         server.caller(request)
         model_id = await run_in_threadpool(lambda: server.model_id)  # may wait for the served model to load
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "local"}]}
+        return {"object": "list", "data": [model_card(model_id)]}
+
+    @api.get("/models/{model_id:path}")
+    async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+        server.caller(request)
+        served = await run_in_threadpool(lambda: server.model_id)
+        if model_id != served:
+            raise ApiError(404, f"The model {model_id!r} is not served here; this server serves {served!r}.",
+                           type_="invalid_request_error", code="model_not_found", param="model")
+        return model_card(served)
 
     @api.post("/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
-        user = server.caller(request)
+        person = server.caller(request)
         req = await server.parse(request)
-        server.enter()
+        server.enter(person)
         left = False
         try:
-            # One running reply per API key, or per end user of it where the client names them (OpenAI's `user`).
-            session = f"openai-api:{user}" + (f":{req.user}" if req.user else "")
-            engine, model_id, stream, first = await run_in_threadpool(server.start, req, session)
+            # Stop reaches this request alone; admission counts the person (the key's user), never `user`.
+            session = f"openai-api:{uuid.uuid4().hex}"
+            engine, model_id, stream, first = await run_in_threadpool(server.start, req, session, person)
             stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
             completion_id = f"chatcmpl-{first.stats.reply_id}"
             created = int(time.time())
@@ -326,7 +404,7 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
                 left = True  # the stream leaves when it ends
                 return StreamingResponse(
                     _events(server, engine, stream, first, stops, session, completion_id, created, include_usage,
-                            model_id),
+                            model_id, person),
                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             final = await run_in_threadpool(_drain, engine, stream, first, stops, session)
             text, reason = _final_text(final, stops)
@@ -338,7 +416,7 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
             })
         finally:
             if not left:
-                server.leave()
+                server.leave(person)
 
     return api
 
@@ -371,7 +449,7 @@ def _sse(data: dict[str, Any]) -> bytes:
 
 async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
                   stops: StopScanner, session: str, completion_id: str, created: int, include_usage: bool,
-                  model_id: str) -> AsyncIterator[bytes]:
+                  model_id: str, person: str) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format; the last content chunk carries finish_reason and `stats`."""
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
@@ -407,10 +485,9 @@ async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[Re
         yield _sse(error_body(str(exc), type_, code) | {"status": status})
     finally:
         # Client gone, error or done: closing the generator halts this request's decode loop and releases its slot
-        # (the engine's own clean-up, which waits for its worker: off the event loop). Not engine.stop(session):
-        # that would also cancel the session's other request waiting for its turn.
+        # (the engine's own clean-up, which waits for its worker: off the event loop).
         asyncio.get_running_loop().run_in_executor(None, _close, stream)
-        server.leave()
+        server.leave(person)
 
 
 def _close(stream: Iterator[ReplyUpdate]) -> None:
