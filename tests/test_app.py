@@ -192,25 +192,6 @@ def test_browser_compare_view_and_session_stats_export(app_url: str, artifacts_d
             browser.close()
 
 
-def _numbers(text: str) -> list[float]:
-    return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*\.?\d*", text)]
-
-
-def _cell_numbers(row: Any) -> list[float]:
-    """The numbers of a table row, one per cell (a row's text runs its cells together)."""
-    cells = row.evaluate("tr => [...tr.children].map(c => c.textContent.trim())")
-    return [float(c.replace(",", "")) for c in cells if re.fullmatch(r"\d[\d,]*\.?\d*", c)]
-
-
-def _shows(page: Any, row: Any, value: float, timeout_s: float = 20.0) -> bool:
-    """Whether a table row shows `value` in one of its cells, once the table has rendered (read again until then)."""
-    for _ in range(int(timeout_s * 4)):
-        if row.count() and any(abs(n - value) < 0.05 for n in _cell_numbers(row)):
-            return True
-        page.wait_for_timeout(250)
-    return False
-
-
 @contextlib.contextmanager
 def opened_page(url: str, height: int = 1000) -> Iterator[Any]:
     """The app's page in headless Debian Chromium."""
@@ -261,9 +242,8 @@ def test_browser_fit_tab_refuses_bad_inputs_with_a_warning(app_url: str, artifac
 
 @pytest.mark.browser
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
-def test_browser_one_peak_number_per_reply_and_readable_model_labels(app_url: str, artifacts_dir: Path) -> None:
-    """After a comparison with both engines loaded: the none side's peak memory is one number in its panel, the
-    summary and Session stats; the other engines' share is said once; the Model panel's labels never break."""
+def test_browser_model_panel_labels_never_break_mid_word(app_url: str, artifacts_dir: Path) -> None:
+    """The Model panel's label column stays on one line ("Source", never "Sourc" over "e")."""
     from playwright.sync_api import expect
 
     with opened_page(app_url, height=1100) as page:
@@ -273,21 +253,5 @@ def test_browser_one_peak_number_per_reply_and_readable_model_labels(app_url: st
         assert label.evaluate("td => getComputedStyle(td).whiteSpace") == "nowrap"
         lines = label.evaluate("td => { const r = document.createRange(); r.selectNodeContents(td); "
                                "return new Set([...r.getClientRects()].map(b => Math.round(b.top))).size; }")
-        assert lines == 1  # the label's text on one line: "Source", never "Sourc" over "e"
-
-        page.get_by_role("tab", name="Compare").click()
-        page.locator("#compare-input textarea").fill("Name a planet.")
-        page.locator("#compare-run").click()
-        expect(page.locator("#compare-diff")).to_contain_text("Outputs", timeout=180_000)
-        panel = page.locator("#compare-stats-1")
-        expect(panel).to_contain_text("Finished by")
-        row = panel.locator("tr").filter(has_text="Peak RSS").inner_text()
-        peak_mib = _numbers(row.split("MiB")[0])[-1]
-        assert panel.inner_text().count("held by the other loaded engines") == 1  # nf4 is loaded beside it
-        summary = page.locator("#compare-summary tr").filter(has_text="embedded · none · sdpa").last
-        assert _shows(page, summary, peak_mib), (row, _cell_numbers(summary))
-
-        page.get_by_role("tab", name="Session stats").click()
-        history = page.locator("#history-table tr").filter(has_text="embedded · none · sdpa").last
-        assert _shows(page, history, peak_mib), (row, _cell_numbers(history))
-        page.screenshot(path=str(artifacts_dir / "one-peak.png"), full_page=True)
+        assert lines == 1
+        page.screenshot(path=str(artifacts_dir / "model-labels.png"), full_page=True)
