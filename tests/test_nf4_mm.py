@@ -158,6 +158,26 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs() -> None:
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
+@pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
+@pytest.mark.parametrize(("nested", "split"), [(True, 1), (True, 2), (False, 1)])
+def test_kernel_compiles_for_hopper_with_the_pointers_the_wrapper_passes(nested: bool, split: int) -> None:
+    """Compile (not run) for sm_90 on CPU, with the argument types nf4_mm gives the kernel: with double quant the
+    absmax pointer is the bf16 output buffer standing in, so a helper that types both branches fails to compile
+    (the interpreter accepts it)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    out = "*bf16" if split == 1 else "*fp32"
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
+                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "code_ptr": "*fp32",
+                 "bias_ptr": out, "y_ptr": out, "M": "i32", "N": "i32", "K": "i32", "KW": "i32", "NBLK": "i32"}
+    constexprs = dict(BS=64, NESTED=nested, HAS_BIAS=False, DECODE="gather", ASM="", MP=16, BLOCK_N=32,
+                      BLOCK_K=256, SPLIT=split, DOT=True, STAGES=2)
+    signature.update({name: "constexpr" for name in constexprs})
+    mm.triton.compile(ASTSource(fn=mm._nf4_mm_kernel, signature=signature, constexprs=constexprs),
+                      target=GPUTarget("cuda", 90, 32))
+
+
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and mm.triton is not None),
                                reason="needs a CUDA GPU with Triton")
 

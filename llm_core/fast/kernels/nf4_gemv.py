@@ -288,11 +288,13 @@ if triton is not None:
     def block_scale(blk, mask, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, NESTED: tl.constexpr):
         """Quant block indices (any shape) -> their absmax in fp32: read as is, or double-quantized as
         code2[q8] * absmax2[blk // 256] + offset[blk // 256]."""
-        if NESTED:
+        if NESTED:  # if/else, not an early return: Triton 3.6 types both returns, and absmax_ptr is a dummy then
             code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=mask, other=0).to(tl.int32))
-            return code * tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0) + tl.load(
+            scale = code * tl.load(absmax2_ptr + blk // 256, mask=mask, other=0.0) + tl.load(
                 offsets_ptr + blk // 256, mask=mask, other=0.0)
-        return tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+        else:
+            scale = tl.load(absmax_ptr + blk, mask=mask, other=0.0)
+        return scale
 
     @triton.jit
     def _nf4_rows_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, M, N,
