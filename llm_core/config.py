@@ -40,6 +40,7 @@ GRADIO_FALLBACKS = (("HOST", "GRADIO_SERVER_NAME"), ("PORT", "GRADIO_SERVER_PORT
 # Hard limits for values that also arrive through the UI/API (sliders are built from these).
 MAX_NEW_TOKENS_RANGE = (1, 4096)
 HISTORY_TURNS_RANGE = (0, 64)
+HISTORY_TRIM_STEP_RANGE = (0.0, 0.5)
 TEMPERATURE_RANGE = (0.0, 2.0)
 TOP_P_RANGE = (0.0, 1.0)
 TOP_K_RANGE = (0, 1000)
@@ -323,6 +324,10 @@ class ChatSettings:
         "system prompt of new conversations")
     history_turns: int = setting("HISTORY_TURNS", 8, _parse_int,
         f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})")
+    history_trim_step: float = setting("HISTORY_TRIM_STEP", 0.25, _parse_float,
+        "when old turns must go, drop them in steps of this share of the history limit and of the token budget, so "
+        f"the next replies reuse the cached prompt; 0 drops the fewest ({HISTORY_TRIM_STEP_RANGE[0]}-"
+        f"{HISTORY_TRIM_STEP_RANGE[1]})")
     # also the Compare prompt's limit
     max_message_chars: int = setting("MAX_MESSAGE_CHARS", 16_000, _parse_int,
         "longest accepted user message")
@@ -497,6 +502,7 @@ class Settings:
             parse_max_memory(m.max_memory)
         self.generation.validate()
         _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
+        _check_range("HISTORY_TRIM_STEP", self.chat.history_trim_step, HISTORY_TRIM_STEP_RANGE)
         _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
         _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
         _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)

@@ -37,10 +37,11 @@ class FittedHistory:
     dropped_for_turn_limit: int  # turns beyond the history-length setting
     dropped_for_token_budget: int  # further turns dropped so the prompt fits budget_tokens
     budget_tokens: int
+    dropped_in_steps: int = 0  # further old turns dropped so that the next replies keep the same prompt prefix
 
     @property
     def dropped_turns(self) -> int:
-        return self.dropped_for_turn_limit + self.dropped_for_token_budget
+        return self.dropped_for_turn_limit + self.dropped_for_token_budget + self.dropped_in_steps
 
     def describe(self) -> str | None:
         """One sentence for the user about what was left out of the prompt, or None if nothing was."""
@@ -49,6 +50,8 @@ class FittedHistory:
             parts.append(f"{self.dropped_for_turn_limit} beyond the history-length setting")
         if self.dropped_for_token_budget:
             parts.append(f"{self.dropped_for_token_budget} to fit the {self.budget_tokens:,}-token budget")
+        if self.dropped_in_steps:
+            parts.append(f"{self.dropped_in_steps} more so the next replies reuse the cached prompt")
         if not parts:
             return None
         n = self.dropped_turns
@@ -217,6 +220,21 @@ def build_messages(system_prompt: str | None, turns: Sequence[Turn], message: st
     return messages
 
 
+def trim_start(turn_tokens: Sequence[int], minimal_start: int, step_tokens: int) -> int:
+    """The first turn to keep when at least `minimal_start` oldest turns must go: the first step boundary at or after
+    it. Boundaries are where the running token count of the conversation (from its first turn) crosses a multiple
+    of `step_tokens`; they never move as turns are added, so the next replies keep the same oldest turn, hence the
+    same prompt prefix, and reuse its cached KV. `step_tokens` 0: exactly `minimal_start`."""
+    if minimal_start <= 0 or step_tokens <= 0:
+        return max(minimal_start, 0)
+    total = 0
+    for index, tokens in enumerate(turn_tokens, start=1):
+        before, total = total, total + tokens
+        if index >= minimal_start and total // step_tokens > before // step_tokens:
+            return index
+    return len(turn_tokens)
+
+
 def fit_history(
     system_prompt: str | None,
     turns: Sequence[Turn],
@@ -225,15 +243,22 @@ def fit_history(
     max_turns: int,
     budget_tokens: int,
     count_tokens: CountTokens,
+    turn_step: int = 1,
+    token_step: int = 0,
 ) -> FittedHistory:
     """Keep the newest `max_turns` turns, then drop oldest whole turns until the prompt fits `budget_tokens`.
+
+    Turns are dropped in steps so that a long chat's next replies start from the same oldest turn and reuse the
+    cached prompt: beyond the turn limit, the count of dropped turns is rounded up to a multiple of `turn_step`;
+    for the token budget, up to a boundary of `token_step` tokens (trim_start). Steps of 1 and 0 drop the fewest.
 
     Raises ContextBudgetError when the system prompt plus the newest message alone exceed the budget.
     """
     if max_turns < 0:
         raise InputError("The history length must be 0 or more turns.")
-    kept = list(turns[max(0, len(turns) - max_turns):]) if max_turns else []
-    dropped_for_limit = len(turns) - len(kept)
+    over = max(0, len(turns) - max_turns) if max_turns else len(turns)
+    first = min(len(turns), -(-over // max(1, turn_step)) * max(1, turn_step)) if max_turns else len(turns)
+    kept = list(turns[first:])
     # Token counts only grow as turns are added, so binary-search the most recent suffix that fits.
     lo, hi = 0, len(kept)  # number of newest turns to keep
     base_tokens = count_tokens(build_messages(system_prompt, [], message))
@@ -250,12 +275,21 @@ def fit_history(
             lo, best_tokens = mid, tokens
         else:
             hi = mid - 1
+    for_budget = len(kept) - lo
+    if for_budget and token_step > 0:
+        per_turn = [count_tokens([{"role": "user", "content": t.user}, {"role": "assistant", "content": t.assistant}])
+                    for t in turns]
+        start = trim_start(per_turn, first + for_budget, token_step)
+        if start > first + for_budget:
+            lo = len(turns) - start
+            best_tokens = count_tokens(build_messages(system_prompt, kept[len(kept) - lo:] if lo else [], message))
     final = kept[len(kept) - lo:] if lo else []
     return FittedHistory(
         messages=build_messages(system_prompt, final, message),
         prompt_tokens=best_tokens,
         kept_turns=len(final),
-        dropped_for_turn_limit=dropped_for_limit,
-        dropped_for_token_budget=len(kept) - len(final),
+        dropped_for_turn_limit=over,
+        dropped_for_token_budget=for_budget,
         budget_tokens=budget_tokens,
+        dropped_in_steps=len(turns) - len(final) - over - for_budget,
     )

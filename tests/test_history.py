@@ -7,7 +7,7 @@ import unicodedata
 import pytest
 
 from llm_core.errors import ContextBudgetError, InputError
-from llm_core.history import ERROR_TITLE, Turn, clean_text, fit_history, turns_from_messages
+from llm_core.history import ERROR_TITLE, Turn, clean_text, fit_history, trim_start, turns_from_messages
 
 
 def words(messages: list[dict[str, str]]) -> int:
@@ -39,6 +39,41 @@ def test_history_length_limit_drops_turns_beyond_it_and_reports_them() -> None:
 def test_nothing_dropped_when_everything_fits() -> None:
     fitted = fit_history("s", TURNS, "hi", max_turns=6, budget_tokens=10_000, count_tokens=words)
     assert fitted.dropped_turns == 0 and fitted.describe() is None and len(fitted.messages) == 14
+
+
+def _kept_first(fitted) -> str:
+    return fitted.messages[0]["content"].split()[1]
+
+
+def test_beyond_the_turn_limit_turns_go_in_steps_so_the_oldest_kept_turn_holds_for_the_next_reply() -> None:
+    chat = [Turn(f"q {i}", f"a {i}") for i in range(12)]
+    firsts = [_kept_first(fit_history(None, chat[:n], "hi", max_turns=4, budget_tokens=10_000, count_tokens=words,
+                                      turn_step=2)) for n in range(5, 12)]
+    assert firsts == ["2", "2", "4", "4", "6", "6", "8"]  # n=5: 1 over, 2 go; n=6: 2 over, the same 2 go
+    fitted = fit_history(None, chat[:5], "hi", max_turns=4, budget_tokens=10_000, count_tokens=words, turn_step=2)
+    assert (fitted.dropped_for_turn_limit, fitted.dropped_in_steps, fitted.kept_turns) == (1, 1, 3)
+    assert fitted.describe() == ("Left out the 2 oldest turns (1 beyond the history-length setting and 1 more so "
+                                 "the next replies reuse the cached prompt).")
+
+
+def test_for_the_token_budget_turns_go_up_to_a_step_boundary_that_does_not_move_as_the_chat_grows() -> None:
+    budget = 4 + 24 * 3  # the newest message + three turns of 24 tokens
+    starts = []
+    for n in range(4, 7):  # each reply adds a turn; one more must go each time at the fewest
+        fewest = fit_history(None, TURNS[:n], "hi", max_turns=10, budget_tokens=budget, count_tokens=words)
+        stepped = fit_history(None, TURNS[:n], "hi", max_turns=10, budget_tokens=budget, count_tokens=words,
+                              token_step=48)
+        assert fewest.dropped_turns == n - 3 and stepped.dropped_turns >= fewest.dropped_turns
+        assert stepped.prompt_tokens == words(stepped.messages) <= budget
+        starts.append(stepped.dropped_turns)
+    assert starts == [2, 2, 4]  # boundaries where the running count crosses 48, 96: after turns 2 and 4
+
+
+def test_trim_start_rounds_up_to_the_first_boundary_at_or_after_the_fewest() -> None:
+    assert trim_start([10, 10, 10, 10], 1, 25) == 3  # running 10, 20, 30 (crosses 25), 40
+    assert trim_start([10, 10, 10, 10], 3, 25) == 3
+    assert trim_start([10, 10, 10, 10], 4, 25) == 4  # past the last boundary: everything goes
+    assert trim_start([10, 10, 10, 10], 2, 0) == 2 and trim_start([10], 0, 25) == 0
 
 
 def test_message_too_long_for_the_context_raises_context_budget_error() -> None:

@@ -202,6 +202,23 @@ def test_a_trimmed_history_reuses_only_what_still_matches(path: str, request: An
     assert after.stats.dropped_turns == 1
 
 
+def test_beyond_the_history_limit_old_turns_go_in_steps_and_the_next_reply_still_reuses_the_prompt(
+        cpu_fp32: ChatEngine) -> None:
+    engine = cpu_fp32
+    assert engine.settings.chat.history_trim_step == 0.25  # the default: with 8 turns kept, they go two at a time
+    _forget(engine)
+    history = [Turn(f"Question {i}: name an animal.", f"Animal {i}: a cat.") for i in range(9)]
+    first = _reply(engine, "Question 9: name a bird.", history, turns=8)
+    assert first.stats.dropped_turns == 2  # one over the limit, one more so the next reply keeps the same start
+    first_prompt = _prompt(engine, "Question 9: name a bird.", history, 8, SYSTEM)
+    history = [*history, Turn("Question 9: name a bird.", first.text)]
+    prompt = _prompt(engine, "Question 10: name a fish.", history, 8, SYSTEM)
+    want = _expected_cached(first_prompt, first.token_ids, prompt)
+    assert want >= len(first_prompt) - 1  # the whole earlier prompt is shared
+    second = _check_warm_equals_cold(engine, "Question 10: name a fish.", history, turns=8)
+    assert second.stats.cached_prompt_tokens == want and second.stats.dropped_turns == 2
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_a_second_user_reuses_the_shared_system_prompt(path: str, request: Any) -> None:
     engine: ChatEngine = request.getfixturevalue(path)

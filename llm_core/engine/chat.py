@@ -887,8 +887,10 @@ class ChatEngine:
         def count(messages: list[dict[str, str]]) -> int:
             return int(self._encode(messages, memo)["input_ids"].shape[-1])
 
+        step = self.settings.chat.history_trim_step
+        steps = {"turn_step": max(1, round(history_turns * step)), "token_step": int(budget_tokens * step)}
         fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
-                             budget_tokens=budget_tokens, count_tokens=count)
+                             budget_tokens=budget_tokens, count_tokens=count, **steps)
         # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.
         self.oom_injector.check("plan")
         chunk = self._prefill_chunk_tokens
@@ -910,7 +912,7 @@ class ChatEngine:
                                           prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
-                                 budget_tokens=plan.allowed_prompt_tokens, count_tokens=count)
+                                 budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
         encoded = self._encode(fitted.messages, memo)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
