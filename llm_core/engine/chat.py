@@ -49,9 +49,10 @@ from ..memory.model import (
 )
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..metrics import ReplyStats, TokenClock
+from .admission import ReplySlots
 from .plain_prefix import PlainPrefixCache
 from .prefix_cache import PrefixCache
-from .serving import BatchScheduler, ReplySlots, RowKV
+from .serving import BatchScheduler, RowKV
 
 log = logging.getLogger(__name__)
 
