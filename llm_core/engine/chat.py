@@ -290,7 +290,7 @@ class ChatEngine:
             "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
         self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
         self.scheduler: BatchScheduler | None = None
-        self.fast_scheduler: Any = None  # llm_core.fast.batched.FastBatchScheduler when the fast path batches
+        self.fast_scheduler: Any = None  # llm_core.engine.fast_scheduler.FastBatchScheduler when the fast path batches
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
         self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
@@ -515,8 +515,9 @@ class ChatEngine:
         largest length s (<= the context) for which llm_core.memory.plan.static_cache_plan still fits a reply filling
         one slot with the other slots' blocks held as resident; fewer slots when s would be under
         MIN_FAST_CACHE_TOKENS."""
-        from ..fast.batched import MAX_SLOTS, FastBatchScheduler, SlotDecoder
+        from ..fast.batched import MAX_SLOTS, SlotDecoder
         from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, static_cache_plan
+        from .fast_scheduler import FastBatchScheduler
         from .serving import FastBatchedBackend
 
         fast = self.backend

@@ -638,11 +638,11 @@ class BatchedBackend:
 
 @dataclass
 class FastBatchedBackend:
-    """The engine's DecodeBackend over llm_core.fast.batched.FastBatchScheduler: every reply, alone or not, is a row
-    of the batched fast step. `decoder` is the FastDecoder whose packed weights it runs (its max_cache_len is the
+    """The engine's DecodeBackend over llm_core.engine.fast_scheduler.FastBatchScheduler: every reply, alone or not, is
+    a row of the batched fast step. `decoder` is the FastDecoder whose packed weights it runs (its max_cache_len is the
     slot length: the context one reply may span)."""
 
-    scheduler: Any  # llm_core.fast.batched.FastBatchScheduler (imported lazily: the fast path is optional)
+    scheduler: Any  # llm_core.engine.fast_scheduler.FastBatchScheduler (imported lazily: the fast path is optional)
     decoder: Any
     reason: str
     name: str = "fast-batched"
