@@ -32,7 +32,7 @@ from ..errors import (
     SettingsError,
 )
 from ..history import FittedHistory, Turn, build_messages, clean_text, clean_turns, fit_history
-from ..loading import LoadedModel, Progress, load_model
+from ..loading import Progress, load_model
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
 from ..memory.model import (
@@ -49,9 +49,10 @@ from ..memory.model import (
 )
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..metrics import ReplyStats, TokenClock
+from ..prefix_cache import PrefixCache
+from ..types import LoadedModel
 from .admission import ReplySlots
 from .plain_prefix import PlainPrefixCache
-from .prefix_cache import PrefixCache
 from .serving import BatchScheduler, RowKV
 
 log = logging.getLogger(__name__)

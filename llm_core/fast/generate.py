@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
-from ..loading import LoadedModel
 from ..sampling import sample_from_scores, sampling_generator
+from ..types import LoadedModel
 from . import kvquant
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -46,7 +46,7 @@ from .support import Arch, fast_path_support, is_dense_linear
 from .timing import time_in_cuda_graph
 
 if TYPE_CHECKING:
-    from ..engine.prefix_cache import PrefixCache
+    from ..prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
