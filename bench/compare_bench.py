@@ -68,8 +68,9 @@ import torch
 from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, median
 from llm_core.config import Settings
-from llm_core.engine.chat import ChatEngine, PreparedPrompt, WorkerThreads
+from llm_core.engine.chat import ChatEngine, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
+from llm_core.engine.runners import PreparedPrompt
 from llm_core.loading import configure_cuda_allocator, library_versions
 from llm_core.memory.device import PeakMeter, free_memory
 from llm_core.metrics import ReplyStats

@@ -620,7 +620,7 @@ def _free_after_error(exc: BaseException, device: torch.device) -> None:
 
 @dataclass
 class BatchedBackend:
-    """The engine's DecodeBackend (llm_core.engine.chat) over a BatchScheduler: each reply is a row of the batch."""
+    """The engine's DecodeBackend (llm_core.engine.runners) over a BatchScheduler: each reply is a row of the batch."""
 
     scheduler: BatchScheduler
     reason: str
