@@ -131,7 +131,7 @@ def configure_cuda_allocator() -> str:
     """Use expandable segments unless the operator configured the allocator: a KV cache that grows step by step
     otherwise fragments the caching allocator (measured on an H200 under an 8 GiB cap: 1.6 GiB reserved but
     unusable, and an OOM at 6.95 GiB allocated; and ~0.9 GiB of unusable fragments after the fast path's graph
-    captures, issue 17). Before the first CUDA allocation the environment variable does it; when something already
+    captures). Before the first CUDA allocation the environment variable does it; when something already
     initialised CUDA's allocator (a notebook, another library, a benchmark that capped the process first) the
     setting is applied to the live allocator, so segments made from now on expand. Returns what is in effect."""
     configured = any(os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))

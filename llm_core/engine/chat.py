@@ -555,7 +555,7 @@ class ChatEngine(DecodeStartup):
         if reserved and prepared.predicted is not None and not profiled:  # learn the allocator's reserve
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
             # the reserved peak without being this reply's doing, and the allocator frees them before it would
-            # fail: left out, or one long reply (or the warm-up) would inflate every later plan (issue 17).
+            # fail: left out, or one long reply (or the warm-up) would inflate every later plan.
             releasable = max(0, cached_free - self._held_free_bytes)  # pools, fragments: counted
             self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
         return replace(

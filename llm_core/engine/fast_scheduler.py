@@ -375,8 +375,8 @@ class FastBatchScheduler(TokenStreams):
     def _prefill_together(self, chunk_cap: int | None) -> None:
         """With no row decoding, newcomers whose whole prompt is waiting are prefilled together, in groups whose
         padded size (rows x the longest prompt) stays within one prefill chunk: the memory the start-up profile
-        measured for one chunk bounds it, and each group is one forward instead of one per prompt (issue 16: 8
-        newcomers took 14 host-launched prefills, TTFT p95 0.59 s). A group's failure fails its rows only."""
+        measured for one chunk bounds it, and each group is one forward instead of one per prompt (fewer host-launched
+        prefills: the newcomers' TTFT). A group's failure fails its rows only."""
         cap = int(chunk_cap) if chunk_cap else self.decoder.slot_tokens
         fresh = sorted((r for r in self._prefilling if r.prefilled == 0 and r.ids.numel() <= cap),
                        key=lambda r: r.ids.numel())

@@ -313,7 +313,7 @@ class DecodeStartup:
 
     def _size_fast_slots(self, say: Callable[[str], None]) -> None:
         """Warm the batched fast path's slots (compile, graphs) before its loop starts; on CUDA then size them by
-        measurement as the single-reply cache is (issue 17, built on for issue 16): SlotDecoder.profile_worst_reply
+        measurement as the single-reply cache is: SlotDecoder.profile_worst_reply
         runs one slot's last prefill chunk at the end of a full slot and a step with every slot decoding, and
         size_cache_by_measurement re-sizes the slot length until that peak fits the budget. The slot count stays;
         when not even MIN_FAST_CACHE_TOKENS per slot fit, ContextBudgetError says to lower MAX_BATCH_SIZE (and with
@@ -399,9 +399,9 @@ class DecodeStartup:
                 decoder.max_cache_len = tokens
 
     def _profile_fast_cache(self, decoder: Any, say: Callable[[str], None]) -> None:
-        """CUDA: size the fast path's static cache by measurement, not prediction (issue 17; vLLM sizes its KV cache
-        the same way): llm_core.memory.plan.size_cache_by_measurement over the decoder's worst-reply profile. The
-        final cache is the per-reply bound: a reply whose prompt + new tokens fit the cache fits the card."""
+        """CUDA: size the fast path's static cache by measurement, not prediction (as vLLM sizes its KV cache):
+        llm_core.memory.plan.size_cache_by_measurement over the decoder's worst-reply profile. The final cache is the
+        per-reply bound: a reply whose prompt + new tokens fit the cache fits the card."""
         def resize(tokens: int) -> None:
             say(f"Sizing the KV cache from measured memory: {decoder.cache_len:,} -> {tokens:,} tokens…")
             decoder.max_cache_len = tokens

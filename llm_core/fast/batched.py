@@ -254,12 +254,12 @@ class SlotDecoder:
                 f"The batched step's CUDA graphs could not be captured with {self.slot_tokens:,}-token slots.")
 
     def profile_worst_reply(self, chunk: int | None) -> dict[str, int]:
-        """Run the most memory the batched path can take with these slots and measure it (issue 17's start-up profile,
-        for the batch): one slot's last prefill chunk (`chunk` tokens, or the whole slot) at the end of a full slot,
-        attending to every row before it, and its head; then a step with every slot decoding at its last row, from
-        the top bucket's graph. Returns the peak bytes reserved and allocated (CUDA; 0 elsewhere, where the same pass
-        runs unmeasured). The slots are released after it; the garbage it leaves in them every reply overwrites
-        before reading."""
+        """Run the most memory the batched path can take with these slots and measure it (the single-reply
+        profile, for the batch): one slot's last prefill chunk (`chunk` tokens, or the whole slot) at the end of a
+        full slot, attending to every row before it, and its head; then a step with every slot decoding at its last
+        row, from the top bucket's graph. Returns the peak bytes reserved and allocated (CUDA; 0 elsewhere, where the
+        same pass runs unmeasured). The slots are released after it; the garbage it leaves in them every reply
+        overwrites before reading."""
         end = self.slot_tokens - 2  # the last row a reply writes (scratch_position is the one after it)
         n = max(1, min(chunk or end, end))
         ids = (torch.arange(n, device=self.device) * 7 + 3) % self.fast._arch.vocab
