@@ -1,4 +1,4 @@
-"""Batched fast path benchmark (issue 16): N concurrent chats through ChatEngine (every reply a row of the batched
+"""Batched fast path benchmark: N concurrent chats through ChatEngine (every reply a row of the batched
 fast step), beside transformers' own batched `generate` on the same loaded model in the same run; one JSON document.
 
 GPU (one call; the random checkpoint is written once to --ckpt):

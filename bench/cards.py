@@ -1,4 +1,4 @@
-"""Small cards (issue 17): the demo's own path (ChatEngine, default settings) and the seed recipe (plain generate,
+"""Small cards: the demo's own path (ChatEngine, default settings) and the seed recipe (plain generate,
 no guard) on emulated 8/12/16/24 GiB cards, a chat growing by ~2k tokens a turn to 32k tokens of history.
 
 A card is emulated with torch.cuda.set_per_process_memory_fraction(cap) and VRAM_BUDGET = cap - 0.5 GiB (what the

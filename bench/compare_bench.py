@@ -1,4 +1,4 @@
-"""Compare benchmark (issue 5): the Compare view's own numbers against bench.decode's numbers for the same
+"""Compare benchmark: the Compare view's own numbers against bench.decode's numbers for the same
 configuration, on the same loaded model, in one process; NF4 vs bf16 vs int8 of a random-weight Llama-2-7B shape.
 The requirement: TTFT, decode tokens/s and peak memory each agree within 5% (the comparison adds no overhead). TTFT
 is compared from the same point on both sides (the decode loop's start); the reply's full TTFT, which also counts the
@@ -68,8 +68,9 @@ import torch
 from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, median
 from llm_core.config import Settings
-from llm_core.engine.chat import ChatEngine, PreparedPrompt, WorkerThreads
+from llm_core.engine.chat import ChatEngine, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
+from llm_core.engine.runners import PreparedPrompt
 from llm_core.loading import configure_cuda_allocator, library_versions
 from llm_core.memory.device import PeakMeter, free_memory
 from llm_core.metrics import ReplyStats
@@ -90,7 +91,7 @@ class Metric:
     name: str  # key in the check record
     compare_key: str  # key of a compare-side run row
     bench_key: str  # key of a bench-side run row
-    required: bool  # part of issue 5's 5% requirement
+    required: bool  # part of the 5% agreement the Compare view must keep
 
 
 # --- prompt --------------------------------------------------------------------------------------------------

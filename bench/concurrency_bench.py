@@ -1,4 +1,4 @@
-"""Concurrency benchmark (issue 6): N concurrent chats through ChatEngine with batched decoding vs one chat alone on
+"""Concurrency benchmark: N concurrent chats through ChatEngine with batched decoding vs one chat alone on
 the same build; aggregate decode tokens/s, TTFT (p50/p95) and peak memory against the budget; one JSON document.
 
 GPU (one call; about 3-5 minutes on an H200, most of it writing and quantizing the random 7B checkpoint):

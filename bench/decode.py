@@ -43,9 +43,10 @@ from bench.variants import DENSE_VARIANTS, INT8_VARIANTS, NF4_VARIANTS
 from llm_core.config import GenerationSettings, Settings
 from llm_core.fast import FastDecodeOptions, FastDecoder
 from llm_core.fast.support import int8_weight_fp32, is_int8_linear
-from llm_core.loading import LoadedModel, library_versions, load_model
+from llm_core.loading import library_versions, load_model
 from llm_core.memory.device import device_allocated_bytes
 from llm_core.memory.model import kv_cache_exact_bytes
+from llm_core.types import LoadedModel
 
 # Logit agreement bound stated before measuring (bf16 compute, different kernels and fusion order).
 AGREEMENT_BOUND = {"min_cosine": 0.999, "max_rel_l2": 0.03}
@@ -148,8 +149,9 @@ def _load_direct(settings: Any, model_id: str) -> LoadedModel:
     """The seed recipe without the demo's loader: from_pretrained with the same quantization config."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from llm_core.loading import LoadReport, build_quantization_config, resolve_compute_dtype, resolve_device
+    from llm_core.loading import build_quantization_config, resolve_compute_dtype, resolve_device
     from llm_core.models import ModelSource
+    from llm_core.types import LoadReport
 
     device = resolve_device(settings)
     dtype = resolve_compute_dtype(settings, device)

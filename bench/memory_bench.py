@@ -1,4 +1,4 @@
-"""Memory-guard benchmark (issue 4): predicted vs measured peaks, the seed recipe vs ours under a small-card cap,
+"""Memory-guard benchmark: predicted vs measured peaks, the seed recipe vs ours under a small-card cap,
 and the longest context the quantized KV cache fits; one JSON document rewritten after every record.
 
 GPU (one call, about 5-7 minutes on an H200; starts no new case after --deadline-s, default 450 s):

@@ -1,4 +1,4 @@
-"""Where a small card's memory goes (issue 17): the app's path (ChatEngine, default settings) on one emulated card,
+"""Where a small card's memory goes: the app's path (ChatEngine, default settings) on one emulated card,
 with the CUDA allocator's history recorded, summarised after start-up and after one long chat turn.
 
 The card runs (bench/results/2026-12-01-h200-cards-*.json) found the fast path holding 1.15-1.68 GB beyond its

@@ -32,7 +32,8 @@ import torch
 from bench.compare_bench import prompt_ids, prompt_text
 from bench.harness import RANDOM_ARCHS, make_random_checkpoint, sync
 from llm_core.config import Settings
-from llm_core.engine.chat import ChatEngine, FastBackend
+from llm_core.engine.chat import ChatEngine
+from llm_core.engine.runners import FastBackend
 from llm_core.fast import FastDecoder
 from llm_core.loading import library_versions
 

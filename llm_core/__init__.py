@@ -26,8 +26,8 @@ _EXPORTS: dict[str, str] = {
     # chat input
     "Turn": "history", "content_to_text": "history", "turns_from_messages": "history", "ERROR_TITLE": "history",
     # the engine
-    "ChatEngine": "engine.chat", "ReplyUpdate": "engine.chat", "PreparedPrompt": "engine.chat",
-    "DecodeBackend": "engine.chat", "check_history_size": "history",
+    "ChatEngine": "engine.chat", "ReplyUpdate": "engine.chat", "PreparedPrompt": "engine.runners",
+    "DecodeBackend": "engine.runners", "check_history_size": "history",
     "CompareConfig": "engine.compare", "Comparison": "engine.compare", "EnginePool": "engine.compare",
     "allowed_models": "engine.compare",
     # what each reply cost
@@ -52,8 +52,9 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from .config import GenerationSettings, ModelSettings, Settings, parse_auth
-    from .engine.chat import ChatEngine, DecodeBackend, PreparedPrompt, ReplyUpdate
+    from .engine.chat import ChatEngine, ReplyUpdate
     from .engine.compare import CompareConfig, Comparison, EnginePool, allowed_models
+    from .engine.runners import DecodeBackend, PreparedPrompt
     from .errors import (
         ContextBudgetError,
         GenerationError,

@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +18,8 @@ import torch
 from .config import ModelSettings, parse_max_memory
 from .errors import ModelLoadError, SettingsError
 from .memory.device import free_memory
-from .metrics import quantization_label
 from .models import ModelSource, resolve_source
+from .types import LoadedModel, LoadReport
 
 log = logging.getLogger(__name__)
 EXPANDABLE_SEGMENTS = "expandable_segments:True"
@@ -107,96 +106,6 @@ def resolve_device_map(settings: ModelSettings, device: torch.device) -> Any:
     return {"": device.index if device.type == "cuda" else "cpu"}
 
 
-@dataclass(frozen=True)
-class LoadReport:
-    """What was loaded and how; shown in the model panel and attached to every exported stat."""
-
-    model: str
-    origin: str  # embedded | local | hub
-    revision: str | None
-    quantization: str
-    double_quant: bool
-    compute_dtype: str
-    attention: str
-    device: str
-    device_name: str
-    offloaded: bool  # some layers on CPU/disk through max_memory
-    weights_bytes: int  # model.get_memory_footprint(): parameters + buffers as stored
-    load_s: float
-    context_length: int
-    versions: dict[str, str]
-    notes: tuple[str, ...] = ()
-    quantized_linear_layers: int = 0  # bitsandbytes layers, or the linears the CPU path quantized itself
-    quantization_requested: str = ""  # the preset asked for, where the CPU path quantized the weights itself
-    decode_path: str = "plain"  # set by the engine after warm-up
-    decode_path_reason: str = ""
-    warmup_s: float = 0.0
-    memory_plan: str = ""  # set by the engine after warm-up: budget, KV cache, prefill chunks
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @property
-    def quantization_label(self) -> str:
-        return quantization_label(self.quantization, self.quantization_requested)
-
-    def _quantized_layers_text(self) -> str:
-        if self.quantization_requested:  # the CPU path's own int4/int8 linears, fused per layer
-            return f"{self.quantized_linear_layers} ({self.quantization}, quantized by the CPU path at load)"
-        if self.quantization == "none":
-            return "none (unquantized weights)"
-        return f"{self.quantized_linear_layers} (bitsandbytes)"
-
-    def as_markdown(self) -> str:
-        rows = [
-            ("Model", self.model),
-            ("Source", self.origin + (f" @ {self.revision}" if self.revision else "")),
-            ("Quantization", self.quantization_label + (" + double quant" if self.double_quant else "")),
-            ("Compute dtype", self.compute_dtype),
-            ("Attention", self.attention),
-            ("Device", f"{self.device} ({self.device_name})" + (", CPU offload" if self.offloaded else "")),
-            ("Weights memory", f"{self.weights_bytes / 2**20:,.1f} MiB"),
-            ("Quantized linear layers", self._quantized_layers_text()),
-            ("Context length", f"{self.context_length:,} tokens"),
-            ("Load time", f"{self.load_s:.1f} s (warm-up {self.warmup_s:.1f} s)"),
-            ("Decode path", self.decode_path + (f" ({self.decode_path_reason})" if self.decode_path_reason else "")),
-            *([("Memory", self.memory_plan)] if self.memory_plan else []),
-            ("Versions", ", ".join(f"{k} {v}" for k, v in self.versions.items())),
-        ]
-        text = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
-        if self.notes:
-            text += "\n\n" + "\n".join(f"- {n}" for n in self.notes)
-        return text
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to generate: held by the engine for the life of the process."""
-
-    model: Any  # transformers PreTrainedModel
-    tokenizer: Any
-    settings: ModelSettings
-    device: torch.device
-    compute_dtype: torch.dtype
-    report: LoadReport
-    source: ModelSource
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def context_length(self) -> int:
-        return self.report.context_length
-
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        """The ids that end a reply: the generation config's (one or several), else the tokenizer's."""
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-        if eos is None:
-            return frozenset()
-        return frozenset(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-
 def _preset_name(settings: ModelSettings) -> str:
     """The quantization preset a setting names, as the Compare view says it (nf4 without double quant: nf4-nodq)."""
     return "nf4-nodq" if settings.quantization == "nf4" and not settings.use_double_quant else settings.quantization
@@ -222,7 +131,7 @@ def configure_cuda_allocator() -> str:
     """Use expandable segments unless the operator configured the allocator: a KV cache that grows step by step
     otherwise fragments the caching allocator (measured on an H200 under an 8 GiB cap: 1.6 GiB reserved but
     unusable, and an OOM at 6.95 GiB allocated; and ~0.9 GiB of unusable fragments after the fast path's graph
-    captures, issue 17). Before the first CUDA allocation the environment variable does it; when something already
+    captures). Before the first CUDA allocation the environment variable does it; when something already
     initialised CUDA's allocator (a notebook, another library, a benchmark that capped the process first) the
     setting is applied to the live allocator, so segments made from now on expand. Returns what is in effect."""
     configured = any(os.environ.get(name) for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))

@@ -1,7 +1,7 @@
 """A reply's tokens between a batch scheduler's thread and the request's thread, shared by the eager scheduler
-(llm_core.engine.serving.BatchScheduler) and the batched fast path (llm_core.fast.batched.FastBatchScheduler): the
-scheduler thread puts token ids (int) on the request's `items` queue and finally a `Finished`; the request's thread
-reads them with `stream`, or feeds a streamer with `generate` (model.generate's shape, for the engine's workers)."""
+(llm_core.engine.serving.BatchScheduler) and the batched fast path (llm_core.engine.fast_scheduler): the scheduler
+thread puts token ids (int) on the request's `items` queue and finally a `Finished`; the request's thread reads them
+with `stream`, or feeds a streamer with `generate` (model.generate's shape, for the engine's workers)."""
 
 from __future__ import annotations
 

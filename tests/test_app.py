@@ -255,3 +255,61 @@ def test_browser_model_panel_labels_never_break_mid_word(app_url: str, artifacts
                                "return new Set([...r.getClientRects()].map(b => Math.round(b.top))).size; }")
         assert lines == 1
         page.screenshot(path=str(artifacts_dir / "model-labels.png"), full_page=True)
+
+
+def _numbers(text: str) -> list[float]:
+    return [float(n.replace(",", "")) for n in re.findall(r"\d[\d,]*\.?\d*", text)]
+
+
+def _cell_numbers(row: Any) -> list[float]:
+    """The numbers of a table row, one per cell (a row's text runs its cells together)."""
+    cells = row.evaluate("tr => [...tr.children].map(c => c.textContent.trim())")
+    return [float(c.replace(",", "")) for c in cells if re.fullmatch(r"\d[\d,]*\.?\d*", c)]
+
+
+def _lines_of(element: Any) -> int:
+    """How many lines an element's text takes on screen."""
+    return int(element.evaluate("e => { const r = document.createRange(); r.selectNodeContents(e); "
+                                "return new Set([...r.getClientRects()].map(b => Math.round(b.top))).size; }"))
+
+
+def _shows(page: Any, row: Any, value: float, timeout_s: float = 20.0) -> bool:
+    """Whether a table row shows `value` in one of its cells, once the table has rendered (read again until then)."""
+    for _ in range(int(timeout_s * 4)):
+        if row.count() and any(abs(n - value) < 0.05 for n in _cell_numbers(row)):
+            return True
+        page.wait_for_timeout(250)
+    return False
+
+
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
+def test_browser_one_peak_number_per_reply_in_panel_summary_and_session_stats(app_url: str,
+                                                                             artifacts_dir: Path) -> None:
+    """After a comparison with both engines loaded: the none side's peak memory is one number in its panel, the
+    summary and Session stats, and the other engines' share is said once, in the panel."""
+    from playwright.sync_api import expect
+
+    with opened_page(app_url, height=1100) as page:
+        page.get_by_role("tab", name="Compare").click()
+        page.locator("#compare-input textarea").fill("Name a planet.")
+        page.locator("#compare-run").click()
+        expect(page.locator("#compare-diff")).to_contain_text("Outputs", timeout=180_000)
+        panel = page.locator("#compare-stats-1")
+        expect(panel).to_contain_text("Finished by")
+        expect(panel).to_contain_text("held by the other loaded engines")  # nf4 is loaded beside it
+        row = panel.locator("tr").filter(has_text="Peak RSS").inner_text()
+        peak_mib = _numbers(row.split("MiB")[0])[-1]
+        assert panel.inner_text().count("held by the other loaded engines") == 1
+        summary = page.locator("#compare-summary tr").filter(has_text="embedded · none · sdpa").last
+        assert _shows(page, summary, peak_mib), (row, _cell_numbers(summary))
+        header = page.locator("#compare-summary th .header").filter(has_text="decode_tokens_per_s").first
+        assert _lines_of(header) == 1  # a column name stays whole, never "decode_tok" over "ens_per_s"
+        bar = page.locator("#compare-plot [data-metric='peak_memory_mib'] .bar-row").filter(
+            has_text="embedded · none · sdpa")
+        assert float(bar.locator(".bar").get_attribute("data-value") or "nan") == pytest.approx(peak_mib, abs=0.05)
+
+        page.get_by_role("tab", name="Session stats").click()
+        history = page.locator("#history-table tr").filter(has_text="embedded · none · sdpa").last
+        assert _shows(page, history, peak_mib), (row, _cell_numbers(history))
+        page.screenshot(path=str(artifacts_dir / "one-peak.png"), full_page=True)

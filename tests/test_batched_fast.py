@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.engine.fast_scheduler import FastBatchScheduler
 from llm_core.errors import ContextBudgetError
 from llm_core.fast.batched import (
     BATCH_BUCKETS,
-    FastBatchScheduler,
     SlotDecoder,
     attention_rows,
     batch_bucket,

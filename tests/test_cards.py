@@ -17,7 +17,7 @@ from llm_core.engine.chat import ChatEngine
 from llm_core.errors import ContextBudgetError
 from llm_core.fast import FastDecodeOptions, FastDecoder, kvquant, layer
 from llm_core.history import Turn
-from llm_core.loading import LoadedModel, load_model
+from llm_core.loading import load_model
 from llm_core.memory.model import (
     GiB,
     ModelMemoryFacts,
@@ -38,6 +38,7 @@ from llm_core.memory.plan import (
     size_cache_by_measurement,
     static_cache_plan,
 )
+from llm_core.types import LoadedModel
 from tests.conftest import make_settings
 
 LLAMA2_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

@@ -38,6 +38,8 @@ def test_two_modes_answer_the_same_prompt_with_their_own_stats(pool: EnginePool)
     assert done.done and [r.config for r in done.results] == [NF4, NONE]
     streamed_sides = {s.index for s in steps if s.update is not None}
     assert streamed_sides == {0, 1}  # each side streamed its reply
+    finals = [s.update.stats for s in steps if s.update is not None and s.update.done]
+    assert finals == [r.stats for r in done.results]  # a side's panel shows its final numbers before the summary
     nf4, none = done.results
     assert nf4.text and none.text
     assert (nf4.stats.quantization, none.stats.quantization) == ("nf4", "none")

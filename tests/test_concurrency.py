@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from app import launch as launch_app
+from llm_core.engine.admission import ReplySlots
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
-from llm_core.engine.serving import BatchScheduler, ReplySlots, SamplingOptions, resolve_max_batch_size
+from llm_core.engine.serving import BatchScheduler, SamplingOptions, resolve_max_batch_size
 from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, SettingsError
 from llm_core.history import check_history_size
 from tests.conftest import drain, make_settings, run_threads

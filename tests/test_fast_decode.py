@@ -14,7 +14,8 @@ from llm_core.config import GenerationSettings
 from llm_core.errors import GenerationError
 from llm_core.fast import FastDecodeOptions, FastDecoder, bucket_list, fast_path_support, layer, pack, support
 from llm_core.fast.kernels import attention
-from llm_core.loading import LoadedModel, load_model
+from llm_core.loading import load_model
+from llm_core.types import LoadedModel
 from tests.conftest import make_settings
 
 PROMPTS = {

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from llm_core.config import Settings
 from llm_core.errors import ContextBudgetError, SettingsError
-from llm_core.loading import LoadedModel, load_model
+from llm_core.loading import load_model
 from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
 from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
 from llm_core.memory.model import (
@@ -40,6 +40,7 @@ from llm_core.memory.model import (
     require_fit,
     resident_extra_bytes,
 )
+from llm_core.types import LoadedModel
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL_CACHE = Path(os.environ.get("LLM_CORE_TEST_CACHE", REPO / ".cache" / "test-models"))

@@ -12,9 +12,9 @@ import torch
 
 from llm_core.config import GenerationSettings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
-from llm_core.engine.prefix_cache import PrefixCache, common_prefix
 from llm_core.errors import GenerationError, OutOfMemoryError
 from llm_core.history import Turn
+from llm_core.prefix_cache import PrefixCache, common_prefix
 from tests.conftest import make_settings
 
 GEN = GenerationSettings(max_new_tokens=12, repetition_penalty=1.05)

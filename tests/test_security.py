@@ -306,7 +306,7 @@ def test_a_flood_from_one_login_by_every_route_costs_another_user_at_most_one_re
     field), every one from its own forged X-Forwarded-For. Admission counts bob once: alice's reply is the next to
     take the (single) slot after the reply running when she arrives, before any of bob's. Asserted on the order the
     scheduler gives; the wall times go to the record (artifacts/flood.json)."""
-    from llm_core.engine.serving import ReplySlots
+    from llm_core.engine.admission import ReplySlots
 
     demo, url = served
     events: list[tuple[str, str, int]] = []  # (what, person, requests ahead) in the order the scheduler saw them

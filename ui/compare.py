@@ -87,6 +87,7 @@ class CompareHandler:
             texts = ["" for _ in range(MAX_COMPARE_SIDES)]
             side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
             notes: list[str] = []
+            shown_results = -1  # the summary and bars are sent when a side finishes, not with every token
             for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request)):
                 if step.notes:
                     notes.extend(n for n in step.notes if n not in notes)
@@ -98,7 +99,10 @@ class CompareHandler:
                 for i, result in enumerate(step.results):  # a finished side: its stats as the comparison counted them
                     side_stats[i] = format_stats(result.stats)
                 summary = [r.summary_row() for r in step.results]
-                yield (*texts, *side_stats, summary_frame(summary), summary_bars(summary),
+                changed = len(step.results) != shown_results
+                shown_results = len(step.results)
+                yield (*texts, *side_stats, summary_frame(summary) if changed else gr.skip(),
+                       summary_bars(summary) if changed else gr.skip(),
                        step.difference or "\n".join(f"*{n}*" for n in notes),
                        [r.stats.as_dict() for r in step.results] if step.done else gr.skip(),
                        add_rows(rows, [r.stats for r in step.results]) if step.done else gr.skip())

@@ -18,10 +18,11 @@ from .fit import build_fit_tab
 from .model import current_model
 from .stats import StatsTab, build_stats_tab, show_history
 
-# The label column of the key-value tables (Model panel, stats panels, fit answer): Gradio's tables break words
-# anywhere to fit, which split a narrow column's labels mid-word ("Sourc e"); labels stay whole, values wrap.
+# Gradio's tables break words anywhere to fit, which split narrow labels mid-word ("Sourc e", "decode_tok ens"):
+# the key-value tables' labels and the data tables' column names stay whole; values wrap.
 PAGE_CSS = ("#model-info td:first-child, #stats td:first-child, [id^=compare-stats-] td:first-child, "
-            "#fit-answer td:first-child { white-space: nowrap; overflow-wrap: normal; word-break: normal; }")
+            "#fit-answer td:first-child, #compare-summary th, #compare-summary th *, #history-table th, "
+            "#history-table th * { white-space: nowrap; overflow-wrap: normal; word-break: normal; }")
 
 
 def build_demo(engine: ChatBackend, settings: Settings, pool: EnginePool | None = None) -> gr.Blocks:

@@ -475,6 +475,10 @@ class Comparison:
                 try:
                     for last in engine.stream_chat(message, [], gen=side_gen, history_turns=0,
                                                    system_prompt=system_prompt, request_id=request_id):
+                        if last.done:  # the final numbers, as the result keeps them: no view shows another peak
+                            last = replace(last, stats=replace(
+                                last.stats, others_resident_bytes=self.pool.others_resident_bytes(config),
+                                notes=[*last.stats.notes, *notes]))
                         yield CompareUpdate(index, config, last, tuple(notes), tuple(results))
                 except LLMCoreError:
                     del engine
@@ -482,9 +486,7 @@ class Comparison:
                         self.pool.unload(config)  # a refused side does not leave its model loaded
                     raise
                 assert last is not None and last.done
-                stats = replace(last.stats, others_resident_bytes=self.pool.others_resident_bytes(config),
-                                notes=[*last.stats.notes, *notes])
-                results.append(SideResult(config, last.text, stats, load_s, tuple(notes)))
+                results.append(SideResult(config, last.text, last.stats, load_s, tuple(notes)))
         yield CompareUpdate(len(configs) - 1, configs[-1], None, (), tuple(results), done=True,
                             difference=first_difference([r.text for r in results]))
 

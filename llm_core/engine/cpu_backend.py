@@ -6,8 +6,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from ..loading import LoadedModel
-from .prefix_cache import PrefixCache
+from ..prefix_cache import PrefixCache
+from ..types import LoadedModel
 from .serving import RowKV
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .prefix_cache import PrefixCache
+from ..prefix_cache import PrefixCache
 
 
 class PlainPrefixCache:

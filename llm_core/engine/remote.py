@@ -24,8 +24,8 @@ from ..config import GenerationSettings, Settings
 from ..errors import BusyError, ContextBudgetError, GenerationError, InputError, LLMCoreError, ModelLoadError
 from ..history import Turn, build_messages, clean_text
 from ..metrics import ReplyStats
+from .admission import SessionSlots
 from .chat import ChatEngine, ReplyUpdate
-from .serving import SessionSlots
 
 NOT_REPORTED = "Peak memory and KV cache: not reported by the engine."
 REPORTED = "Peak memory and KV cache as reported by the engine (its own process)."

@@ -1,5 +1,5 @@
-"""Serving many chats at once over one model: a scheduler that decodes concurrent replies in one batch, admission
-control against a KV-cache memory budget, and per-session request limits. Knows nothing about Gradio or chat text.
+"""Serving many chats at once over one model: a scheduler that decodes concurrent replies in one batch, with
+admission against a KV-cache memory budget (per-person limits: llm_core.engine.admission). Knows nothing about Gradio.
 
 Why our own scheduler and not transformers' continuous batching (`model.init_continuous_batching()`): it runs on CPU
 here (fp32 and nf4) and streams per request, but it drops the repetition penalty (our default 1.05, so a batched reply
@@ -26,21 +26,19 @@ is refused at once.
 from __future__ import annotations
 
 import atexit
-import collections
-import contextlib
 import itertools
 import queue
 import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import BusyError, ContextBudgetError, GenerationError, InputError
+from ..errors import ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
 from ..sampling import SamplingOptions, logits_processors, next_token
@@ -93,194 +91,6 @@ def batching_support(model: Any) -> tuple[bool, str]:
     if "position_ids" not in params or "attention_mask" not in params:
         return False, f"{type(model).__name__}.forward takes no position_ids / attention_mask"
     return True, ""
-
-
-# --- per-session limits ------------------------------------------------------------------------------------------
-
-
-class _Ticket:
-    """One request's place among a ReplySlots' waiting requests."""
-
-    def __init__(self, slots: ReplySlots, session_id: str, arrival: int, cancel: threading.Event | None) -> None:
-        self.slots, self.session_id, self.arrival, self.cancel = slots, session_id, arrival, cancel
-        self.ready = False  # waiting for a slot (False while the request is still being tokenized)
-        self.running = False
-
-    def wait(self, on_wait: Callable[[int], None] | None = None) -> None:
-        """Block until this request's fair turn, then hold a slot. Raises ReplyStopped if Stop comes first.
-        `on_wait(ahead)` is called whenever the number of requests that go before this one changes."""
-        self.slots._wait_turn(self, on_wait)
-
-
-class SessionSlots:
-    """At most one running reply per person (or session), none waiting: what a remote engine (llm_core.engine.remote)
-    allows each; a second request while one runs is refused with BusyError (HTTP 429 on the /v1 API)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._busy: set[str] = set()
-
-    @contextlib.contextmanager
-    def hold(self, session_id: str) -> Iterator[None]:
-        with self._lock:
-            if session_id in self._busy:
-                raise BusyError("A reply is already being written in this session. Wait for it to finish or "
-                                "press Stop, then send again.")
-            self._busy.add(session_id)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._busy.discard(session_id)
-
-    def busy(self, session_id: str) -> bool:
-        with self._lock:
-            return session_id in self._busy
-
-
-class ReplySlots:
-    """How many replies may be in the engine at once, and who gets the next free one.
-
-    `with slots:` takes one of `n` slots (n = 1 is a plain lock: the serial engine); `with slots.exclusive():` waits
-    until no reply runs and keeps new ones out (e.g. to unload). `with slots.ticket(person, cancel) as t:` is how a
-    chat request enters: at most one running and `session_max_waiting` waiting requests per person (the key
-    llm_core.security.person_of gives: a login, or an address without AUTH; more are refused at once with
-    BusyError); `t.wait()` takes a slot when it is this request's turn: the waiting request of the person served
-    least recently goes first, so a person who floods the engine, from any number of tabs or clients, delays
-    another by at most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped."""
-
-    def __init__(self, n: int = 1, *, session_max_waiting: int = 1) -> None:
-        self.n = int(n)
-        self.session_max_waiting = int(session_max_waiting)
-        self._cond = threading.Condition()
-        self._free = self.n
-        self._exclusive_waiting = 0
-        self._running: collections.Counter[str] = collections.Counter()  # running replies per session
-        self._waiting: list[_Ticket] = []
-        self._last_start: dict[str, int] = {}  # session -> number of its latest start (sessions with tickets only)
-        self._starts = itertools.count()
-        self._arrivals = itertools.count()
-
-    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
-        with self._cond:
-            while self._free == 0 or self._exclusive_waiting:
-                if not blocking:
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            self._free -= 1
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            self._free += 1
-            self._cond.notify_all()
-
-    def locked(self) -> bool:
-        with self._cond:
-            return self._free == 0
-
-    def __enter__(self) -> ReplySlots:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._exclusive_waiting += 1
-            try:
-                while self._free < self.n:
-                    self._cond.wait()
-                self._free = 0
-            finally:
-                self._exclusive_waiting -= 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._free = self.n
-                self._cond.notify_all()
-
-    # --- per-session admission and fair turns ---------------------------------------------------------------------
-    def waiting(self, session_id: str | None = None) -> int:
-        """Requests waiting for a slot (of one session, or of all)."""
-        with self._cond:
-            return sum(1 for t in self._waiting if session_id is None or t.session_id == session_id)
-
-    @contextlib.contextmanager
-    def ticket(self, session_id: str, cancel: threading.Event | None = None) -> Iterator[_Ticket]:
-        with self._cond:
-            held = self._running[session_id] + sum(1 for t in self._waiting if t.session_id == session_id)
-            if held >= 1 + self.session_max_waiting:
-                raise BusyError(
-                    "This user already has a reply being written" + (
-                        f" and {held - 1} waiting" if held > 1 else "") + " (the limit per user is "
-                    f"{1 + self.session_max_waiting}, across tabs and API clients). Wait for it to finish or press "
-                    "Stop, then send again.", retry_after_s=1)
-            ticket = _Ticket(self, session_id, next(self._arrivals), cancel)
-            self._waiting.append(ticket)
-        try:
-            yield ticket
-        finally:
-            with self._cond:
-                if ticket in self._waiting:
-                    self._waiting.remove(ticket)
-                if ticket.running:
-                    self._free += 1
-                    self._running[session_id] -= 1
-                    if self._running[session_id] <= 0:
-                        del self._running[session_id]
-                if not self._running[session_id] and not any(t.session_id == session_id for t in self._waiting):
-                    self._running.pop(session_id, None)
-                    self._last_start.pop(session_id, None)
-                self._cond.notify_all()
-
-    def _wait_turn(self, ticket: _Ticket, on_wait: Callable[[int], None] | None = None) -> None:
-        from ..errors import ReplyStopped
-
-        shown = -1
-        with self._cond:
-            ticket.ready = True
-            self._cond.notify_all()
-            while not self._is_next(ticket):
-                if ticket.cancel is not None and ticket.cancel.is_set():
-                    raise ReplyStopped("Stopped before it started: the request was still waiting for its turn, so "
-                                       "nothing was generated. The conversation is unchanged.")
-                ahead = self._ahead(ticket)
-                if on_wait is not None and ahead != shown:
-                    shown = ahead
-                    on_wait(ahead)
-                self._cond.wait(0.05 if ticket.cancel is not None or on_wait else None)  # Stop sets an Event
-            self._waiting.remove(ticket)
-            ticket.running = True
-            self._free -= 1
-            self._running[ticket.session_id] += 1
-            self._last_start[ticket.session_id] = next(self._starts)
-            self._cond.notify_all()
-
-    def _ahead(self, ticket: _Ticket) -> int:
-        """Requests that will take a slot before `ticket`: the replies running now count as one ahead per slot
-        when all slots are busy, then waiting requests that go first."""
-        def key(t: _Ticket) -> tuple[int, int]:
-            return self._last_start.get(t.session_id, -1), t.arrival
-
-        mine = key(ticket)
-        before = sum(1 for t in self._waiting if t is not ticket and t.ready and key(t) < mine)
-        return before + (1 if self._free <= 0 or self._running[ticket.session_id] else 0)
-
-    def _is_next(self, ticket: _Ticket) -> bool:
-        if self._free <= 0 or self._exclusive_waiting:
-            return False
-        eligible = [t for t in self._waiting if t.ready and not self._running[t.session_id]]
-        if not eligible:
-            return False
-        return min(eligible, key=lambda t: (self._last_start.get(t.session_id, -1), t.arrival)) is ticket
 
 
 # --- the KV budget -----------------------------------------------------------------------------------------------
@@ -810,7 +620,7 @@ def _free_after_error(exc: BaseException, device: torch.device) -> None:
 
 @dataclass
 class BatchedBackend:
-    """The engine's DecodeBackend (llm_core.engine.chat) over a BatchScheduler: each reply is a row of the batch."""
+    """The engine's DecodeBackend (llm_core.engine.runners) over a BatchScheduler: each reply is a row of the batch."""
 
     scheduler: BatchScheduler
     reason: str
@@ -828,11 +638,11 @@ class BatchedBackend:
 
 @dataclass
 class FastBatchedBackend:
-    """The engine's DecodeBackend over llm_core.fast.batched.FastBatchScheduler: every reply, alone or not, is a row
-    of the batched fast step. `decoder` is the FastDecoder whose packed weights it runs (its max_cache_len is the
+    """The engine's DecodeBackend over llm_core.engine.fast_scheduler.FastBatchScheduler: every reply, alone or not, is
+    a row of the batched fast step. `decoder` is the FastDecoder whose packed weights it runs (its max_cache_len is the
     slot length: the context one reply may span)."""
 
-    scheduler: Any  # llm_core.fast.batched.FastBatchScheduler (imported lazily: the fast path is optional)
+    scheduler: Any  # llm_core.engine.fast_scheduler.FastBatchScheduler (imported lazily: the fast path is optional)
     decoder: Any
     reason: str
     name: str = "fast-batched"

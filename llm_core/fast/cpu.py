@@ -44,7 +44,7 @@ from ..errors import GenerationError
 from ..sampling import logits_processors, next_token, sampling_generator
 
 if TYPE_CHECKING:
-    from ..engine.prefix_cache import PrefixCache
+    from ..prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 

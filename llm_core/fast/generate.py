@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
-from ..loading import LoadedModel
 from ..sampling import sample_from_scores, sampling_generator
+from ..types import LoadedModel
 from . import kvquant
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -46,7 +46,7 @@ from .support import Arch, fast_path_support, is_dense_linear
 from .timing import time_in_cuda_graph
 
 if TYPE_CHECKING:
-    from ..engine.prefix_cache import PrefixCache
+    from ..prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -450,8 +450,8 @@ class FastDecoder:
         self.sync()
 
     def _warm_prefill_shapes(self) -> None:
-        """Compile every shape class of the compiled prefill here, never inside a reply (issue 17: the first prompt
-        beyond the padded graphs compiled in the user's reply). Classes: one pass from position 0 (a prompt past
+        """Compile every shape class of the compiled prefill here, never inside a reply (else the first prompt
+        beyond the padded graphs would compile in the user's reply). Classes: one pass from position 0 (a prompt past
         PREFILL_GRAPH_TOKENS, or a long prompt's first chunk), and chunks after cached history (start > 0), run
         at two different starts and lengths so that dynamo's automatic dynamic shapes make both symbolic (it
         specializes an int on first sight and generalizes it at the second value). One-token passes run eagerly.
@@ -631,9 +631,8 @@ class FastDecoder:
             part = ids[start:start + chunk]
             pos = torch.arange(start, start + part.numel(), device=self.device)
             hn = self._prefill_pass(part, pos, start)
-            # (1, H) with strides (H, 1), as the decode step and the padded prefill hand the head: hn[:, -1].clone()
-            # kept the stride S*H, which failed the compiled head's stride guard and recompiled it inside the first
-            # reply past PREFILL_GRAPH_TOKENS (issue 17)
+            # (1, H) with strides (H, 1), as the decode step and the padded prefill hand the head: a stride of S*H
+            # fails the compiled head's stride guard and recompiles it inside a reply
             hn_last = hn[0, -1:].clone()
         assert hn_last is not None
         return hn_last
@@ -799,8 +798,8 @@ class FastDecoder:
         return (self._k.nbytes + self._v.nbytes) // self._cache_len
 
     def profile_worst_reply(self) -> dict[str, int]:
-        """Run the most memory any reply can take on this cache and measure it (issue 17: measured, not predicted,
-        like vLLM's start-up profile): the last prefill chunk of a prompt that fills the cache, attending to every
+        """Run the most memory any reply can take on this cache and measure it (measured, not predicted, like vLLM's
+        start-up profile): the last prefill chunk of a prompt that fills the cache, attending to every
         cached row before it, then its head and a decode step at the top bucket (graph replay). Prompts up to
         PREFILL_GRAPH_TOKENS replay graphs whose pool is already reserved; longer prompts run in chunks of
         `prefill_chunk_tokens` (or one pass), so this is each reply's bound. Returns the peak bytes reserved and

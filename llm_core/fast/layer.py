@@ -71,8 +71,8 @@ def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -
 def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """linear_prefill of a fused linear, one output per fused part (q/k/v, gate/up), each part's rows dequantized
     on their own: the half-precision weight a prompt's matmul makes is the largest part's, not the fused weight
-    (issue 17: on Llama-3-8B the fused gate/up copy is 235 MB, held at the prefill's peak and again in the prefill
-    graphs' pool; a part is 117 MB). The rows of a fused weight are its parts' rows concatenated (pack_linears), so
+    (on Llama-3-8B the fused gate/up copy is 235 MB, held at the prefill's peak and again in the prefill graphs'
+    pool; a part is 117 MB). The rows of a fused weight are its parts' rows concatenated (pack_linears), so
     each part's packed bytes, block scales, int8 row scales and bias are row slices of the fused ones."""
     splits = list(spec.splits)
     if spec.fmt == "dense" or len(splits) == 1:

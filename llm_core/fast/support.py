@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..loading import LoadedModel
+from ..types import LoadedModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # they change inv_freq with the sequence length at run time

@@ -8,8 +8,8 @@ else that is resident or transient at its peak:
               + static block(T) + the largest prefill chunk's activations over T - n tokens of history
               + logits + allocator reserve (on the activations, not on the one-time static block)
 
-so every reply the cache can hold fits the budget, and the block is counted once (issue 17: it used to be sized
-from the whole budget for a prompt, then counted again on top of that prompt's prefill). T never exceeds the
+so every reply the cache can hold fits the budget, and the block is counted once (never sized from the whole
+budget for a prompt and counted again on top of that prompt's prefill). T never exceeds the
 model's context. The resident term is estimated before warm-up (`fast_resident_estimate`) and measured after it;
 the engine re-plans with the measured value and shrinks the cache if needed.
 """
@@ -33,20 +33,13 @@ from .model import (
 CACHE_ROUND_TOKENS = 16  # FastDecoder rounds its cache to multiples of 16 tokens
 MIN_FAST_CACHE_TOKENS = 256  # below this the fast path is not worth its graphs: the engine says so and stops
 PREFILL_BUCKET_TOKENS = 64  # llm_core.fast.options.PREFILL_BUCKET_TOKENS (kept here: this module imports no torch)
-# The fast path's small buffers (token, position, seen-token mask, scores, penalties) and its decode graphs' pool
-# (one step's temporaries, split-K attention partials): measured 0.05 GB on the H200 for Llama-2-7B beside the
-# prefill graphs' pool (bench/results/2026-11-30-h200-prefill-probe.json: 315 MB resident, 260 MB of it prefill).
+# Where these three numbers come from (the measurements behind them): docs/memory.md, "The plan's constants".
+# The fast path's small buffers and its decode graphs' pool (one step's temporaries, split-K attention partials).
 FAST_FIXED_RESIDENT_BYTES = 64 * MiB
-# Reserved but free after the fast path's CUDA warm-up beyond its graph pools' estimate: allocator segments that
-# cannot be handed back (fragments of loading the weights and of the graph captures). The engine measures it at
-# start-up (ChatEngine._measure_fast_resident) and sizes the cache by measurement; this is what the plan, and so
-# `python -m llm_core.fit`, assume before that. Measured through ChatEngine on the H200 under 8/12/16 GiB caps,
-# Llama-2-7B and Llama-3-8B NF4 (13 start-ups, bench/results/2026-12-01-h200-cards-*.json): 0.86-1.48 GB beyond
-# the other terms of fast_resident_estimate, median 1.27 GB (tests/test_cards.py checks the estimate against them).
+# Reserved but free after the CUDA warm-up beyond the graph pools' estimate (allocator fragments that cannot be
+# handed back): what the plan and `python -m llm_core.fit` assume until start-up measures it.
 CUDA_HELD_FREE_BYTES = 1280 * MiB
-# Kept free below the budget when the cache is sized by measurement: a real reply's reserved peak came out 40 MiB
-# above the start-up profile's once (Llama-3-8B shape, int8 cache, 8 GiB card: bench/results/
-# 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
+# Kept free below the budget when the cache is sized by measurement: a real reply may peak a little above the profile.
 MEASURED_SAFETY_BYTES = 128 * MiB
 # What a user can change when the fast path's cache does not fit (said by every error that says so)
 FAST_CACHE_ADVICE = ("Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
@@ -129,7 +122,7 @@ def resolve_prefill_graph_tokens(setting: int | None, facts: ModelMemoryFacts, b
     (DEFAULT_PREFILL_GRAPH_TOKENS) where the model's whole context fits beside the graphs, else the small-card
     size. The graphs' pool holds the largest bucket's activations (and, for 4-bit weights, the dequantized gate/up
     weight) for good: on a card where memory bounds the cache that is context taken from every chat, for a
-    TTFT gain of tens of milliseconds on prompts between the two sizes (issue 17)."""
+    TTFT gain of tens of milliseconds on prompts between the two sizes."""
     from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, SMALL_CARD_PREFILL_GRAPH_TOKENS
 
     if setting is not None:

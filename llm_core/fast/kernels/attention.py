@@ -17,59 +17,6 @@ except ImportError:  # pragma: no cover - depends on the install
 if triton is not None:
 
     @triton.jit
-    def _attn_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_l, stride_h,
-                           HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                           BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr):
-        """Flash-decoding, step 1: program (kv head h, split s) attends the G query heads of h to cache rows
-        [s*chunk, min((s+1)*chunk, pos+1)); writes unnormalized output, running max and sum. Rows after pos are
-        never read, whatever the captured bucket length. INT8: each row is D int8 codes and, at byte D, the
-        exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); rows are dequantized in registers."""
-        h = tl.program_id(0)
-        sp = tl.program_id(1)
-        length = tl.load(pos_ptr).to(tl.int32) + 1
-        gi = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        qmask = gi < G
-        q = tl.load(q_ptr + (h * G + gi)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
-        m_i = tl.full((GP,), float("-inf"), tl.float32)
-        l_i = tl.zeros((GP,), tl.float32)
-        acc = tl.zeros((GP, D), tl.float32)
-        start = sp * chunk
-        end = tl.minimum(start + chunk, length)
-        for off in range(start, end, BLOCK_L):
-            li = off + tl.arange(0, BLOCK_L)
-            lmask = li < end
-            kv = li[:, None] * stride_l + h * stride_h + d[None, :]
-            k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
-            if INT8:
-                srow = li * stride_l + h * stride_h + D
-                k_scale = tl.exp2(tl.load(k_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
-                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(lmask[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
-            if INT8:
-                v_scale = tl.exp2(tl.load(v_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        row = sp * (HKV * G) + h * G + gi
-        tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
-        tl.store(m_ptr + row, m_i, mask=qmask)
-        tl.store(l_ptr + row, l_i, mask=qmask)
-
-    @triton.jit
     def _attn_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, nsplit, HQ: tl.constexpr, D: tl.constexpr,
                              SP: tl.constexpr):
         """Flash-decoding, step 2: merge the splits of one query head (log-sum-exp weights)."""
@@ -84,44 +31,16 @@ if triton is not None:
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
-    @torch.library.custom_op("llm_core::decode_attention", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
-    def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                             scale: float) -> torch.Tensor:
-        length, hkv, dim = k.shape
-        int8 = k.dtype == torch.int8
-        if int8:  # rows of head_dim codes + the scale byte + padding (llm_core.fast.kvquant)
-            dim = q.shape[1]
-        hq = q.shape[0]
-        chunk, nsplit = _attention_splits(length, hkv, k.device)
-        o = torch.empty(nsplit, hq, dim, dtype=torch.float32, device=q.device)
-        m = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
-        lsum = torch.empty(nsplit, hq, dtype=torch.float32, device=q.device)
-        groups = hq // hkv
-        if k.stride() != v.stride() or k.stride(2) != 1:
-            raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
-        _attn_split_kernel[(hkv, nsplit)](q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1),
-                                          HKV=hkv, G=groups,
-                                          GP=max(16, triton.next_power_of_2(groups)), D=dim,
-                                          BLOCK_L=ATTENTION_BLOCK, IEEE=q.dtype == torch.float32, INT8=int8)
-        out = torch.empty(hq, dim, dtype=q.dtype, device=q.device)
-        _attn_combine_kernel[(hq,)](o, m, lsum, out, nsplit, HQ=hq, D=dim, SP=triton.next_power_of_2(nsplit))
-        return out
-
-    @_decode_attention_op.register_fake
-    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
-        return torch.empty_like(q)
-
-
-if triton is not None:
-
     @triton.jit
     def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
                                 stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr):
-        """_attn_split_kernel with a row dimension (the batched fast path): program (row b, kv head h, split s)
-        attends row b's G query heads to rows [s*chunk, min((s+1)*chunk, pos[b]+1)) of row b's own cache slot.
-        A split past a row's length reads nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0."""
+        """Flash-decoding, step 1: program (row b, kv head h, split s) attends row b's G query heads to cache rows
+        [s*chunk, min((s+1)*chunk, pos[b]+1)) of row b's own cache slot; writes unnormalized output, running max
+        and sum. Rows after pos are never read, whatever the captured bucket length; a split past a row's length
+        reads nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes
+        and, at byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers.
+        One decode (the single-row path) is this kernel with B = 1."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -170,13 +89,11 @@ if triton is not None:
         tl.store(m_ptr + row, m_i, mask=qmask)
         tl.store(l_ptr + row, l_i, mask=qmask)
 
-    @torch.library.custom_op("llm_core::decode_attention_rows", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
-    def _decode_attention_rows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+    def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                     scale: float) -> torch.Tensor:
         """q (B, Hq, D); k/v (B, T, Hkv, row): each row's own cache slot; pos (B,) int64 -> (B, Hq, D)."""
         rows, length, hkv, dim = k.shape
-        if k.dtype == torch.int8:
+        if k.dtype == torch.int8:  # rows of head_dim codes + the scale byte + padding (llm_core.fast.kvquant)
             dim = q.shape[2]
         hq = q.shape[1]
         chunk, nsplit = _attention_splits(length, rows * hkv, k.device)
@@ -194,6 +111,24 @@ if triton is not None:
         _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
                                            SP=triton.next_power_of_2(nsplit))
         return out.view(rows, hq, dim)
+
+    @torch.library.custom_op("llm_core::decode_attention_rows", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_rows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+        """The batched fast path's attention: q (B, Hq, D); k/v (B, T, Hkv, row); pos (B,) -> (B, Hq, D)."""
+        return _attend_rows(q, k, v, pos, scale)
+
+    @torch.library.custom_op("llm_core::decode_attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+        """One decode: q (Hq, D); k/v (T, Hkv, row); pos (1,) int64 -> (Hq, D), as one row of the batched form."""
+        return _attend_rows(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), pos.reshape(1), scale).view(q.shape)
+
+    @_decode_attention_op.register_fake
+    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
 
     @_decode_attention_rows_op.register_fake
     def _(q: torch.Tensor, *args: Any) -> torch.Tensor:

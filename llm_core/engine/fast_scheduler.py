@@ -1,0 +1,484 @@
+"""The batched fast path's scheduler: one loop thread admits replies into llm_core.fast.batched.SlotDecoder's KV
+slots, prefills them in chunks between decode steps and streams each row's tokens. Knows nothing about text or Gradio.
+
+Loop (one scheduler thread owns the device; request threads only queue work and read their tokens):
+
+    waiting (FIFO) --a free slot--> prefill in chunks of PREFILL_TOKENS_PER_STEP between decode steps (the fast
+    path's prefill layer over the slot) --> first token --> active row --> decode step for rows 0..B-1 (B = the
+    smallest batch bucket >= the highest active slot + 1; idle slots inside it compute a throw-away token at
+    position 0 of their own slot) --> per-row select (repetition penalty, min-new-tokens EOS ban and argmax inside
+    the step; sampling rows through llm_core.sampling with their own generator) --> each row's token to its request
+    --> a row that ends (EOS, length, Stop, error) frees its slot before the next step.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
+from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
+from ..sampling import SamplingOptions, sample_from_scores, sampling_generator
+from ..streams import Finished, TokenStreams
+
+
+class FastRequest:
+    """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a Finished on
+    `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the Finished."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
+                 stop_event: threading.Event, record: Any = None) -> None:
+        self.id = next(self._ids)
+        self.prompt_ids = prompt_ids
+        self.options = options
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_event = stop_event
+        self.record = record
+        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
+        self.arrived_s = time.perf_counter()
+        self.counted_wait = False
+        self.finished: Finished | None = None
+        self.peak_allocated = 0
+        self.peak_reserved = 0
+        self.peak_rows = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
+@dataclass
+class _Row:
+    request: FastRequest
+    slot: int
+    ids: torch.Tensor  # the prompt on the device
+    prefilled: int = 0  # prompt tokens in the slot
+    length: int = 0  # tokens in the slot once decoding (prompt + fed tokens)
+    new_tokens: int = 0
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class BatchStats:
+    """Counters for the UI, the tests and the benchmark (a snapshot; the scheduler keeps the live copy)."""
+
+    waiting: int = 0
+    active: int = 0
+    prefilling: int = 0
+    slots: int = 0
+    slot_tokens: int = 0
+    kv_held_bytes: int = 0  # the slot cache (allocated once)
+    decode_steps: int = 0
+    rows_decoded: int = 0  # sum over steps of the live rows in the step
+    padded_rows: int = 0  # sum over steps of the bucket's rows (live + idle slots computed anyway)
+    max_rows_in_step: int = 0
+    prefills: int = 0
+    prefill_chunks: int = 0
+    waited_for_slot: int = 0  # requests that found every slot taken
+    errors: int = 0
+    step_s: float = 0.0  # host time of the decode steps, launch to tokens on the host
+    rows_by_bucket: dict[int, int] = field(default_factory=dict)  # steps per batch bucket
+
+    @property
+    def mean_rows_per_step(self) -> float:
+        return self.rows_decoded / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def mean_step_s(self) -> float:
+        return self.step_s / self.decode_steps if self.decode_steps else 0.0
+
+
+class FastBatchScheduler(TokenStreams):
+    """Decodes every concurrent reply as a row of one batched fast-path step (see the module docstring).
+
+    Thread-safe `submit` / `generate`; one background thread owns the device. A request whose prompt + max new
+    tokens exceed a slot is refused at once (ContextBudgetError); one that fits waits only for a free slot."""
+
+    def __init__(self, slots: SlotDecoder, *, eos_token_ids: Sequence[int], name: str = "fast-batch",
+                 prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP) -> None:
+        self.decoder = slots
+        self.device = slots.device
+        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
+        self.prefill_tokens_per_step = int(prefill_tokens_per_step)
+        self._cond = threading.Condition()
+        self._waiting: deque[FastRequest] = deque()
+        self._rows: dict[int, _Row] = {}  # slot -> row, decoding
+        self._prefilling: list[_Row] = []  # in slot order of admission
+        self._closed = False
+        self.stats = BatchStats(slots=slots.slots, slot_tokens=slots.slot_tokens)
+        self.fatal_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._name = name
+
+    # --- public ------------------------------------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        return self.decoder.slots
+
+    @property
+    def slot_tokens(self) -> int:
+        return self.decoder.slot_tokens
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def start(self) -> None:
+        """Allocate and warm the slots (compile and capture on CUDA) and start the loop thread. Idempotent."""
+        with self._start_lock:  # held through the warm-up: the first replies may arrive on several threads at once
+            if self._thread is not None:
+                return
+            if self.decoder.k is None:
+                self.decoder.warmup()
+            thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+            with self._cond:
+                self._thread = thread
+            thread.start()
+            _RUNNING.add(self)
+
+    def resize_slots(self, slot_tokens: int) -> None:
+        """SlotDecoder.resize before the loop runs (the engine sizes the slots by measurement at start-up)."""
+        with self._start_lock:
+            if self._thread is not None:
+                raise GenerationError("The batched decode loop is running: its KV slots are sized before it starts.")
+            self.decoder.resize(slot_tokens)
+            self.stats = BatchStats(slots=self.decoder.slots, slot_tokens=self.decoder.slot_tokens)
+
+    def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
+               stop_event: threading.Event, record: Any = None) -> FastRequest:
+        if not prompt_ids:
+            raise InputError("The prompt is empty.")
+        if max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        request = FastRequest(list(prompt_ids), options, max_new_tokens, stop_event, record)
+        if request.kv_tokens > self.slot_tokens:
+            raise ContextBudgetError(
+                f"The prompt ({len(prompt_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceed one "
+                f"reply's KV slot ({self.slot_tokens:,} tokens); shorten the history or lower max new tokens.")
+        self.start()
+        with self._cond:
+            if not self.alive:
+                raise GenerationError("The batched decode loop has stopped; restart the demo.")
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return request
+
+    def _loop_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def snapshot(self) -> BatchStats:
+        with self._cond:
+            s = self.stats
+            return BatchStats(
+                waiting=len(self._waiting), active=len(self._rows), prefilling=len(self._prefilling),
+                slots=s.slots, slot_tokens=s.slot_tokens, kv_held_bytes=self.decoder.cache_bytes,
+                decode_steps=s.decode_steps, rows_decoded=s.rows_decoded, padded_rows=s.padded_rows,
+                max_rows_in_step=s.max_rows_in_step, prefills=s.prefills, prefill_chunks=s.prefill_chunks,
+                waited_for_slot=s.waited_for_slot, errors=s.errors, step_s=s.step_s,
+                rows_by_bucket=dict(s.rows_by_bucket))
+
+    def queue_position(self, request: FastRequest) -> int | None:
+        """Requests ahead of `request` in the slot queue (0 = next), None once it has a slot."""
+        with self._cond:
+            for i, r in enumerate(self._waiting):
+                if r is request:
+                    return i
+        return None
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    # --- the loop (scheduler thread only) -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        error: BaseException
+        try:
+            with torch.inference_mode(False), torch.no_grad():  # the warm-up's mode: no recompile of the step
+                while True:
+                    with self._cond:
+                        if self._closed:
+                            break
+                        if not self._rows and not self._waiting and not self._prefilling:
+                            self._cond.wait(0.5)
+                            continue
+                    try:
+                        self._drop_stopped()
+                        self._admit()
+                        self._advance_prefills()
+                        if self._rows:
+                            self._decode_step()
+                    except Exception as exc:  # noqa: BLE001 - a failed step: fail the rows in it, keep serving
+                        self._fail_all(exc)
+            error = GenerationError("The demo is shutting down; this reply was stopped.")
+        except BaseException as exc:  # a bug in the loop itself: fail every reply rather than hang them
+            self.fatal_error = exc
+            error = GenerationError(f"The batched decode loop failed: {type(exc).__name__}: {str(exc)[:300]}")
+        with self._cond:
+            self._closed = True
+            pending = list(self._waiting) + [r.request for r in (*self._rows.values(), *self._prefilling)]
+            self._waiting.clear()
+            self._rows.clear()
+            self._prefilling.clear()
+        for request in pending:
+            self._finish(request, "error", error)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        import traceback
+
+        traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            err: BaseException = OutOfMemoryError("The GPU ran out of memory in the batched decode step; the replies "
+                                                  "in it were stopped. Try again with fewer at once.")
+        else:
+            err = GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
+        for row in [*self._rows.values(), *self._prefilling]:
+            self._end_row(row, "error", err)
+
+    def _finish(self, request: FastRequest, reason: str, error: BaseException | None = None) -> None:
+        if request.finished is None:
+            request.finished = Finished(reason, error)
+            if error is not None:
+                self.stats.errors += 1
+            request.items.put(request.finished)
+
+    def _end_row(self, row: _Row, reason: str, error: BaseException | None = None) -> None:
+        """The row leaves: its record filled, its slot freed, its request finished."""
+        request = row.request
+        record = request.record
+        if record is not None:
+            tokens = row.length if row.length else row.prefilled
+            record.nbytes = tokens * self.decoder.kv_bytes_per_token() or None
+            if self.device.type == "cuda":
+                record.peak_allocated_bytes = request.peak_allocated or None
+                record.peak_reserved_bytes = request.peak_reserved or None
+            record.peak_batch_rows = request.peak_rows or None
+        with self._cond:
+            if self._rows.get(row.slot) is row:
+                del self._rows[row.slot]
+            if row in self._prefilling:
+                self._prefilling.remove(row)
+        self.decoder.release(row.slot)
+        self._finish(request, reason, error)
+
+    def _drop_stopped(self) -> None:
+        with self._cond:
+            for request in [r for r in self._waiting if r.stop_event.is_set()]:
+                self._waiting.remove(request)
+                self._finish(request, "stopped")
+        for row in [r for r in (*self._rows.values(), *self._prefilling) if r.request.stop_event.is_set()]:
+            self._end_row(row, "stopped")
+
+    def _free_slots(self) -> list[int]:
+        taken = set(self._rows) | {r.slot for r in self._prefilling}
+        return [s for s in range(self.decoder.slots) if s not in taken]
+
+    def _admit(self) -> None:
+        """Waiting requests take the lowest free slots, in arrival order (they all fit a slot: checked at submit)."""
+        with self._cond:
+            free = self._free_slots()
+            while self._waiting and free:
+                request = self._waiting.popleft()
+                slot = free.pop(0)
+                options = request.options
+                ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
+                self._prefilling.append(_Row(request, slot, ids, generator=sampling_generator(options, self.device)))
+                self.decoder.start_row(slot, options.repetition_penalty, sorted(self.eos_token_ids),
+                                       options.min_new_tokens > 0)
+            if self._waiting:
+                head = self._waiting[0]
+                if not head.counted_wait:
+                    head.counted_wait = True
+                    self.stats.waited_for_slot += 1
+
+    def _measure(self, op: Callable[[], Any], rows: int) -> Any:
+        """Run op; on CUDA record the device's allocation peak during it on every reply in flight (the batch's
+        peak during each reply, with the rows decoding at that moment). Only this thread allocates on the device
+        while the batched path serves, so the peak between reset and read is this op's."""
+        if self.device.type != "cuda":
+            return op()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        out = op()
+        allocated = torch.cuda.max_memory_allocated(self.device)
+        reserved = torch.cuda.max_memory_reserved(self.device)
+        for row in [*self._rows.values(), *self._prefilling]:
+            request = row.request
+            if allocated > request.peak_allocated:
+                request.peak_allocated, request.peak_rows = allocated, rows
+            request.peak_reserved = max(request.peak_reserved, reserved)
+        return out
+
+    def _advance_prefills(self) -> None:
+        """Prefill newcomers: at most prefill_tokens_per_step tokens while rows are decoding, else everything
+        waiting (in chunks of the fast path's prefill_chunk_tokens if set). A finished prefill picks its first
+        token and joins the decode batch."""
+        budget = self.prefill_tokens_per_step if self._rows else None
+        chunk_cap = self.decoder.fast.options.prefill_chunk_tokens
+        if budget is None:
+            self._prefill_together(chunk_cap)
+        while self._prefilling and (budget is None or budget > 0):
+            row = self._prefilling[0]
+            total = row.ids.numel()
+            take = total - row.prefilled
+            if budget is not None:
+                take = min(take, budget)
+            if chunk_cap:
+                take = min(take, int(chunk_cap))
+            start = row.prefilled
+            try:
+                hn = self._measure(functools.partial(self.decoder.prefill, row.slot, row.ids[start:start + take],
+                                                     start), len(self._rows) + 1)
+            except Exception as exc:  # noqa: BLE001 - this request only
+                self._fail_prefill([row], exc)
+                continue
+            self.stats.prefill_chunks += 1
+            row.prefilled += take
+            if budget is not None:
+                budget -= take
+            if row.prefilled < total:
+                continue
+            self.stats.prefills += 1
+            with self._cond:
+                self._prefilling.remove(row)
+            self._first_token(row, hn)
+
+    def _fail_prefill(self, rows: Sequence[_Row], exc: BaseException) -> None:
+        """A prefill that raised ends its rows only: the failed call's frames let go, the cache emptied after an OOM,
+        which the user is told as such."""
+        import traceback
+
+        traceback.clear_frames(exc.__traceback__)
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+            exc = OutOfMemoryError("The GPU ran out of memory prefilling this prompt; shorten the history and try "
+                                   "again.")
+        for row in rows:
+            self._end_row(row, "error", exc)
+
+    def _prefill_together(self, chunk_cap: int | None) -> None:
+        """With no row decoding, newcomers whose whole prompt is waiting are prefilled together, in groups whose
+        padded size (rows x the longest prompt) stays within one prefill chunk: the memory the start-up profile
+        measured for one chunk bounds it, and each group is one forward instead of one per prompt (fewer host-launched
+        prefills: the newcomers' TTFT). A group's failure fails its rows only."""
+        cap = int(chunk_cap) if chunk_cap else self.decoder.slot_tokens
+        fresh = sorted((r for r in self._prefilling if r.prefilled == 0 and r.ids.numel() <= cap),
+                       key=lambda r: r.ids.numel())
+        while len(fresh) >= 2:
+            group = [fresh.pop(0)]
+            while fresh and (len(group) + 1) * fresh[0].ids.numel() <= cap:
+                group.append(fresh.pop(0))
+            if len(group) < 2:
+                continue
+            try:
+                hns = self._measure(functools.partial(self.decoder.prefill_rows, [r.slot for r in group],
+                                                      [r.ids for r in group]), len(group))
+            except Exception as exc:  # noqa: BLE001 - these requests only
+                self._fail_prefill(group, exc)
+                continue
+            self.stats.prefill_chunks += 1
+            for row, hn in zip(group, hns, strict=True):
+                row.prefilled = row.ids.numel()
+                self.stats.prefills += 1
+                with self._cond:
+                    self._prefilling.remove(row)
+                self._first_token(row, hn)
+
+    def _first_token(self, row: _Row, hn: torch.Tensor) -> None:
+        request = row.request
+        if request.stop_event.is_set():
+            self._end_row(row, "stopped")
+            return
+        try:
+            scores, nxt = self.decoder.first_scores(row.slot, hn)
+            if request.options.do_sample:
+                nxt = sample_from_scores(scores, request.options, row.generator)
+            token = int(nxt.item())
+        except Exception as exc:  # noqa: BLE001 - this request only (e.g. its sampling options)
+            self._end_row(row, "error", exc)
+            return
+        row.length = row.prefilled
+        row.new_tokens = 1
+        with self._cond:
+            self._rows[row.slot] = row  # decoding from here (so _end_row finds it)
+        request.items.put(token)
+        reason = self._end_reason(row, token)
+        if reason:
+            self._end_row(row, reason)
+            return
+        self.decoder.activate(row.slot, token, row.length)
+        if request.options.min_new_tokens and row.new_tokens >= request.options.min_new_tokens:
+            self.decoder.allow_eos(row.slot)
+
+    def _end_reason(self, row: _Row, token: int) -> str | None:
+        if token in self.eos_token_ids and row.new_tokens >= row.request.options.min_new_tokens:
+            return "eos"
+        if row.new_tokens >= row.request.max_new_tokens:
+            return "length"
+        return None
+
+    def _decode_step(self) -> None:
+        rows = dict(self._rows)
+        bucket = batch_bucket(max(rows) + 1, self.decoder.slots)
+        longest = max(r.length for r in rows.values()) + 1
+        t0 = time.perf_counter()
+        self._measure(lambda: self.decoder.run_step(bucket, longest), len(rows))
+        sampled = {s: r for s, r in rows.items() if r.request.options.do_sample}
+        for slot, row in sampled.items():  # the sampler shared by every path, on this row's scores
+            self.decoder.tok[slot:slot + 1].copy_(
+                sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))
+        tokens = self.decoder.tok[:bucket].tolist()  # the step's one host sync
+        s = self.stats
+        s.step_s += time.perf_counter() - t0
+        s.decode_steps += 1
+        s.rows_decoded += len(rows)
+        s.padded_rows += bucket
+        s.max_rows_in_step = max(s.max_rows_in_step, len(rows))
+        s.rows_by_bucket[bucket] = s.rows_by_bucket.get(bucket, 0) + 1
+        for slot, row in rows.items():
+            row.length += 1
+            request = row.request
+            if request.stop_event.is_set():
+                self._end_row(row, "stopped")
+                continue
+            token = int(tokens[slot])
+            row.new_tokens += 1
+            request.items.put(token)
+            reason = self._end_reason(row, token)
+            if reason:
+                self._end_row(row, reason)
+                continue
+            if request.options.min_new_tokens and row.new_tokens == request.options.min_new_tokens:
+                self.decoder.allow_eos(slot)
+            if row.length + 1 > self.decoder.slot_tokens:  # cannot happen: admitted with prompt + max new <= slot
+                self._end_row(row, "length")
+
+
+_RUNNING: weakref.WeakSet[FastBatchScheduler] = weakref.WeakSet()
+
+
+def close_all() -> None:
+    """Stop every loop thread (at interpreter exit, before torch is torn down under them)."""
+    for scheduler in list(_RUNNING):
+        scheduler.close(timeout_s=2.0)
+
+
+import atexit  # noqa: E402 - registered once the function exists
+
+atexit.register(close_all)

@@ -1,0 +1,148 @@
+"""The runners: what produces the tokens of one prepared prompt (transformers' generate, the fast path's static
+cache), behind the DecodeBackend interface the engine streams from. Knows nothing of history, text or Gradio."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from ..config import GenerationSettings
+from ..history import FittedHistory
+from ..memory.kv_cache import cache_kwarg, make_cache, prefill_in_chunks
+from ..types import LoadedModel
+from .plain_prefix import PlainPrefixCache
+
+
+@dataclass(frozen=True)
+class PreparedPrompt:
+    """A request ready for a backend: the prompt ids and the generation settings resolved for it (max_new_tokens
+    is what the memory plan allows, min_new_tokens at most that), so no backend chooses between two values."""
+
+    fitted: FittedHistory
+    input_ids: torch.Tensor  # (1, prompt_tokens) on the model's device
+    attention_mask: torch.Tensor  # (1, prompt_tokens)
+    gen: GenerationSettings
+    notes: tuple[str, ...] = ()
+    kv_cache: str = "dynamic"
+    predicted: Any = None  # memory.PeakPrediction for prompt + max_new_tokens
+    context_fit_tokens: int | None = None  # prompt tokens that fit the memory budget with this max_new_tokens
+
+
+class _StopOnEvent(StoppingCriteria):
+    """Halts `generate` between steps once the request's stop event is set; `on_step` runs after every step."""
+
+    def __init__(self, event: threading.Event, on_step: Callable[[], None] | None = None) -> None:
+        self.event = event
+        self.on_step = on_step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if self.on_step is not None:
+            self.on_step()
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class DecodeBackend(Protocol):
+    """The loop that produces tokens for one prepared prompt: plain `generate`, the fast static-cache path, or the
+    batch scheduler. `run` streams token ids into `streamer` until EOS, prepared.gen.max_new_tokens or `stop_event`.
+    `make_cache` gives the object whose bytes the stats report; `cache_at_start`: whether run() needs it passed in
+    (the fast path's is its static cache, viewed only for the final stats, so the view costs nothing in TTFT).
+    `run` returns the prompt tokens whose KV came from a cache instead of the prefill (None or 0: none)."""
+
+    name: str
+    reason: str
+    cache_at_start: bool
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any
+            ) -> int | None: ...
+
+    def make_cache(self) -> Any: ...
+
+
+@dataclass
+class PlainBackend:
+    """transformers' `generate` with a dynamic (or quantized/offloaded) cache; chunked prefill when configured."""
+
+    loaded: LoadedModel
+    reason: str
+    prefill_chunk_tokens: int | None
+    check_oom: Callable[[str], None]  # the engine's OOM injector, read at each call (tests swap it)
+    prefix: PlainPrefixCache | None = None  # PREFIX_CACHE: the kept DynamicCache (claimed by ChatEngine._stream)
+    name: str = "plain"
+    cache_at_start: bool = True
+
+    def make_cache(self) -> Any:
+        return make_cache("dynamic", self.loaded.model)
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        prefix = self.prefix if self.prefix is not None and self.prefix.owns(cache) else None
+        if prefix is None:
+            self._generate(prepared, streamer, stop_event, cache)
+            return 0
+        ids: list[int] | None = None
+        try:
+            prompt = prepared.input_ids[0].tolist() if bool(prepared.attention_mask.all()) else []
+            cached = prefix.begin(cache, prompt)
+            ids = self._generate(prepared, streamer, stop_event, cache)
+            return cached
+        finally:
+            prefix.release(stop_event, ids)  # ids None: an error, the cache is dropped
+
+    def _generate(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any
+                  ) -> list[int]:
+        """generate's returned ids (prompt + new) of the one row."""
+        model, gen = self.loaded.model, prepared.gen
+        self.check_oom("prefill")
+        chunk = self.prefill_chunk_tokens
+        if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
+            prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
+        stop = _StopOnEvent(stop_event, on_step=lambda: self.check_oom("decode"))
+        kwargs: dict[str, Any] = dict(
+            input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
+            max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
+            repetition_penalty=gen.repetition_penalty, streamer=streamer, use_cache=True,
+            stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=_pad_id(self.loaded),
+        )
+        if cache is not None:
+            kwargs[cache_kwarg(model)] = cache
+        if gen.min_new_tokens:
+            kwargs["min_new_tokens"] = gen.min_new_tokens
+        if gen.do_sample:
+            kwargs.update(temperature=gen.temperature, top_p=gen.top_p, top_k=gen.top_k)
+            if gen.seed is not None:
+                torch.manual_seed(gen.seed)
+        else:  # greedy: neutralise sampling defaults from the model's generation_config
+            kwargs.update(temperature=None, top_p=None, top_k=None)
+        return [int(i) for i in model.generate(**kwargs)[0].tolist()]
+
+
+@dataclass
+class FastBackend:
+    """llm_core.fast: static KV cache, compiled step replayed as CUDA graphs (eager on CPU)."""
+
+    decoder: Any  # llm_core.fast.FastDecoder (imported lazily: the fast path is optional)
+    reason: str
+    name: str = "fast"
+    cache_at_start: bool = False
+
+    def make_cache(self) -> Any:
+        return self.decoder.cache
+
+    def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        gen = prepared.gen
+        info: dict[str, int] = {}
+        self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
+                              gen.max_new_tokens, min_new_tokens=gen.min_new_tokens, info=info)
+        return info.get("cached_prompt_tokens", 0)
+
+
+def _pad_id(loaded: LoadedModel) -> int | None:
+    pad = loaded.tokenizer.pad_token_id
+    if pad is None:
+        eos = loaded.eos_token_ids
+        pad = min(eos) if eos else None
+    return pad
