@@ -67,6 +67,7 @@ import torch
 
 from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, median
+from bench.probes import prefill_timing
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
@@ -505,7 +506,7 @@ class CompareBench:
                         worker_rows.append(row)
                 row.update(process_cpu_s=round(time.process_time() - cpu0, 4), sm_clock_mhz_before=clock)
                 if decoder is not None:  # the same FastDecoder served this run: where its first token came from
-                    row.update(decoder.prefill_timing())
+                    row.update(prefill_timing(decoder))
                 self.rec.add("run", recipe=recipe, repeat=r, **base, **row)
             pair_s = time.perf_counter() - t_pair
 

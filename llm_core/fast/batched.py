@@ -300,6 +300,11 @@ class SlotDecoder:
         return self.warmup_s
 
     @property
+    def captured_buckets(self) -> list[int]:
+        """The batch buckets whose step is captured as a CUDA graph."""
+        return sorted(self._graphs)
+
+    @property
     def rows_kernel(self) -> bool:
         """Whether llm_core.nf4_mm serves any batch size (bench records and tests read this)."""
         return isinstance(self.rows_max, RowsPlan) and self.rows_max.mm_max > 0

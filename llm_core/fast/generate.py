@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,7 +150,7 @@ class FastDecoder:
         # streams each time, and every (thread, stream) pair that runs cuBLAS keeps a workspace for good (32 MiB on
         # Hopper, ~8 MiB before), besides its own cached blocks: start-up sizing re-captures several times.
         self.side_stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The last reply's prefill, for diagnostics (prefill_timing): host clock reads, and CUDA events around it
+        # The last reply's prefill, for diagnostics (prefill_clock): host clock reads, and CUDA events around it
         self._clock: dict[str, float] = {}
         self._prefill_events: tuple[Any, Any] | None = None
 
@@ -306,6 +306,15 @@ class FastDecoder:
     @property
     def cache_len(self) -> int:
         return self._cache_len
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The attention lengths the decode step is captured at (one CUDA graph each)."""
+        return tuple(self._buckets)
+
+    def step_bucket(self, length: int) -> int:
+        """Cache rows a decode step attends to when the reply holds `length` tokens: its bucket."""
+        return self._bucket_for(length)
 
     def describe(self) -> dict[str, Any]:
         spec = self._layer_specs[0]
@@ -833,65 +842,58 @@ class FastDecoder:
         self._pos.fill_(end)
         self._run_step(self._bucket_for(end + 1))
 
-    # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
-    def prefill_only(self, ids: torch.Tensor) -> torch.Tensor:
-        """One prefill of `ids` (1, S) into the cache as a reply runs it, no decode: the last position's scores
-        (1, V). It only launches work on CUDA: call sync() before reading a clock. For the prefill benchmarks."""
+    # --- passes outside a reply (bench.probes: teacher forcing, step timing, prefill timing) --------------------
+    @contextlib.contextmanager
+    def outside_reply(self, tokens: int = 0) -> Iterator[None]:
+        """Hold the decoder for passes that are no reply: its lock, no autograd, the cache forgotten by the prefix
+        reuse (its rows are overwritten) and at least `tokens` long (re-allocated, graphs captured again, if not)."""
         with self._lock, torch.no_grad():
             self._forget()
-            self._seen.zero_()
-            return self._prefill(ids)[0]
+            if tokens > self._cache_len:
+                self._allocate(round_up(tokens, 16))
+            yield
 
-    def prefill_timing(self) -> dict[str, float | None]:
-        """Where the last reply's first token came from, in seconds (after it: the events have completed by then).
-        entry_to_prefill_s: generate() entered -> prefill launch begins (prompt checks, streamer, buffers);
-        prefill_launch_s: host time launching the prefill and head (waits inside count, e.g. a synchronizing op);
-        prefill_gpu_s: device time from the prefill's first kernel to the head's last (CUDA events; None on CPU);
-        first_token_s: generate() entered -> token 0 read back on the host."""
-        c = self._clock
-        if "prefill_launched" not in c:
-            return {}
-        gpu = None
-        if self._prefill_events is not None:
-            self._prefill_events[1].synchronize()
-            gpu = self._prefill_events[0].elapsed_time(self._prefill_events[1]) / 1e3
-        return {"entry_to_prefill_s": c["prefill_start"] - c["entry"],
-                "prefill_launch_s": c["prefill_launched"] - c["prefill_start"], "prefill_gpu_s": gpu,
-                "first_token_s": c["first_token"] - c["entry"] if "first_token" in c else None}
+    def prompt_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(1, P) token ids as generate() reads them -> (P,) on the device."""
+        return self._prompt_ids(input_ids, None)
 
-    def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
-        """Teacher forcing: scores (1 + len(forced), V) fp32 for the last prompt position and after feeding each
-        forced token through the decode step (graphs on CUDA). Repetition penalty off; for logit agreement."""
-        ids = self._prompt_ids(input_ids, None)
-        need = ids.numel() + len(forced) + 1
-        with self._lock, torch.no_grad():
-            self._forget()
-            if need > self._cache_len:
-                self._allocate(round_up(need, 16))
-            self._seen.zero_()
+    def prefill_scores(self, ids: torch.Tensor, *, penalties: bool = True) -> torch.Tensor:
+        """Inside outside_reply(): prefill `ids` (P,) from row 0 as a reply does; the last position's scores (1, V).
+        No token counts as seen before it; penalties=False also turns off the repetition penalty and the EOS ban.
+        On CUDA this only launches work: sync() before reading a clock."""
+        self._seen.zero_()
+        if not penalties:
             self._penalty.fill_(1.0)
             self._eos_bias.zero_()
-            rows = [self._prefill(ids)[0].clone()]
-            self._pos.fill_(ids.numel())
-            for j, token in enumerate(forced):
-                self._tok.fill_(int(token))
-                self._run_step(self._bucket_for(ids.numel() + j + 1))
-                rows.append(self._scores.clone())
-            return torch.cat(rows, 0)
+        return self._prefill(ids)[0]
 
-    def time_decode_steps(self, context_tokens: int, steps: int) -> float:
-        """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
-        with self._lock, torch.no_grad():
-            self._forget()
-            if context_tokens + steps > self._cache_len:
-                self._allocate(round_up(context_tokens + steps, 16))
-            self._pos.fill_(context_tokens)
-            self.sync()
-            t0 = time.perf_counter()
-            for i in range(steps):
-                self._run_step(self._bucket_for(context_tokens + i + 1))
-            self.sync()
-            return (time.perf_counter() - t0) / steps
+    def seek(self, position: int) -> None:
+        """Inside outside_reply(): the next decode step writes cache row `position`."""
+        self._pos.fill_(position)
+
+    def decode_step(self, position: int, token: int | None = None) -> torch.Tensor:
+        """Inside outside_reply(): one decode step as a reply runs it (its graph on CUDA), writing row `position`
+        (where seek() or the previous step left the device), fed `token` (else the step's own last token); the
+        step's scores (1, V), overwritten by the next step."""
+        if token is not None:
+            self._tok.fill_(int(token))
+        self._run_step(self._bucket_for(position + 1))
+        return self._scores
+
+    @contextlib.contextmanager
+    def without_graphs(self) -> Iterator[None]:
+        """Inside it decode steps launch the same compiled step op by op instead of replaying its CUDA graphs."""
+        graphs, self._graphs = self._graphs, {}
+        try:
+            yield
+        finally:
+            self._graphs = graphs
+
+    @property
+    def prefill_clock(self) -> tuple[dict[str, float], tuple[Any, Any] | None]:
+        """The last reply's host clock reads (entry, prefill_start, prefill_launched, first_token; perf_counter s)
+        and the CUDA events around its prefill (None on CPU)."""
+        return dict(self._clock), self._prefill_events
 
 
 def _prefill_attention_scope(choice: str, device: torch.device) -> Any:
