@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import GenerationError
 from . import kvquant
-from .generate import FastDecoder, _prefill_attention_scope
+from .generate import FastDecoder
 from .kernels.attention import round_up
 from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
@@ -40,6 +40,7 @@ from .layer import (
     HeadSpec,
     LayerSpec,
     _mlp,
+    _prefill_attention_scope,
     _project_qkv,
     _split_linears,
     embed_prologue,
