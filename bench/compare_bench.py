@@ -25,7 +25,7 @@ with fp16 compute), in that order; each model is loaded once and unloaded before
            (each side leads in turn). A third, informative side: the same call on a long-lived worker thread
            (bench_worker), as the engine runs replies, to tell a thread effect from overhead. Every run also records
            the process CPU seconds it took and the GPU's SM clock just before it; on the fast path, where its first
-           token's time went (FastDecoder.prefill_timing: host launch vs CUDA-event device time of the prefill).
+           token's time went (bench.probes.prefill_timing: host launch vs CUDA-event device time of the prefill).
   check    per metric: medians over the repeats of each side and ratio = compare / bench (of the medians); the
            paired ratios (compare / bench within each repeat, the two runs next to each other in time) and their
            median, paired_ratio; within_5pct = |paired_ratio - 1| <= 0.05. Required: ttft_from_decode_start_s (vs
