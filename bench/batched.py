@@ -108,7 +108,7 @@ class Bench:
                      slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
                      rows_plan=dict(slots.rows_max.kernels) if slots and isinstance(slots.rows_max, RowsPlan) else None,
                      rows_timings_us=slots.rows_timings_us if slots else None,
-                     graphs=sorted(slots._graphs) if slots else None, compiled=slots.compiled if slots else None)
+                     graphs=slots.captured_buckets if slots else None, compiled=slots.compiled if slots else None)
         return engine
 
     # --- ours -----------------------------------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class Bench:
         a = self.args
         loaded = engine.loaded
         tok = loaded.tokenizer
-        rows = [engine._encode([{"role": "user", "content": t}])["input_ids"][0].tolist() for t in texts[:n]]
+        rows = [engine.encode_messages([{"role": "user", "content": t}])["input_ids"][0].tolist() for t in texts[:n]]
         width = max(len(r) for r in rows)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=loaded.device)

@@ -30,6 +30,7 @@ import torch
 import torch._dynamo
 
 from bench.harness import Recorder, checkpoint_ready, make_random_checkpoint
+from bench.probes import prefill_timing
 
 GiB = 2**30
 
@@ -218,7 +219,7 @@ def _prefill_timing(engine: Any) -> dict[str, Any]:
     decoder = engine.fast_decoder
     if decoder is None or engine.backend.name != "fast":
         return {}
-    timing = decoder.prefill_timing()
+    timing = prefill_timing(decoder)
     return {"first_token_s": timing.get("first_token_s"), "prefill_gpu_s": timing.get("prefill_gpu_s")}
 
 

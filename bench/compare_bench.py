@@ -25,7 +25,7 @@ with fp16 compute), in that order; each model is loaded once and unloaded before
            (each side leads in turn). A third, informative side: the same call on a long-lived worker thread
            (bench_worker), as the engine runs replies, to tell a thread effect from overhead. Every run also records
            the process CPU seconds it took and the GPU's SM clock just before it; on the fast path, where its first
-           token's time went (FastDecoder.prefill_timing: host launch vs CUDA-event device time of the prefill).
+           token's time went (bench.probes.prefill_timing: host launch vs CUDA-event device time of the prefill).
   check    per metric: medians over the repeats of each side and ratio = compare / bench (of the medians); the
            paired ratios (compare / bench within each repeat, the two runs next to each other in time) and their
            median, paired_ratio; within_5pct = |paired_ratio - 1| <= 0.05. Required: ttft_from_decode_start_s (vs
@@ -67,6 +67,7 @@ import torch
 
 from bench.decode import RunResult, _device_name, measure_copy_bandwidth, ours_call, seed_call, summarize, timed_run
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, median
+from bench.probes import prefill_timing
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, WorkerThreads
 from llm_core.engine.compare import MODE_PRESETS, CompareConfig, CompareUpdate, Comparison, EnginePool, SideResult
@@ -505,7 +506,7 @@ class CompareBench:
                         worker_rows.append(row)
                 row.update(process_cpu_s=round(time.process_time() - cpu0, 4), sm_clock_mhz_before=clock)
                 if decoder is not None:  # the same FastDecoder served this run: where its first token came from
-                    row.update(decoder.prefill_timing())
+                    row.update(prefill_timing(decoder))
                 self.rec.add("run", recipe=recipe, repeat=r, **base, **row)
             pair_s = time.perf_counter() - t_pair
 

@@ -184,7 +184,8 @@ def run_ours(model: str | None, prompts: list[str], new_tokens: int, threads: in
     for p, text in enumerate(prompts):
         messages = [{"role": "system", "content": settings.chat.system_prompt}] if settings.chat.system_prompt else []
         ids = engine.count_tokens([*messages, {"role": "user", "content": text}])
-        prompt_ids.append(engine._encode([*messages, {"role": "user", "content": text}])["input_ids"][0].tolist())
+        encoded = engine.encode_messages([*messages, {"role": "user", "content": text}])
+        prompt_ids.append(encoded["input_ids"][0].tolist())
         for _ in range(repeats):
             final = collections.deque(engine.stream_chat(text, [], gen=gen, history_turns=0), maxlen=1)[0]
             assert final.done

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from bench.harness import RANDOM_ARCHS, Recorder, make_random_checkpoint, median, sync
+from bench.probes import forced_scores, time_decode_steps
 from bench.variants import DENSE_VARIANTS, INT8_VARIANTS, NF4_VARIANTS
 from llm_core.config import GenerationSettings, Settings
 from llm_core.fast import FastDecodeOptions, FastDecoder
@@ -271,7 +272,7 @@ def agreement(decoder: FastDecoder, loaded: LoadedModel, prompt: torch.Tensor, f
     """Last-step logits of both paths on the same prefixes: the prompt, then prompt + each forced token (ours
     through the decode step). Reference: one transformers forward over prompt + forced (the seed's model), and
     the same forward with the same weights computing in fp32 (what both bf16 paths approximate)."""
-    ours = decoder.forced_scores(prompt, forced).float()
+    ours = forced_scores(decoder, prompt, forced).float()
     full = torch.cat([prompt, torch.tensor([forced], dtype=prompt.dtype, device=prompt.device)], 1)
     start = prompt.shape[1] - 1
     ref32: torch.Tensor | None = None
@@ -308,19 +309,14 @@ def profile_steps(decoder: FastDecoder, context: int, steps: int) -> dict[str, A
     same step launched without the graph (kernel by kernel, in case the profiler cannot see inside graphs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    decoder.time_decode_steps(context, 4)
+    time_decode_steps(decoder, context, 4)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step_s = decoder.time_decode_steps(context, steps)
+        step_s = time_decode_steps(decoder, context, steps)
     out = {"steps": steps, "context": context, "step_ms_under_profiler": round(step_s * 1e3, 3),
            "graph_replays": _kernel_table(prof, steps)}
-    graphs = decoder._graphs
-    decoder._graphs = {}  # the same compiled step, launched op by op
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            eager_s = decoder.time_decode_steps(context, 8)
-        out["no_graph"] = {"step_ms": round(eager_s * 1e3, 3), **_kernel_table(prof, 8)}
-    finally:
-        decoder._graphs = graphs
+    with decoder.without_graphs(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        eager_s = time_decode_steps(decoder, context, 8)
+    out["no_graph"] = {"step_ms": round(eager_s * 1e3, 3), **_kernel_table(prof, 8)}
     return out
 
 
@@ -440,7 +436,7 @@ def run_case(plan: Plan, rec: Recorder, model_name: str, quant: str, best_nf4: l
             ids = prompts[first]
             ours_first(decoder, ids, device)
             runs = [timed_run(device, ours_call(decoder, ids, plan.new_tokens)) for _ in range(plan.repeats)]
-            step_s = decoder.time_decode_steps(first, 64)
+            step_s = time_decode_steps(decoder, first, 64)
             agree = agreement(decoder, loaded, ids, runs[0].tokens[:16])
             step_results[name] = _median([r.decode_tokens_per_s for r in runs])
             rec.add("variant", recipe="ours", variant=name, prompt_tokens=first, **base,
@@ -487,13 +483,13 @@ def run_case(plan: Plan, rec: Recorder, model_name: str, quant: str, best_nf4: l
             decoder.resize_cache(p + plan.new_tokens)
             ours_first(decoder, ids, device)
             runs = [timed_run(device, ours_call(decoder, ids, plan.new_tokens)) for _ in range(plan.repeats)]
-            step_s = decoder.time_decode_steps(p, 64)
+            step_s = time_decode_steps(decoder, p, 64)
             rec.add("run", recipe="ours", variant=best, prompt_tokens=p, **base, **summarize(runs),
                     step_ms=round(step_s * 1e3, 4), kv_cache_bytes=_kv_bytes(decoder),
                     kv_cache_exact_bytes=kv_cache_exact_bytes(loaded.model.config, p + plan.new_tokens,
                                                               decoder.dtype),
                     decode_bandwidth=bandwidth(decoder, p, step_s, plan), compile=compile_info,
-                    cache_resize_capture_s=decoder.capture_s, buckets=len(decoder._buckets))
+                    cache_resize_capture_s=decoder.capture_s, buckets=len(decoder.buckets))
         if plan.profile and device.type == "cuda" and plan.left_s() > 25:
             decoder.resize_cache(first + plan.new_tokens)
             rec.add("profile", recipe="ours", variant=best, **base, profile=profile_steps(decoder, first, 32))
@@ -569,7 +565,7 @@ def _kv_bytes(decoder: FastDecoder) -> int:
 
 def bandwidth(decoder: FastDecoder, context: int, step_s: float, plan: Plan) -> dict[str, Any]:
     weights = decoder.weights_bytes_per_token
-    kv = decoder.kv_bytes_per_token() * decoder._bucket_for(context + 1)
+    kv = decoder.kv_bytes_per_token() * decoder.step_bucket(context + 1)
     hbm = plan.hbm_bytes_per_s
     out = {"weights_bytes_per_step": weights, "kv_bytes_per_step": kv, "step_s": step_s,
            "achieved_bytes_per_s": round((weights + kv) / step_s), "hbm_bytes_per_s": hbm}

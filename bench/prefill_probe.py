@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from bench.probes import prefill_only
 from bench.ttft_probe import load_engine
 from llm_core.loading import library_versions
 
@@ -49,7 +50,7 @@ def time_prefill(decoder: Any, ids: torch.Tensor, sleep_cycles: int) -> dict[str
     t0 = time.perf_counter()
     if events is not None:
         events[0].record()
-    decoder.prefill_only(ids)
+    prefill_only(decoder, ids)
     if events is not None:
         events[1].record()
     host = time.perf_counter() - t0

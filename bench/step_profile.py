@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from bench.harness import RANDOM_ARCHS
+from bench.probes import time_decode_steps
 from bench.ttft_probe import load_engine
 from llm_core.loading import library_versions
 
@@ -50,9 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     engine, _ = load_engine(args.random, args.quantization, args.context + 192, device, args.work_dir)
     decoder = engine.fast_decoder
-    wall = [decoder.time_decode_steps(args.context, args.steps) for _ in range(3)]
+    wall = [time_decode_steps(decoder, args.context, args.steps) for _ in range(3)]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        decoder.time_decode_steps(args.context, args.steps)
+        time_decode_steps(decoder, args.context, args.steps)
     kernels: list[dict[str, Any]] = []
     for ev in prof.key_averages():
         us = float(getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0))

@@ -31,6 +31,7 @@ import torch
 
 from bench.compare_bench import prompt_ids, prompt_text
 from bench.harness import RANDOM_ARCHS, make_random_checkpoint, sync
+from bench.probes import prefill_only, time_decode_steps
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.runners import FastBackend
@@ -41,7 +42,7 @@ from llm_core.loading import library_versions
 def timed_prefill(decoder: FastDecoder, ids: torch.Tensor) -> float:
     sync(ids.device)
     t0 = time.perf_counter()
-    decoder.prefill_only(ids)
+    prefill_only(decoder, ids)
     sync(ids.device)
     return time.perf_counter() - t0
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rec["engine_reply_ttft_s"] = ttfts
         rec["engine_reply_ttft_median_s"] = statistics.median(ttfts[1:])
         rec.update(probe(decoder, ids, args.lengths, args.repeats))
-        steps = [decoder.time_decode_steps(args.prompt_tokens, 64) for _ in range(3)]  # graph replays, no host reads
+        steps = [time_decode_steps(decoder, args.prompt_tokens, 64) for _ in range(3)]  # graph replays, no host reads
         rec["decode_step_s"] = steps
         rec["decode_tokens_per_s_from_steps"] = 1.0 / statistics.median(steps)
         rec["gemv"] = decoder.options.gemv

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
+from bench.probes import forced_scores
 from llm_core.config import GenerationSettings
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import ContextBudgetError
@@ -528,8 +529,8 @@ def test_int8_static_cache_replies_agree_with_the_bf16_caches(fp32_loaded: Loade
         ids = enc["input_ids"]
         out = ref.generate(ids, None, GenerationSettings(repetition_penalty=1.0), None, threading.Event(), 24)
         reply = out[0, ids.shape[1]:].tolist()
-        want = ref.forced_scores(ids, reply[:-1])
-        got = q8.forced_scores(ids, reply[:-1])
+        want = forced_scores(ref, ids, reply[:-1])
+        got = forced_scores(q8, ids, reply[:-1])
         agree.append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
         kls.append(torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                               reduction="batchmean").item())

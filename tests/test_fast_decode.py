@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.probes import forced_scores
 from llm_core.config import GenerationSettings
 from llm_core.errors import GenerationError
 from llm_core.fast import FastDecodeOptions, FastDecoder, bucket_list, fast_path_support, layer, pack, support
@@ -206,16 +207,16 @@ def test_padded_prefill_keeps_the_scores_and_the_tokens(fp32: LoadedModel) -> No
     forced = [42, 7, 1000, 3]
     for length in (30, 64, 65):
         ids = torch.randint(3, 5000, (1, length), generator=torch.Generator().manual_seed(length))
-        want = plain.forced_scores(ids, forced)
+        want = forced_scores(plain, ids, forced)
         padded._k.zero_()
-        got = padded.forced_scores(ids, forced)
+        got = forced_scores(padded, ids, forced)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         bucket = -(-length // 64) * 64
         if bucket > length + len(forced):  # padding rows past what the decode overwrote: the padded form ran
             assert padded._k[0, length + len(forced):bucket].abs().sum() > 0
     long_ids = torch.randint(3, 5000, (1, 200), generator=torch.Generator().manual_seed(1))  # past the option: plain
     padded._k.zero_()
-    torch.testing.assert_close(padded.forced_scores(long_ids, forced[:1]), plain.forced_scores(long_ids, forced[:1]),
+    torch.testing.assert_close(forced_scores(padded, long_ids, forced[:1]), forced_scores(plain, long_ids, forced[:1]),
                                rtol=1e-4, atol=1e-4)
     assert padded._k[0, 201:256].abs().sum() == 0
     ids, mask = encode(fp32, PROMPTS["primes"])
@@ -391,7 +392,7 @@ def test_int8_fast_path_computes_with_the_dequantized_weights() -> None:
     assert {f.split("/")[0] for f in dec.describe()["linear_formats"]} == {"int8"} and dec.dtype == torch.float16
     ids = q.tokenizer("The capital of France is", return_tensors="pt").input_ids
     forced = q.tokenizer(" Paris, and the capital of Germany is Berlin.", return_tensors="pt").input_ids[0].tolist()
-    got = dec.forced_scores(ids, forced)
+    got = forced_scores(dec, ids, forced)
     with torch.no_grad():
         want = reference(torch.cat([ids, torch.tensor([forced])], 1)).logits[0, ids.shape[1] - 1:].float()
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
@@ -446,13 +447,13 @@ def test_cuda_graph_step_matches_the_eager_step(tmp_path: Any, quantization: str
     eager = FastDecoder(loaded, compile=False, max_cache_len=512,
                         options=FastDecodeOptions(gemv="torch", dense_gemv="cublas"))
     eager.warmup()
-    want = eager.forced_scores(ids, forced)
+    want = forced_scores(eager, ids, forced)
     del eager
     graphs = FastDecoder(loaded, max_cache_len=512, options=forced_opts)
     graphs.warmup()
     if forced_opts is not None:
         assert graphs.options.dense_gemv == "triton"
-    got = graphs.forced_scores(ids, forced)
+    got = forced_scores(graphs, ids, forced)
     bound = 1e-4 if dtype == "float32" else 2e-2
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= bound
 
@@ -479,8 +480,8 @@ def test_prefill_graphs_match_the_compiled_prefill(tmp_path: Any, quantization: 
     assert graphs.graph_pool_idle_bytes() > plain.graph_pool_idle_bytes() >= 0
     for length in (30, 64, 65, 300):
         ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length)).cuda()
-        want = plain.forced_scores(ids, forced)
-        got = graphs.forced_scores(ids, forced)
+        want = forced_scores(plain, ids, forced)
+        got = forced_scores(graphs, ids, forced)
         assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 2e-2, length
 
 

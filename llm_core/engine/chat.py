@@ -309,6 +309,10 @@ class ChatEngine(DecodeStartup):
     def count_tokens(self, messages: list[dict[str, str]]) -> int:
         return int(self._encode(messages)["input_ids"].shape[-1])
 
+    def encode_messages(self, messages: list[dict[str, str]]) -> Any:
+        """The chat template applied and tokenized, as a reply's prompt is (input_ids, attention_mask)."""
+        return self._encode(messages)
+
     def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None) -> Any:
         """The chat template applied and tokenized. `memo` is one request's: fitting the history counts the same
         lists that the prompt is then encoded from (one tokenization each, not two). Nothing outlives the request,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..errors import GenerationError
 from . import kvquant
-from .generate import FastDecoder, _prefill_attention_scope
+from .generate import FastDecoder
 from .kernels.attention import round_up
 from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
@@ -40,6 +40,7 @@ from .layer import (
     HeadSpec,
     LayerSpec,
     _mlp,
+    _prefill_attention_scope,
     _project_qkv,
     _split_linears,
     embed_prologue,
@@ -298,6 +299,11 @@ class SlotDecoder:
             self.release_all()
         self.warmup_s = round(time.perf_counter() - t0, 3)
         return self.warmup_s
+
+    @property
+    def captured_buckets(self) -> list[int]:
+        """The batch buckets whose step is captured as a CUDA graph."""
+        return sorted(self._graphs)
 
     @property
     def rows_kernel(self) -> bool:

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import hashlib
-import json
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +29,7 @@ from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it
 from .layer import (
     HeadSpec,
     LayerSpec,
+    _prefill_attention_scope,
     embed_prologue,
     head_logits,
     layer_decode,
@@ -44,6 +41,7 @@ from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOption
 from .pack import PackedLinear, pack_linears
 from .support import Arch, fast_path_support, is_dense_linear
 from .timing import time_in_cuda_graph
+from .warmup import DecoderWarmup, _load_compile_artifacts, _save_compile_artifacts
 
 if TYPE_CHECKING:
     from ..prefix_cache import PrefixCache
@@ -79,7 +77,7 @@ class KVCacheView:
 
 
 
-class FastDecoder:
+class FastDecoder(DecoderWarmup):
     """Owns the static KV cache, packed weights, compiled step and captured graphs of one loaded model.
 
     One reply at a time (a lock). Building it re-points the model's q/k/v and gate/up weights at fused storage
@@ -150,7 +148,7 @@ class FastDecoder:
         # streams each time, and every (thread, stream) pair that runs cuBLAS keeps a workspace for good (32 MiB on
         # Hopper, ~8 MiB before), besides its own cached blocks: start-up sizing re-captures several times.
         self.side_stream: Any = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # The last reply's prefill, for diagnostics (prefill_timing): host clock reads, and CUDA events around it
+        # The last reply's prefill, for diagnostics (prefill_clock): host clock reads, and CUDA events around it
         self._clock: dict[str, float] = {}
         self._prefill_events: tuple[Any, Any] | None = None
 
@@ -307,6 +305,15 @@ class FastDecoder:
     def cache_len(self) -> int:
         return self._cache_len
 
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The attention lengths the decode step is captured at (one CUDA graph each)."""
+        return tuple(self._buckets)
+
+    def step_bucket(self, length: int) -> int:
+        """Cache rows a decode step attends to when the reply holds `length` tokens: its bucket."""
+        return self._bucket_for(length)
+
     def describe(self) -> dict[str, Any]:
         spec = self._layer_specs[0]
         return {
@@ -430,65 +437,6 @@ class FastDecoder:
         self._cache_len = tokens
         self._buckets = bucket_list(tokens)
 
-    def _warm_prefill_and_sampling(self) -> None:
-        ids = torch.arange(min(8, self._cache_len - 2), device=self.device) % self._arch.vocab
-        self._seen.zero_()
-        t0 = time.perf_counter()
-        try:
-            scores, _ = self._prefill(ids)
-        except Exception as exc:  # noqa: BLE001 - the eager prefill is always there; say why it is used
-            if not self._prefill_compiled_ok:
-                raise
-            log.warning("Compiled prefill unavailable (%s: %s); the prefill runs eagerly.", type(exc).__name__, exc)
-            self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
-            self._prefill_compiled_ok = False
-            scores, _ = self._prefill(ids)
-        self._warm_prefill_shapes()
-        self.prefill_warm_s = round(time.perf_counter() - t0, 3)
-        sample_from_scores(scores, GenerationSettings(do_sample=True, top_k=50, top_p=0.9, temperature=0.7),
-                           torch.Generator(device=self.device))
-        self.sync()
-
-    def _warm_prefill_shapes(self) -> None:
-        """Compile every shape class of the compiled prefill here, never inside a reply (else the first prompt
-        beyond the padded graphs would compile in the user's reply). Classes: one pass from position 0 (a prompt past
-        PREFILL_GRAPH_TOKENS, or a long prompt's first chunk), and chunks after cached history (start > 0), run
-        at two different starts and lengths so that dynamo's automatic dynamic shapes make both symbolic (it
-        specializes an int on first sight and generalizes it at the second value). One-token passes run eagerly.
-        Lengths are small: the classes are symbolic in the length, so any later length reuses them."""
-        if not (self.compile and self._prefill_compiled_ok):
-            return
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        first = max(4, min(self.options.prefill_graph_tokens + PREFILL_BUCKET_TOKENS + 7, (self._cache_len - 2) // 3))
-        start = 0
-        for length in (first, first - 1, first - 2):
-            ids = (torch.arange(length, device=self.device) * 7 + 3) % self._arch.vocab
-            with _prefill_attention_scope(self.options.prefill_attention, self.device):
-                self._prefill_pass(ids, torch.arange(start, start + length, device=self.device), start)
-            start += length
-        self.sync()
-
-    def _compile_cache_file(self) -> Path | None:
-        if not self.compile or self.options.compile_backend != "inductor":
-            return None
-        try:
-            from ..models import default_cache_dir
-
-            root = default_cache_dir(self.loaded.settings) / "compile"
-        except Exception:  # noqa: BLE001 - the compile cache is an optimisation; never fail warm-up for it
-            return None
-        import transformers
-
-        key = json.dumps({
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "config": self.loaded.model.config.to_json_string(use_diff=False),
-            "options": asdict(self.options), "dtype": str(self.dtype),
-            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
-            "specs": repr(sorted({repr(s) for s in self._layer_specs})), "head": repr(self._head_spec),
-        }, sort_keys=True)
-        return root / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.bin"
-
     def sync(self) -> None:
         """Wait for the device (a no-op on CPU): before reading a host clock."""
         if self.device.type == "cuda":
@@ -514,66 +462,6 @@ class FastDecoder:
         self._scores.copy_(scores)
         self._tok.copy_(nxt)
         self._pos.add_(1)
-
-    def _warm_step(self, bucket: int) -> None:
-        self._tok.zero_()
-        self._pos.zero_()
-        self._step(bucket)
-
-    def _capture_all(self) -> None:
-        """Warm each bucket (first-call autotuning happens outside capture), then capture one graph per bucket."""
-        self._pool = torch.cuda.graph_pool_handle()
-        side = self.side_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for bucket in self._buckets:
-                self._warm_step(bucket)
-                self._warm_step(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.sync()
-        torch.cuda.empty_cache()  # the side stream's warm-up blocks: free, but only that stream could reuse them
-        for bucket in self._buckets:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._step(bucket)
-            self._graphs[bucket] = graph
-        self.sync()
-
-    def _prefill_buckets(self) -> list[int]:
-        """Padded prefill lengths that fit the cache (multiples of PREFILL_BUCKET_TOKENS, up to the option)."""
-        top = min(self.options.prefill_graph_tokens, self._cache_len)
-        return list(range(PREFILL_BUCKET_TOKENS, top + 1, PREFILL_BUCKET_TOKENS))
-
-    def _capture_prefill(self) -> None:
-        """One graph per padded prefill length, warmed twice first (outside capture) like the decode buckets. A
-        length whose capture fails is left to the compiled prefill (and said in the notes)."""
-        buckets = self._prefill_buckets()
-        if not buckets:
-            return
-        self._pf_pool = torch.cuda.graph_pool_handle()
-        side = self.side_stream
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side), _prefill_attention_scope(self.options.prefill_attention, self.device):
-            for bucket in buckets:
-                self._pf_last.fill_(bucket - 1)
-                self._padded_prefill(bucket)
-                self._padded_prefill(bucket)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        self.sync()
-        torch.cuda.empty_cache()  # as in _capture_all: the capture's pool must not compete with idle side blocks
-        for bucket in buckets:
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with _prefill_attention_scope(self.options.prefill_attention, self.device), \
-                        torch.cuda.graph(graph, pool=self._pf_pool):
-                    self._padded_prefill(bucket)
-            except Exception as exc:  # noqa: BLE001 - the compiled prefill still serves this length
-                log.warning("Prefill graph for %d tokens not captured: %s: %s", bucket, type(exc).__name__, exc)
-                self.notes.append(f"prefill graphs off from {bucket} tokens ({type(exc).__name__})")
-                self._prefill_capture_oom |= isinstance(exc, torch.cuda.OutOfMemoryError)
-                break
-            self._pf_graphs[bucket] = graph
-        self.sync()
 
     def _run_step(self, bucket: int) -> None:
         graph = self._graphs.get(bucket)
@@ -797,111 +685,58 @@ class FastDecoder:
             return 0
         return (self._k.nbytes + self._v.nbytes) // self._cache_len
 
-    def profile_worst_reply(self) -> dict[str, int]:
-        """Run the most memory any reply can take on this cache and measure it (measured, not predicted, like vLLM's
-        start-up profile): the last prefill chunk of a prompt that fills the cache, attending to every
-        cached row before it, then its head and a decode step at the top bucket (graph replay). Prompts up to
-        PREFILL_GRAPH_TOKENS replay graphs whose pool is already reserved; longer prompts run in chunks of
-        `prefill_chunk_tokens` (or one pass), so this is each reply's bound. Returns the peak bytes reserved and
-        allocated on the device (CUDA; 0 elsewhere, where the same pass runs unmeasured). The cache's contents are
-        left as garbage, which every reply overwrites from position 0 before reading."""
-        if self.device.type != "cuda":
-            with self._lock, torch.no_grad():
-                self._worst_reply_pass()
-            return {"peak_reserved_bytes": 0, "peak_allocated_bytes": 0, "tokens": self._cache_len}
+    # --- passes outside a reply (bench.probes: teacher forcing, step timing, prefill timing) --------------------
+    @contextlib.contextmanager
+    def outside_reply(self, tokens: int = 0) -> Iterator[None]:
+        """Hold the decoder for passes that are no reply: its lock, no autograd, the cache forgotten by the prefix
+        reuse (its rows are overwritten) and at least `tokens` long (re-allocated, graphs captured again, if not)."""
         with self._lock, torch.no_grad():
-            self.sync()
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._worst_reply_pass()
-            self.sync()
-            return {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)),
-                    "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)),
-                    "tokens": self._cache_len}
+            self._forget()
+            if tokens > self._cache_len:
+                self._allocate(round_up(tokens, 16))
+            yield
 
-    def _worst_reply_pass(self) -> None:
-        self._forget()
-        end = self._cache_len - 1
-        chunk = min(self.options.prefill_chunk_tokens or end, end)
-        start = end - chunk
-        ids = (torch.arange(chunk, device=self.device) * 7 + 3) % self._arch.vocab
+    def prompt_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(1, P) token ids as generate() reads them -> (P,) on the device."""
+        return self._prompt_ids(input_ids, None)
+
+    def prefill_scores(self, ids: torch.Tensor, *, penalties: bool = True) -> torch.Tensor:
+        """Inside outside_reply(): prefill `ids` (P,) from row 0 as a reply does; the last position's scores (1, V).
+        No token counts as seen before it; penalties=False also turns off the repetition penalty and the EOS ban.
+        On CUDA this only launches work: sync() before reading a clock."""
         self._seen.zero_()
-        with _prefill_attention_scope(self.options.prefill_attention, self.device):
-            hn = self._prefill_pass(ids, torch.arange(start, end, device=self.device), start)
-        last = hn[0, -1:].clone()
-        del hn
-        self._head_fn(last, self._lm_tensors, self._seen, self._penalty, self._eos_bias)
-        self._pos.fill_(end)
-        self._run_step(self._bucket_for(end + 1))
-
-    # --- diagnostics (bench, tests) ----------------------------------------------------------------------------
-    def prefill_only(self, ids: torch.Tensor) -> torch.Tensor:
-        """One prefill of `ids` (1, S) into the cache as a reply runs it, no decode: the last position's scores
-        (1, V). It only launches work on CUDA: call sync() before reading a clock. For the prefill benchmarks."""
-        with self._lock, torch.no_grad():
-            self._forget()
-            self._seen.zero_()
-            return self._prefill(ids)[0]
-
-    def prefill_timing(self) -> dict[str, float | None]:
-        """Where the last reply's first token came from, in seconds (after it: the events have completed by then).
-        entry_to_prefill_s: generate() entered -> prefill launch begins (prompt checks, streamer, buffers);
-        prefill_launch_s: host time launching the prefill and head (waits inside count, e.g. a synchronizing op);
-        prefill_gpu_s: device time from the prefill's first kernel to the head's last (CUDA events; None on CPU);
-        first_token_s: generate() entered -> token 0 read back on the host."""
-        c = self._clock
-        if "prefill_launched" not in c:
-            return {}
-        gpu = None
-        if self._prefill_events is not None:
-            self._prefill_events[1].synchronize()
-            gpu = self._prefill_events[0].elapsed_time(self._prefill_events[1]) / 1e3
-        return {"entry_to_prefill_s": c["prefill_start"] - c["entry"],
-                "prefill_launch_s": c["prefill_launched"] - c["prefill_start"], "prefill_gpu_s": gpu,
-                "first_token_s": c["first_token"] - c["entry"] if "first_token" in c else None}
-
-    def forced_scores(self, input_ids: torch.Tensor, forced: Sequence[int]) -> torch.Tensor:
-        """Teacher forcing: scores (1 + len(forced), V) fp32 for the last prompt position and after feeding each
-        forced token through the decode step (graphs on CUDA). Repetition penalty off; for logit agreement."""
-        ids = self._prompt_ids(input_ids, None)
-        need = ids.numel() + len(forced) + 1
-        with self._lock, torch.no_grad():
-            self._forget()
-            if need > self._cache_len:
-                self._allocate(round_up(need, 16))
-            self._seen.zero_()
+        if not penalties:
             self._penalty.fill_(1.0)
             self._eos_bias.zero_()
-            rows = [self._prefill(ids)[0].clone()]
-            self._pos.fill_(ids.numel())
-            for j, token in enumerate(forced):
-                self._tok.fill_(int(token))
-                self._run_step(self._bucket_for(ids.numel() + j + 1))
-                rows.append(self._scores.clone())
-            return torch.cat(rows, 0)
+        return self._prefill(ids)[0]
 
-    def time_decode_steps(self, context_tokens: int, steps: int) -> float:
-        """Seconds per decode step (graph replays, no host reads) at a given context length; for the bench."""
-        with self._lock, torch.no_grad():
-            self._forget()
-            if context_tokens + steps > self._cache_len:
-                self._allocate(round_up(context_tokens + steps, 16))
-            self._pos.fill_(context_tokens)
-            self.sync()
-            t0 = time.perf_counter()
-            for i in range(steps):
-                self._run_step(self._bucket_for(context_tokens + i + 1))
-            self.sync()
-            return (time.perf_counter() - t0) / steps
+    def seek(self, position: int) -> None:
+        """Inside outside_reply(): the next decode step writes cache row `position`."""
+        self._pos.fill_(position)
 
+    def decode_step(self, position: int, token: int | None = None) -> torch.Tensor:
+        """Inside outside_reply(): one decode step as a reply runs it (its graph on CUDA), writing row `position`
+        (where seek() or the previous step left the device), fed `token` (else the step's own last token); the
+        step's scores (1, V), overwritten by the next step."""
+        if token is not None:
+            self._tok.fill_(int(token))
+        self._run_step(self._bucket_for(position + 1))
+        return self._scores
 
-def _prefill_attention_scope(choice: str, device: torch.device) -> Any:
-    """The SDPA backends the prefill may use (FastDecodeOptions.prefill_attention). Set around tracing and every
-    call alike: a compiled prefill keeps the backend chosen when it was traced."""
-    if choice == "auto" or device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    @contextlib.contextmanager
+    def without_graphs(self) -> Iterator[None]:
+        """Inside it decode steps launch the same compiled step op by op instead of replaying its CUDA graphs."""
+        graphs, self._graphs = self._graphs, {}
+        try:
+            yield
+        finally:
+            self._graphs = graphs
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    @property
+    def prefill_clock(self) -> tuple[dict[str, float], tuple[Any, Any] | None]:
+        """The last reply's host clock reads (entry, prefill_start, prefill_launched, first_token; perf_counter s)
+        and the CUDA events around its prefill (None on CPU)."""
+        return dict(self._clock), self._prefill_events
 
 
 def _bind_prefill(spec: LayerSpec) -> Callable[..., Any]:
@@ -928,25 +763,3 @@ def _eps(norm: Any) -> float:
 def _weights_dtype(model: Any) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
-
-def _load_compile_artifacts(path: Path) -> bool:
-    try:
-        torch.compiler.load_cache_artifacts(path.read_bytes())
-        return True
-    except Exception as exc:  # noqa: BLE001 - a stale or foreign cache only costs a recompile
-        log.warning("Ignoring compile cache %s: %s", path, exc)
-        return False
-
-
-def _save_compile_artifacts(path: Path) -> None:
-    try:
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            return
-        data = saved[0]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except Exception as exc:  # noqa: BLE001 - see above
-        log.warning("Could not save the compile cache to %s: %s", path, exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -335,3 +336,13 @@ def head_logits(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], se
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     scores = torch.where(seen, penalized, logits) + eos_bias
     return scores, scores.argmax(-1)
+
+
+def _prefill_attention_scope(choice: str, device: torch.device) -> Any:
+    """The SDPA backends the prefill may use (FastDecodeOptions.prefill_attention). Set around tracing and every
+    call alike: a compiled prefill keeps the backend chosen when it was traced."""
+    if choice == "auto" or device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

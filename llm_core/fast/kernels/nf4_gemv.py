@@ -23,7 +23,7 @@ kernels at start-up and keeps the faster.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -219,6 +219,15 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     return y
 
 
+def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
+                 offsets: torch.Tensor, code2: torch.Tensor, nested: bool) -> tuple[torch.Tensor, dict[str, Any]]:
+    """A custom op's tensors as the kernels take them: packed's int32 words, and absmax or the nested parts."""
+    words = words_view(packed)
+    if words is None:
+        raise ValueError("packed NF4 rows are not 16-byte aligned int32 words")
+    return words, ({"nested": (q8, absmax2, offsets, code2)} if nested else {"absmax": absmax})
+
+
 def best_config(n: int, kw: int) -> dict[str, Any] | None:
     """The autotuner's pick for a shape, once it has run (for the record)."""
     if triton is None:
@@ -229,26 +238,30 @@ def best_config(n: int, kw: int) -> dict[str, Any] | None:
     return None
 
 
-if triton is not None:
+_OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
+              "Tensor? bias, int blocksize, bool nested, float[] code) -> Tensor")
 
-    @torch.library.custom_op(
-        "llm_core::nf4_gemv", mutates_args=(),
-        schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-               "Tensor? bias, int blocksize, bool nested, float[] code) -> Tensor")
-    def _nf4_gemv_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
-                     absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None,
-                     blocksize: int, nested: bool, code: Sequence[float]) -> torch.Tensor:
-        """The kernel as one opaque op for torch.compile and CUDA graphs; packed is bitsandbytes' (N, K/2)."""
-        words = words_view(packed)
-        if words is None:
-            raise ValueError("packed NF4 rows are not 16-byte aligned int32 words")
-        if nested:
-            return nf4_gemv(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias)
-        return nf4_gemv(x, words, blocksize, code, absmax=absmax, bias=bias)
 
-    @_nf4_gemv_op.register_fake
+def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callable[[torch.Tensor], int]) -> Any:
+    """`kernel` as one opaque op llm_core::<name> for torch.compile and CUDA graphs; packed is bitsandbytes'
+    (N, K/2); the op's fake output is (rows_of(x), N)."""
+
+    @torch.library.custom_op(f"llm_core::{name}", mutates_args=(), schema=_OP_SCHEMA)
+    def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
+           offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None, blocksize: int, nested: bool,
+           code: Sequence[float]) -> torch.Tensor:
+        words, scales = _op_operands(packed, absmax, q8, absmax2, offsets, code2, nested)
+        return kernel(x, words, blocksize, code, bias=bias, **scales)
+
+    @op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
-        return x.new_empty(1, packed.shape[0])
+        return x.new_empty(rows_of(x), packed.shape[0])
+
+    return op
+
+
+if triton is not None:
+    _nf4_gemv_op = _register_op("nf4_gemv", nf4_gemv, lambda x: 1)
 
 
 # --- a few rows at once (the batched fast path) ------------------------------------------------------------------
@@ -399,21 +412,4 @@ def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
 
 
 if triton is not None:
-
-    @torch.library.custom_op(
-        "llm_core::nf4_rows", mutates_args=(),
-        schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-               "Tensor? bias, int blocksize, bool nested, float[] code) -> Tensor")
-    def _nf4_rows_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
-                     absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None,
-                     blocksize: int, nested: bool, code: Sequence[float]) -> torch.Tensor:
-        words = words_view(packed)
-        if words is None:
-            raise ValueError("packed NF4 rows are not 16-byte aligned int32 words")
-        if nested:
-            return nf4_rows(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias)
-        return nf4_rows(x, words, blocksize, code, absmax=absmax, bias=bias)
-
-    @_nf4_rows_op.register_fake
-    def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
-        return x.new_empty(x.shape[0], packed.shape[0])
+    _nf4_rows_op = _register_op("nf4_rows", nf4_rows, lambda x: x.shape[0])
