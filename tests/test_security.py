@@ -20,7 +20,7 @@ from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import SettingsError
 from llm_core.metrics import ReplyStats, export_csv
-from llm_core.security import ExportFiles, LoginThrottle, check_exposure
+from llm_core.security import ExportFiles, LoginThrottle, SessionOwners, check_exposure
 from llm_core.web.guard import NOT_YOURS
 from tests.conftest import MODEL_CACHE
 from tests.test_app import free_port
@@ -203,47 +203,95 @@ def app_routes(app: Any) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_route_lets_another_login_use_a_session_by_its_hash(served: tuple[Any, str]) -> None:
+# Path parameters of Gradio's routes that name no session and no job: files, pages, API names, closed routes' keys.
+# A route keyed by anything else (a new kind of id) fails the walk below until it is added here or to ID_FIELDS.
+NOT_AN_ID = {"api_name", "path", "path_or_url", "url_path", "file_name", "id", "environment", "type", "size", "key",
+             "ext", "run", "component_id", "segment_id", "endpoint", "record_id", "asset_id"}
+
+
+def test_no_route_lets_another_login_use_a_session_or_an_event_by_its_id(served: tuple[Any, str]) -> None:
     """Every route of the app's own route table, and every API name of the built demo (run/*, call/*, api/*),
-    with alice's session hash in the path, the query and the body, as bob: refused (403, or 404 where the route is
-    closed), and alice's reply runs to its end."""
+    with alice's session hash, then alice's event id (a call/ job's), in the path, the query and the body, as bob:
+    refused (403, or 404 where the route is closed); alice's reply runs to its end and her job's result is hers."""
     import re
+
+    from llm_core.web.guard import ID_FIELDS
 
     demo, url = served
     alice = client(url, "alice")
     job = submit_chat(alice, "Count from one to forty in words.", 40)
     wait_until(lambda: len(job.outputs()) >= 1, 120, "alice's reply to stream")
-    session = alice.session_hash
+    alice_raw = Raw(url, "alice")
+    called = alice_raw.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)})
+    assert called.status_code == 200, called.text
+    mine = {"session_hash": alice.session_hash, "event_id": called.json()["event_id"]}
     api_names = sorted({fn.api_name for fn in demo.fns.values() if fn.api_name})
     assert {"chat", "stop", "clear", "show_history", "export_csv_file", "export_json_file"} <= set(api_names)
     bob = Raw(url, "bob")
     checked: list[str] = []
-    bobs_own = uuid.uuid4().hex
-    for method, template in app_routes(demo.app):
+    bobs_call = bob.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)}).json()["event_id"]
+    bobs_own = {"session_hash": uuid.uuid4().hex, "event_id": bobs_call}  # real ids of bob's: refusals are alice's
+    routes = app_routes(demo.app)
+    unclassified = {(m, t) for m, t in routes for name in re.findall(r"{(\w+)", t)
+                    if name not in NOT_AN_ID and name not in ID_FIELDS}
+    assert not unclassified, f"routes keyed by a parameter the guard does not check: {unclassified}"
+    for method, template in routes:
         if template.rstrip("/") in ("/login", "/logout"):
             continue  # no session: the login is throttled instead; logout only ends bob's own login
         for api_name in (api_names if "{api_name}" in template else ["x"]):
-            # Alice's hash in one place at a time (bob's own elsewhere): each place is checked on its own.
-            for where in ("path", "query", "body"):
-                if where == "path" and "{session_hash" not in template or where == "body" and method != "POST":
-                    continue
-                values = {"session_hash": session if where == "path" else bobs_own, "api_name": api_name}
-                path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
-                body = {"data": [], "session_hash": session if where == "body" else bobs_own, "fn_index": 0,
-                        "event_data": None, "trigger_id": None, "event_id": "x"}
-                response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
-                                            params={"session_hash": session if where == "query" else bobs_own})
-                assert response.status_code in (403, 404), (where, method, path, response.status_code,
-                                                             response.text[:200])
-                if response.status_code == 403 and method != "HEAD":
-                    assert NOT_YOURS in response.text, (method, path, response.text[:200])
-                checked.append(f"{method} {path} ({where})")
-    assert len(checked) > 200 and "POST /gradio_api/run/stop (body)" in checked
-    assert "POST /gradio_api/call/clear (body)" in checked and "GET /gradio_api/queue/data (query)" in checked
-    assert f"GET /gradio_api/heartbeat/{session} (path)" in checked
+            # Alice's id in one place at a time (bob's own elsewhere): each place is checked on its own.
+            for field in ID_FIELDS:
+                for where in ("path", "query", "body"):
+                    if where == "path" and "{" + field not in template or where == "body" and method != "POST":
+                        continue
+                    values = {k: mine[k] if (k, where) == (field, "path") else bobs_own[k] for k in ID_FIELDS}
+                    values["api_name"] = api_name
+                    path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
+                    body = {"data": [], "fn_index": 0, "event_data": None, "trigger_id": None} | {
+                        k: mine[k] if (k, where) == (field, "body") else bobs_own[k] for k in ID_FIELDS}
+                    query = {k: mine[k] if (k, where) == (field, "query") else bobs_own[k] for k in ID_FIELDS}
+                    response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
+                                                params=query)
+                    assert response.status_code in (403, 404), (field, where, method, path, response.status_code,
+                                                                 response.text[:200])
+                    if response.status_code == 403 and method != "HEAD":
+                        assert NOT_YOURS in response.text, (method, path, response.text[:200])
+                    checked.append(f"{method} {path} ({field} in {where})")
+    assert len(checked) > 400 and "POST /gradio_api/run/stop (session_hash in body)" in checked
+    assert "POST /gradio_api/call/clear (session_hash in body)" in checked
+    assert "GET /gradio_api/queue/data (session_hash in query)" in checked
+    assert f"GET /gradio_api/heartbeat/{mine['session_hash']} (session_hash in path)" in checked
+    assert f"GET /gradio_api/call/chat/{mine['event_id']} (event_id in path)" in checked
+    assert "POST /gradio_api/cancel (event_id in body)" in checked
     job.result(timeout=120)
     stats = job.outputs()[-1][3]
     assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # not stopped by bob
+    result = alice_raw.http.get(f"gradio_api/call/chat/{mine['event_id']}", timeout=120)
+    assert result.status_code == 200 and "event: complete" in result.text, result.text[:300]  # still alice's
+    own = bob.http.get(f"gradio_api/call/chat/{bobs_call}", params={"session_hash": bobs_own["session_hash"]})
+    assert own.status_code == 200 and "event: complete" in own.text, own.text[:300]  # bob's own ids pass
+
+
+def test_a_call_job_result_is_read_only_by_its_login(served: tuple[Any, str]) -> None:
+    """The event id a call/ job hands out belongs to the login that started it: another login that learns it gets
+    the same 403 as for an id that does not exist, by the result route, as a session hash, or to cancel it."""
+    demo, url = served
+    alice, bob = Raw(url, "alice"), Raw(url, "bob")
+    event = alice.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)}).json()["event_id"]
+    unknown = uuid.uuid4().hex
+    for who, status in ((bob, 403), (Raw(url), 401)):
+        for path in (f"gradio_api/call/chat/{event}", f"gradio_api/call/v2/chat/{event}"):
+            refused = who.http.get(path)
+            assert refused.status_code == status and "event: complete" not in refused.text, refused.text[:200]
+    refused_detail = bob.http.get(f"gradio_api/call/chat/{event}").json()["detail"]
+    assert refused_detail == NOT_YOURS
+    assert bob.http.get("gradio_api/queue/data", params={"session_hash": event}).status_code == 403
+    cancel = {"session_hash": uuid.uuid4().hex, "fn_index": fn_index(demo, "chat"), "event_id": event}
+    assert bob.http.post("gradio_api/cancel", json=cancel).status_code == 403
+    missing = bob.http.get(f"gradio_api/call/chat/{unknown}")  # an id no answer handed out: the same refusal
+    assert missing.status_code == 403 and missing.json()["detail"] == refused_detail
+    mine = alice.http.get(f"gradio_api/call/chat/{event}", timeout=120)
+    assert mine.status_code == 200 and "event: complete" in mine.text, mine.text[:300]
 
 
 def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None:
@@ -493,3 +541,16 @@ def test_login_throttle_counts_each_known_user_and_each_address() -> None:
     assert throttle.retry_after_s("f", "alice") == 10
     now[0] = 10
     assert throttle.retry_after_s("d", "alice") == 0
+
+
+def test_a_flood_of_new_ids_forgets_only_the_flooders_own() -> None:
+    owners = SessionOwners(max_ids=100, max_per_owner=10)
+    assert owners.claim("alice-tab", "user:alice")
+    assert not owners.claim("alice-event", "user:alice", new=False)  # an event id no answer handed out: nobody's
+    for i in range(10_000):
+        assert owners.claim(f"bob-{i}", "user:bob")
+    assert not owners.claim("alice-tab", "user:bob") and owners.claim("alice-tab", "user:alice")  # still hers
+    assert owners.claim("bob-9999", "user:bob") and owners.claim("bob-0", "user:carol")  # bob's oldest went
+    for i in range(200):  # more persons than max_ids / max_per_owner: the least recently used id goes
+        owners.claim(f"tab-{i}", f"address:10.0.0.{i}")
+    assert owners.claim("alice-tab", "user:bob")  # forgotten after 200 newer ids from 200 persons
