@@ -554,3 +554,55 @@ def test_a_flood_of_new_ids_forgets_only_the_flooders_own() -> None:
     for i in range(200):  # more persons than max_ids / max_per_owner: the least recently used id goes
         owners.claim(f"tab-{i}", f"address:10.0.0.{i}")
     assert owners.claim("alice-tab", "user:bob")  # forgotten after 200 newer ids from 200 persons
+
+
+def test_compare_runs_count_per_person_with_that_persons_chats(nf4_engine: ChatEngine) -> None:
+    """A person gets one comparison in (running or waiting its turn); a second is refused at once, not queued,
+    while another person's waits for its turn and runs next. A side on the chat engine counts in that engine's
+    admission for the same person, so comparisons cannot add to a person's running and waiting chats."""
+    from llm_core.engine.compare import CompareConfig, Comparison, EnginePool
+    from llm_core.errors import BusyError
+
+    pool = EnginePool(nf4_engine.settings, primary=nf4_engine)
+    comparison = Comparison(pool, pool.settings)
+    gen = nf4_engine.request_options(max_new_tokens=40)
+    configs = [CompareConfig(None, "nf4"), CompareConfig(None, "none")]
+    bobs = comparison.run(configs, "Count to ten.", gen, request_id="bob-tab-1", person="user:bob")
+    step = next(bobs)
+    while step.update is None:  # bob's first side is streaming on the chat engine
+        step = next(bobs)
+    with pytest.raises(BusyError, match="already has a reply being written"):
+        next(comparison.run(configs, "Hi", gen, request_id="bob-tab-2", person="user:bob"))  # another tab: refused
+    alices = comparison.run(configs, "Hi", gen, request_id="alice-tab", person="user:alice")
+    alice_started = threading.Event()
+    alice = threading.Thread(target=lambda: (next(alices), alice_started.set()), daemon=True)
+    alice.start()
+    wait_until(lambda: comparison._lock.waiting("user:alice") == 1, 30, "alice's comparison to wait for its turn")
+
+    chats: list[Any] = []
+    waiting_chat = threading.Thread(target=lambda: chats.append(list(nf4_engine.stream_chat(
+        "Hi", [], gen=nf4_engine.request_options(max_new_tokens=2), request_id="bob-tab-3", person="user:bob"))),
+        daemon=True)
+    waiting_chat.start()  # bob's compare side runs, this chat waits: bob's limit of one running and one waiting
+    wait_until(lambda: nf4_engine._lock.waiting("user:bob") == 1, 30, "bob's chat to wait")
+    third: list[BaseException] = []
+
+    def third_chat() -> None:
+        try:
+            next(nf4_engine.stream_chat("Hi", [], gen=gen, request_id="bob-tab-4", person="user:bob"))
+        except BaseException as exc:  # noqa: BLE001 - what the engine answered is the result
+            third.append(exc)
+
+    asking = threading.Thread(target=third_chat, daemon=True)
+    asking.start()
+    asking.join(30)  # refused at once; were it admitted it would wait for its turn, so Stop ends it
+    nf4_engine.stop("bob-tab-4")
+    asking.join(30)
+    assert third and isinstance(third[0], BusyError), third
+    assert "already has a reply being written and 1 waiting" in str(third[0])
+    bobs.close()  # bob's comparison ends: alice's is next, and bob's waiting chat gets the engine
+    assert alice_started.wait(60)
+    waiting_chat.join(120)
+    assert chats and chats[0][-1].done
+    alices.close()
+    alice.join(10)

@@ -11,6 +11,7 @@ import gradio as gr
 
 from llm_core.config import KV_CACHE_MODES, Settings
 from llm_core.errors import LLMCoreError
+from llm_core.security import person_of
 
 from .common import PageContext, add_rows, gen_options, model_choice, session
 from .errors import user_error
@@ -87,7 +88,8 @@ class CompareHandler:
             texts = ["" for _ in range(MAX_COMPARE_SIDES)]
             side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
             notes: list[str] = []
-            for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request)):
+            for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request),
+                                           person=person_of(request, ctx.settings.server)):
                 if step.notes:
                     notes.extend(n for n in step.notes if n not in notes)
                 if step.update is not None:
