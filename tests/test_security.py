@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import app
+from bench.security import chat_inputs, flood, gradio_event, timeline
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import SettingsError
@@ -79,27 +80,13 @@ class Raw:
         if user is not None:
             assert self.http.post("login", data={"username": user, "password": USERS[user]}).status_code == 200
 
-    def join(self, session: str, fn: int, data: list[Any]) -> httpx.Response:
-        body = json.dumps({"data": data, "fn_index": fn, "session_hash": session, "event_data": None,
-                           "trigger_id": None}, ensure_ascii=True)  # lone surrogates travel as JSON escapes
-        return self.http.post("gradio_api/queue/join", content=body, headers={"content-type": "application/json"})
-
     def event(self, session: str, fn: int, data: list[Any]) -> dict[str, Any]:
         """Run one event; returns its process_completed message."""
-        joined = self.join(session, fn, data)
-        assert joined.status_code == 200, joined.text
-        event_id = joined.json()["event_id"]
-        with self.http.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data:"):
-                    message = json.loads(line[5:])
-                    if message.get("event_id") == event_id and message.get("msg") == "process_completed":
-                        return dict(message)
-        raise AssertionError("the event stream ended without completing the event")
+        return gradio_event(self.http, session, fn, data)
 
 
 def chat_data(message: str, history: list[Any], max_new_tokens: int = 4) -> list[Any]:
-    return [message, history, SYSTEM, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", None]
+    return chat_inputs(message, max_new_tokens, history, SYSTEM)
 
 
 # --- 7 and 8: the open host, auth through main's path, login throttling, sessions' owners ---------------------------
@@ -304,27 +291,6 @@ def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None
 
 # --- 3 and 4 through the app: a flooding session, Stop of a queued request --------------------------------------
 
-def timeline(jobs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, float]]:
-    """When each job streamed its first output and when it finished (monotonic seconds)."""
-    seen: dict[str, dict[str, float]] = {name: {"submitted": time.monotonic()} for name in jobs}
-    deadline = time.monotonic() + timeout_s
-    while not all(job.done() for job in jobs.values()):
-        assert time.monotonic() < deadline, "jobs still running"
-        now = time.monotonic()
-        for name, job in jobs.items():
-            if job.outputs() and "first" not in seen[name]:
-                seen[name]["first"] = now
-            if job.done() and "done" not in seen[name]:
-                seen[name]["done"] = now
-        time.sleep(0.01)
-    now = time.monotonic()
-    for name, job in jobs.items():
-        seen[name].setdefault("done", now)
-        if job.outputs():
-            seen[name].setdefault("first", now)
-    return seen
-
-
 def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(served: tuple[Any, str]) -> None:
     from gradio_client.exceptions import AppError
 
@@ -349,74 +315,19 @@ def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(se
 
 
 def test_a_flood_from_one_login_by_every_route_costs_another_user_at_most_one_reply(
-        served: tuple[Any, str], monkeypatch: pytest.MonkeyPatch, artifacts_dir: Path) -> None:
+        served: tuple[Any, str], artifacts_dir: Path) -> None:
     """Bob sends 30 chats through Gradio (each its own session hash) and 30 through /v1 (each its own `user`
-    field), every one from its own forged X-Forwarded-For. Admission counts bob once: alice's reply is the next to
-    take the (single) slot after the reply running when she arrives, before any of bob's. Asserted on the order the
-    scheduler gives; the wall times go to the record (artifacts/flood.json)."""
-    from llm_core.engine.serving import ReplySlots
-
+    field), every one from its own forged X-Forwarded-For (bench.security.flood, the record's own run). Admission
+    counts bob once: alice's reply is the next to take the (single) slot after the reply running when she arrives,
+    before any of bob's. Asserted on the order the scheduler gives; the wall times go to artifacts/flood.json."""
     demo, url = served
-    events: list[tuple[str, str, int]] = []  # (what, person, requests ahead) in the order the scheduler saw them
-    original = ReplySlots._wait_turn
-
-    def recording(self: ReplySlots, ticket: Any, on_wait: Callable[[int], None] | None = None) -> None:
-        def told(ahead: int) -> None:
-            events.append(("waits", ticket.session_id, ahead))
-            if on_wait is not None:
-                on_wait(ahead)
-
-        events.append(("ready", ticket.session_id, -1))
-        original(self, ticket, told)
-        events.append(("starts", ticket.session_id, -1))
-
-    monkeypatch.setattr(ReplySlots, "_wait_turn", recording)
-    alice = client(url, "alice")
-    quiet = timeline({"alice": submit_chat(alice, "Count from one to twenty in words.", 32)}, 120)["alice"]
-    bob_alone = timeline({"bob": submit_chat(client(url, "bob"), "Count from one to forty in words.", 48)}, 120)["bob"]
-    events.clear()
-
-    bob = Raw(url, "bob")
-    chat = fn_index(demo, "chat")
-    results: dict[str, Any] = {}
-
-    def gradio_flood(i: int) -> None:
-        bob.http.headers["X-Forwarded-For"] = f"10.0.0.{i}"  # not believed: the connection is not a listed proxy
-        results[f"gradio{i}"] = bob.event(uuid.uuid4().hex, chat, chat_data(f"Count from {i} to {i + 40}.", [], 48))
-
-    def api_flood(i: int) -> None:
-        results[f"api{i}"] = httpx.post(url + "v1/chat/completions", timeout=300, json={
-            "model": "SmolLM2-135M-Instruct", "max_tokens": 48, "user": f"end-user-{i}",
-            "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}]}, headers={
-            "Authorization": f"Bearer bob:{USERS['bob']}", "X-Forwarded-For": f"10.0.1.{i}"})
-
-    flood = [threading.Thread(target=f, args=(i,), daemon=True) for i in range(30) for f in (gradio_flood, api_flood)]
-    for thread in flood:
-        thread.start()
-    wait_until(lambda: any(what == "starts" and who == "user:bob" for what, who, _ in events), 120,
-               "one of bob's requests to run")
-    job = submit_chat(alice, "Count from one to twenty in words.", 32)
-    seen = timeline({"alice": job}, 300)["alice"]
-    for thread in flood:
-        thread.join(timeout=300)
-
-    assert job.outputs()[-1][3]["new_tokens"] > 0
-    assert {who for _, who, _ in events} == {"user:alice", "user:bob"}  # 60 hashes, user fields and addresses: 1 bob
-    mine = [i for i, (_, who, _) in enumerate(events) if who == "user:alice"]
-    ready, start = mine[0], next(i for i in mine if events[i][0] == "starts")
-    waited = [ahead for what, who, ahead in events[ready:start] if what == "waits" and who == "user:alice"]
-    assert max(waited, default=0) <= 1, waited  # only the reply running when she arrived went first
-    assert not [e for e in events[ready:start] if e[0] == "starts"], events[ready:start]  # none of bob's jumped her
-    gradio_ok = sum(1 for k, r in results.items() if k.startswith("gradio") and r["success"])
-    api_ok = sum(1 for k, r in results.items() if k.startswith("api") and r.status_code == 200)
-    refused_api = [r for k, r in results.items() if k.startswith("api") and r.status_code == 429]
-    assert all(r.headers.get("retry-after") for r in refused_api)
-    record = {"bob_alone_reply_s": bob_alone["done"] - bob_alone["submitted"],
-              "flood_requests": len(results), "bob_admitted_gradio": gradio_ok, "bob_admitted_api": api_ok,
-              "bob_refused": len(results) - gradio_ok - api_ok, "alice_ahead_when_ready": max(waited, default=0),
-              "alice_wait_to_first_output_s": seen["first"] - seen["submitted"],
-              "alice_quiet_to_first_output_s": quiet["first"] - quiet["submitted"],
-              "alice_reply_s": seen["done"] - seen["first"]}
+    record = flood(url, USERS, fn_index(demo, "chat"), "SmolLM2-135M-Instruct", system_prompt=SYSTEM)
+    assert record["persons"] == ["user:alice", "user:bob"]  # 60 hashes, user fields and addresses: one bob
+    assert record["ahead_when_ready"] <= 1  # only the reply running when she arrived went first
+    assert record["others_started_before_it"] == 0  # none of bob's jumped her
+    assert record["bob_admitted_gradio"] + record["bob_admitted_api"] == 2  # one running, one waiting
+    assert record["bob_refused"] == 58 and record["api_429_with_retry_after"] == record["api_429"]
+    assert record["alice_reply_new_tokens"] > 0
     (artifacts_dir / "flood.json").write_text(json.dumps(record, indent=2))
 
 
