@@ -264,7 +264,7 @@ def run(cache_dir: str) -> dict[str, Any]:
             "200": sum(r.status_code == 200 for r in results), "429": len(refused),
             "429_with_retry_after": sum(1 for r in refused if r.headers.get("retry-after"))}
         for target in ("/v1", "/v1/", "//v1/models", "/v1;x", "/v1/../gradio_api/info"):  # raw, as sent
-            response = httpx.get(url, headers=js, extensions={"target": target.encode()})
+            response = httpx.Client(headers=js).get(url, extensions={"target": target.encode()})
             rows[f"GET raw target {target}"] = [response.status_code, response.json()]
 
         call = logged_in(url, "alice").post("gradio_api/call/chat", json={"data": chat_inputs("Say hi.", 4)})
