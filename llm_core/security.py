@@ -114,29 +114,50 @@ def person_of(request: Any, server: ServerSettings) -> str:
 
 
 class SessionOwners:
-    """Which client owns a session id (Gradio's session hash): the first one that used it. Routes that act on a
-    session by its id (cancel, heartbeat, the event stream) are allowed only to its owner. Bounded (LRU)."""
+    """Which person owns an id: a session hash (Gradio's), or an event id (a queued job's, claimed from the answer
+    that handed it out). The first person that uses an unowned session hash owns it; an event id is owned once an
+    answer handed it to its owner. Routes that act on a session or event by its id are allowed only to its owner.
+    Bounded twice: one person's ids past `max_per_owner` push out that person's own oldest (so a flood of new ids
+    forgets only the flooder's), and past `max_ids` in all the least recently used go (reached only by more than
+    max_ids / max_per_owner persons)."""
 
-    def __init__(self, max_sessions: int = 50_000) -> None:
-        self.max_sessions = max_sessions
-        self._owners: OrderedDict[str, str] = OrderedDict()
+    def __init__(self, max_ids: int = 50_000, max_per_owner: int = 5_000) -> None:
+        self.max_ids, self.max_per_owner = max_ids, max_per_owner
+        self._owners: OrderedDict[str, str] = OrderedDict()  # id -> owner, least recently used first
+        self._by_owner: dict[str, OrderedDict[str, None]] = {}  # each owner's ids, least recently used first
         self._lock = threading.Lock()
 
-    def claim(self, session_id: str, owner: str) -> bool:
-        """True if `owner` owns `session_id` (claiming it if nobody does yet)."""
+    def claim(self, item_id: str, owner: str, *, new: bool = True) -> bool:
+        """True if `owner` owns `item_id`, claiming it if nobody does yet; with new=False an id nobody owns is
+        nobody's to use (an event id: the server hands each out, so one not handed out names no event)."""
         with self._lock:
-            current = self._owners.get(session_id)
-            if current is None:
-                self._owners[session_id] = owner
-                while len(self._owners) > self.max_sessions:
-                    self._owners.popitem(last=False)
-                return True
-            self._owners.move_to_end(session_id)
-            return current == owner
+            current = self._owners.get(item_id)
+            if current is not None:
+                self._owners.move_to_end(item_id)
+                self._by_owner[current].move_to_end(item_id)
+                return current == owner
+            if not new:
+                return False
+            self._owners[item_id] = owner
+            mine = self._by_owner.setdefault(owner, OrderedDict())
+            mine[item_id] = None
+            if len(mine) > self.max_per_owner:
+                self._drop(next(iter(mine)))
+            while len(self._owners) > self.max_ids:
+                self._drop(next(iter(self._owners)))
+            return True
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, item_id: str) -> None:
         with self._lock:
-            self._owners.pop(session_id, None)
+            if item_id in self._owners:
+                self._drop(item_id)
+
+    def _drop(self, item_id: str) -> None:
+        owner = self._owners.pop(item_id)
+        ids = self._by_owner[owner]
+        del ids[item_id]
+        if not ids:
+            del self._by_owner[owner]
 
 
 MAX_JSON_DEPTH = 64  # nesting of arrays/objects a request body may have; OpenAI's bodies need under 10

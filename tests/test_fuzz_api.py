@@ -3,7 +3,9 @@ every refusal is in OpenAI's error shape, the server keeps serving and its memor
 
 The unit run is a few hundred derandomized examples (it cannot flake and stays short on CI's 2 cores); for the
 record, `LLM_CORE_FUZZ_EXAMPLES=10000 python -m pytest tests/test_fuzz_api.py` runs 10,000 and writes the tally to
-artifacts/fuzz.json.
+artifacts/fuzz.json (statuses, server errors, answers outside OpenAI's shape, RSS growth). Requests go out
+with their raw request target, so paths like `/v1/..` reach the server as sent instead of being normalised away by
+the client.
 """
 
 from __future__ import annotations
@@ -42,13 +44,18 @@ def fuzzed(nf4_engine: ChatEngine, artifacts_dir: Path) -> Iterator[dict[str, An
     port = free_port()
     launch(demo, settings.replace(server={"port": port}), pool, prevent_thread_lock=True, quiet=True)
     tally: Counter[str] = Counter()
+    failures: list[str] = []  # answers that broke a rule (hypothesis then shrinks the first)
+    state = {"rss": [rss_bytes()]}
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=120,
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120,
                           headers={"Authorization": f"Bearer {KEY}"}) as http:
-            yield {"http": http, "model": served_model_id(settings), "tally": tally, "rss": [rss_bytes()]}
+            yield {"http": http, "model": served_model_id(settings), "tally": tally, "failures": failures, **state}
     finally:
         demo.close()
-        (artifacts_dir / "fuzz.json").write_text(json.dumps({"examples": EXAMPLES, "statuses": tally}, indent=2))
+        record = {"examples": EXAMPLES, "statuses": tally, "server_errors": sum(
+            n for status, n in tally.items() if status.startswith("5")), "non_openai_answers": len(failures),
+            "rss_growth_mib": round((rss_bytes() - state["rss"][0]) / 2**20, 1)}
+        (artifacts_dir / "fuzz.json").write_text(json.dumps(record, indent=2))
 
 
 def rss_bytes() -> int:
@@ -115,27 +122,41 @@ def near_valid_body(draw: Any, model: str) -> dict[str, Any]:
     return body
 
 
+# Spellings of a /v1 path: encoded dots and slashes, doubled and trailing slashes, segment parameters, backslashes,
+# an absolute-form target. Sent as the raw request target, so no client normalisation takes them out of /v1.
+V1_PREFIXES = ["/v1", "/v1/", "//v1", "/v1//", "/v1;p", "/v1\\", "http://127.0.0.1/v1"]
+V1_TAILS = ["/models", "/models/", "/models/x", "/models/x/", "/chat/completions", "/chat/completions/", "/embeddings",
+            "/moderations", "/.", "/..", "/../", "/%2e%2e/", "/../gradio_api/info", "/%2e%2e/gradio_api/queue/data",
+            "/models/%2e%2e/%2e%2e/config", "%2fmodels", "/chat%2fcompletions", "/%ff", "/%zz", "/%", ""]
+METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD", "TRACE"]
+
+
 def request_strategy(model: str) -> Any:
-    """(method, path, content type, body bytes): mostly chat bodies, then raw bytes, deep nests and odd routes."""
-    chat = chat_body(model).map(lambda b: ("POST", "/chat/completions", "application/json",
+    """(method, raw request target, content type, body bytes): mostly chat bodies, then raw bytes, deep nests and
+    odd targets under /v1 with every method."""
+    chat = chat_body(model).map(lambda b: ("POST", "/v1/chat/completions", "application/json",
                                            json.dumps(b, allow_nan=True).encode()))
-    raw = st.tuples(st.just("POST"), st.just("/chat/completions"),
+    raw = st.tuples(st.just("POST"), st.just("/v1/chat/completions"),
                     st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
                     st.binary(max_size=200))
-    deep = st.tuples(st.just("POST"), st.just("/chat/completions"), st.just("application/json"),
+    deep = st.tuples(st.just("POST"), st.just("/v1/chat/completions"), st.just("application/json"),
                      st.integers(1, 200_000).map(lambda n: b"[" * n))
-    odd = st.tuples(st.sampled_from(["GET", "POST", "PUT", "DELETE"]),
-                    st.one_of(st.sampled_from(["/models", "/completions", "/embeddings", "/models/x"]),
-                              st.text(alphabet="abcxyz/-_.%09", max_size=20).map(lambda t: "/" + t.lstrip("/"))),
+    tail = st.one_of(st.sampled_from(V1_TAILS), st.text(alphabet="abcxyz/-_.%092eEfF;\\", max_size=20).map(
+        lambda t: "/" + t))
+    query = st.one_of(st.just(""), st.text(alphabet="ab=&%2e/?", max_size=8).map(lambda q: "?" + q))
+    odd = st.tuples(st.sampled_from(METHODS), st.tuples(st.sampled_from(V1_PREFIXES), tail, query).map("".join),
                     st.just("application/json"), json_value.map(lambda v: json.dumps(v).encode()))
-    near = near_valid_body(model).map(lambda b: ("POST", "/chat/completions", "application/json",
+    near = near_valid_body(model).map(lambda b: ("POST", "/v1/chat/completions", "application/json",
                                                  json.dumps(b, allow_nan=True).encode()))
-    return st.one_of(chat, chat, near, near, raw, deep, odd)
+    return st.one_of(chat, chat, near, near, raw, deep, odd, odd)
 
 
-def check_answer(response: httpx.Response) -> None:
+def check_answer(method: str, response: httpx.Response) -> None:
     assert response.status_code < 500, (response.status_code, response.text[:300])
-    if response.status_code >= 300:
+    if method == "HEAD":  # no body: at least the headers say JSON for a refusal
+        assert response.status_code < 300 or response.headers["content-type"] == "application/json", response.headers
+    elif response.status_code >= 300:
+        assert response.headers.get("content-type") == "application/json", response.headers
         body = response.json()
         assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
         assert isinstance(body["error"]["message"], str) and body["error"]["message"]
@@ -148,22 +169,45 @@ def check_answer(response: httpx.Response) -> None:
 
 
 def test_fuzzed_bodies_never_get_a_server_error_or_a_non_openai_error(fuzzed: dict[str, Any]) -> None:
-    http, tally = fuzzed["http"], fuzzed["tally"]
+    http, tally, failures = fuzzed["http"], fuzzed["tally"], fuzzed["failures"]
 
     @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(request_strategy(fuzzed["model"]))
     def one(request: tuple[str, str, str, bytes]) -> None:
-        method, path, content_type, body = request
+        method, target, content_type, body = request
         headers = {"Content-Type": content_type} if content_type else {}
-        response = http.request(method, path, content=body if method != "GET" else None, headers=headers)
+        response = http.request(method, "/", content=body if method not in ("GET", "HEAD") else None,
+                                headers=headers, extensions={"target": target.encode()})  # sent as it is
         tally[str(response.status_code)] += 1
-        check_answer(response)
+        try:
+            check_answer(method, response)
+        except (AssertionError, ValueError, KeyError):
+            failures.append(f"{method} {target}: {response.status_code} {response.text[:100]}")
+            raise
 
     one()
-    served = http.post("/chat/completions", json={"model": fuzzed["model"], "max_tokens": 2,
+    served = http.post("/v1/chat/completions", json={"model": fuzzed["model"], "max_tokens": 2,
                                                   "messages": [{"role": "user", "content": "Hi"}]})
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] > 0  # still serving
     growth = rss_bytes() - fuzzed["rss"][0]
     assert growth < MAX_RSS_GROWTH_BYTES, f"RSS grew by {growth / 2**20:.0f} MiB over {EXAMPLES} bodies"
     assert sum(tally.values()) >= EXAMPLES and not [s for s in tally if s.startswith("5")], tally
+
+
+def test_every_spelling_of_a_v1_path_is_answered_in_openai_shape(fuzzed: dict[str, Any]) -> None:
+    """Each prefix x tail above, sent raw by GET and POST, and every method on two routes: never Gradio's answer
+    (`{"detail": ...}`, its page, a redirect), always the /v1 app's or the guard's, in OpenAI's shape."""
+    http = fuzzed["http"]
+    requests = [(m, p + t) for p in V1_PREFIXES for t in V1_TAILS for m in ("GET", "POST")]
+    requests += [(m, p) for m in METHODS for p in ("/v1/models", "/v1/chat/completions")]
+    statuses: Counter[int] = Counter()
+    for method, target in requests:
+        response = http.request(method, "/", content=b"{}" if method not in ("GET", "HEAD") else None,
+                                headers={"Content-Type": "application/json"}, extensions={"target": target.encode()})
+        statuses[response.status_code] += 1
+        try:
+            check_answer(method, response)
+        except (AssertionError, ValueError, KeyError) as exc:
+            raise AssertionError(f"{method} {target}: {response.status_code} {response.text[:200]}") from exc
+    assert statuses[404] > 200 and statuses[405] > 0 and statuses[400] > 0, statuses  # each kind was reached

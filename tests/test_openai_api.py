@@ -246,11 +246,11 @@ def test_only_json_bodies_and_no_other_sites_browser_requests(api: dict[str, Any
 
 def test_every_v1_answer_that_is_not_a_success_is_in_openai_error_shape(api: dict[str, Any], client: Any) -> None:
     base, auth = api["base_url"], {"Authorization": f"Bearer {KEY}"}
-    for path in ("/completions", "/embeddings", "/nope", "/models/x/y/z/../.."):
+    for path in ("/moderations", "/embeddings", "/nope", "/models/x/y/z/../.."):
         error = assert_openai_error(httpx.post(base + path, headers=auth, json={}), 404 if path != "/models/x/y/z/../.."
                                     else 405)
     assert error["type"] == "invalid_request_error"
-    assert assert_openai_error(httpx.get(base + "/completions", headers=auth), 404)["code"] == "unknown_url"
+    assert assert_openai_error(httpx.get(base + "/embeddings", headers=auth), 404)["code"] == "unknown_url"
     assert assert_openai_error(httpx.delete(base + "/chat/completions", headers=auth), 405)
     assert client.models.retrieve(api["model"]).id == api["model"]  # GET /v1/models/{id}
     with pytest.raises(openai.NotFoundError) as missing:

@@ -16,11 +16,12 @@ import httpx
 import pytest
 
 import app
+from bench.security import chat_inputs, flood, gradio_event, timeline
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import SettingsError
 from llm_core.metrics import ReplyStats, export_csv
-from llm_core.security import ExportFiles, LoginThrottle, check_exposure
+from llm_core.security import ExportFiles, LoginThrottle, SessionOwners, check_exposure
 from llm_core.web.guard import NOT_YOURS
 from tests.conftest import MODEL_CACHE
 from tests.test_app import free_port
@@ -79,27 +80,13 @@ class Raw:
         if user is not None:
             assert self.http.post("login", data={"username": user, "password": USERS[user]}).status_code == 200
 
-    def join(self, session: str, fn: int, data: list[Any]) -> httpx.Response:
-        body = json.dumps({"data": data, "fn_index": fn, "session_hash": session, "event_data": None,
-                           "trigger_id": None}, ensure_ascii=True)  # lone surrogates travel as JSON escapes
-        return self.http.post("gradio_api/queue/join", content=body, headers={"content-type": "application/json"})
-
     def event(self, session: str, fn: int, data: list[Any]) -> dict[str, Any]:
         """Run one event; returns its process_completed message."""
-        joined = self.join(session, fn, data)
-        assert joined.status_code == 200, joined.text
-        event_id = joined.json()["event_id"]
-        with self.http.stream("GET", "gradio_api/queue/data", params={"session_hash": session}) as stream:
-            for line in stream.iter_lines():
-                if line.startswith("data:"):
-                    message = json.loads(line[5:])
-                    if message.get("event_id") == event_id and message.get("msg") == "process_completed":
-                        return dict(message)
-        raise AssertionError("the event stream ended without completing the event")
+        return gradio_event(self.http, session, fn, data)
 
 
 def chat_data(message: str, history: list[Any], max_new_tokens: int = 4) -> list[Any]:
-    return [message, history, SYSTEM, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", None]
+    return chat_inputs(message, max_new_tokens, history, SYSTEM)
 
 
 # --- 7 and 8: the open host, auth through main's path, login throttling, sessions' owners ---------------------------
@@ -203,47 +190,95 @@ def app_routes(app: Any) -> list[tuple[str, str]]:
     return found
 
 
-def test_no_route_lets_another_login_use_a_session_by_its_hash(served: tuple[Any, str]) -> None:
+# Path parameters of Gradio's routes that name no session and no job: files, pages, API names, closed routes' keys.
+# A route keyed by anything else (a new kind of id) fails the walk below until it is added here or to ID_FIELDS.
+NOT_AN_ID = {"api_name", "path", "path_or_url", "url_path", "file_name", "id", "environment", "type", "size", "key",
+             "ext", "run", "component_id", "segment_id", "endpoint", "record_id", "asset_id"}
+
+
+def test_no_route_lets_another_login_use_a_session_or_an_event_by_its_id(served: tuple[Any, str]) -> None:
     """Every route of the app's own route table, and every API name of the built demo (run/*, call/*, api/*),
-    with alice's session hash in the path, the query and the body, as bob: refused (403, or 404 where the route is
-    closed), and alice's reply runs to its end."""
+    with alice's session hash, then alice's event id (a call/ job's), in the path, the query and the body, as bob:
+    refused (403, or 404 where the route is closed); alice's reply runs to its end and her job's result is hers."""
     import re
+
+    from llm_core.web.guard import ID_FIELDS
 
     demo, url = served
     alice = client(url, "alice")
     job = submit_chat(alice, "Count from one to forty in words.", 40)
     wait_until(lambda: len(job.outputs()) >= 1, 120, "alice's reply to stream")
-    session = alice.session_hash
+    alice_raw = Raw(url, "alice")
+    called = alice_raw.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)})
+    assert called.status_code == 200, called.text
+    mine = {"session_hash": alice.session_hash, "event_id": called.json()["event_id"]}
     api_names = sorted({fn.api_name for fn in demo.fns.values() if fn.api_name})
     assert {"chat", "stop", "clear", "show_history", "export_csv_file", "export_json_file"} <= set(api_names)
     bob = Raw(url, "bob")
     checked: list[str] = []
-    bobs_own = uuid.uuid4().hex
-    for method, template in app_routes(demo.app):
+    bobs_call = bob.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)}).json()["event_id"]
+    bobs_own = {"session_hash": uuid.uuid4().hex, "event_id": bobs_call}  # real ids of bob's: refusals are alice's
+    routes = app_routes(demo.app)
+    unclassified = {(m, t) for m, t in routes for name in re.findall(r"{(\w+)", t)
+                    if name not in NOT_AN_ID and name not in ID_FIELDS}
+    assert not unclassified, f"routes keyed by a parameter the guard does not check: {unclassified}"
+    for method, template in routes:
         if template.rstrip("/") in ("/login", "/logout"):
             continue  # no session: the login is throttled instead; logout only ends bob's own login
         for api_name in (api_names if "{api_name}" in template else ["x"]):
-            # Alice's hash in one place at a time (bob's own elsewhere): each place is checked on its own.
-            for where in ("path", "query", "body"):
-                if where == "path" and "{session_hash" not in template or where == "body" and method != "POST":
-                    continue
-                values = {"session_hash": session if where == "path" else bobs_own, "api_name": api_name}
-                path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
-                body = {"data": [], "session_hash": session if where == "body" else bobs_own, "fn_index": 0,
-                        "event_data": None, "trigger_id": None, "event_id": "x"}
-                response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
-                                            params={"session_hash": session if where == "query" else bobs_own})
-                assert response.status_code in (403, 404), (where, method, path, response.status_code,
-                                                             response.text[:200])
-                if response.status_code == 403 and method != "HEAD":
-                    assert NOT_YOURS in response.text, (method, path, response.text[:200])
-                checked.append(f"{method} {path} ({where})")
-    assert len(checked) > 200 and "POST /gradio_api/run/stop (body)" in checked
-    assert "POST /gradio_api/call/clear (body)" in checked and "GET /gradio_api/queue/data (query)" in checked
-    assert f"GET /gradio_api/heartbeat/{session} (path)" in checked
+            # Alice's id in one place at a time (bob's own elsewhere): each place is checked on its own.
+            for field in ID_FIELDS:
+                for where in ("path", "query", "body"):
+                    if where == "path" and "{" + field not in template or where == "body" and method != "POST":
+                        continue
+                    values = {k: mine[k] if (k, where) == (field, "path") else bobs_own[k] for k in ID_FIELDS}
+                    values["api_name"] = api_name
+                    path = re.sub(r"{(\w+)(:\w+)?}", lambda m, v=values: v.get(m.group(1), "x"), template)
+                    body = {"data": [], "fn_index": 0, "event_data": None, "trigger_id": None} | {
+                        k: mine[k] if (k, where) == (field, "body") else bobs_own[k] for k in ID_FIELDS}
+                    query = {k: mine[k] if (k, where) == (field, "query") else bobs_own[k] for k in ID_FIELDS}
+                    response = bob.http.request(method, path.lstrip("/"), json=body if method == "POST" else None,
+                                                params=query)
+                    assert response.status_code in (403, 404), (field, where, method, path, response.status_code,
+                                                                 response.text[:200])
+                    if response.status_code == 403 and method != "HEAD":
+                        assert NOT_YOURS in response.text, (method, path, response.text[:200])
+                    checked.append(f"{method} {path} ({field} in {where})")
+    assert len(checked) > 400 and "POST /gradio_api/run/stop (session_hash in body)" in checked
+    assert "POST /gradio_api/call/clear (session_hash in body)" in checked
+    assert "GET /gradio_api/queue/data (session_hash in query)" in checked
+    assert f"GET /gradio_api/heartbeat/{mine['session_hash']} (session_hash in path)" in checked
+    assert f"GET /gradio_api/call/chat/{mine['event_id']} (event_id in path)" in checked
+    assert "POST /gradio_api/cancel (event_id in body)" in checked
     job.result(timeout=120)
     stats = job.outputs()[-1][3]
     assert stats["finish_reason"] in ("length", "eos") and stats["new_tokens"] > 1  # not stopped by bob
+    result = alice_raw.http.get(f"gradio_api/call/chat/{mine['event_id']}", timeout=120)
+    assert result.status_code == 200 and "event: complete" in result.text, result.text[:300]  # still alice's
+    own = bob.http.get(f"gradio_api/call/chat/{bobs_call}", params={"session_hash": bobs_own["session_hash"]})
+    assert own.status_code == 200 and "event: complete" in own.text, own.text[:300]  # bob's own ids pass
+
+
+def test_a_call_job_result_is_read_only_by_its_login(served: tuple[Any, str]) -> None:
+    """The event id a call/ job hands out belongs to the login that started it: another login that learns it gets
+    the same 403 as for an id that does not exist, by the result route, as a session hash, or to cancel it."""
+    demo, url = served
+    alice, bob = Raw(url, "alice"), Raw(url, "bob")
+    event = alice.http.post("gradio_api/call/chat", json={"data": chat_data("Say hi.", [], 4)}).json()["event_id"]
+    unknown = uuid.uuid4().hex
+    for who, status in ((bob, 403), (Raw(url), 401)):
+        for path in (f"gradio_api/call/chat/{event}", f"gradio_api/call/v2/chat/{event}"):
+            refused = who.http.get(path)
+            assert refused.status_code == status and "event: complete" not in refused.text, refused.text[:200]
+    refused_detail = bob.http.get(f"gradio_api/call/chat/{event}").json()["detail"]
+    assert refused_detail == NOT_YOURS
+    assert bob.http.get("gradio_api/queue/data", params={"session_hash": event}).status_code == 403
+    cancel = {"session_hash": uuid.uuid4().hex, "fn_index": fn_index(demo, "chat"), "event_id": event}
+    assert bob.http.post("gradio_api/cancel", json=cancel).status_code == 403
+    missing = bob.http.get(f"gradio_api/call/chat/{unknown}")  # an id no answer handed out: the same refusal
+    assert missing.status_code == 403 and missing.json()["detail"] == refused_detail
+    mine = alice.http.get(f"gradio_api/call/chat/{event}", timeout=120)
+    assert mine.status_code == 200 and "event: complete" in mine.text, mine.text[:300]
 
 
 def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None:
@@ -255,27 +290,6 @@ def test_routes_the_app_does_not_use_are_closed(served: tuple[Any, str]) -> None
 
 
 # --- 3 and 4 through the app: a flooding session, Stop of a queued request --------------------------------------
-
-def timeline(jobs: dict[str, Any], timeout_s: float) -> dict[str, dict[str, float]]:
-    """When each job streamed its first output and when it finished (monotonic seconds)."""
-    seen: dict[str, dict[str, float]] = {name: {"submitted": time.monotonic()} for name in jobs}
-    deadline = time.monotonic() + timeout_s
-    while not all(job.done() for job in jobs.values()):
-        assert time.monotonic() < deadline, "jobs still running"
-        now = time.monotonic()
-        for name, job in jobs.items():
-            if job.outputs() and "first" not in seen[name]:
-                seen[name]["first"] = now
-            if job.done() and "done" not in seen[name]:
-                seen[name]["done"] = now
-        time.sleep(0.01)
-    now = time.monotonic()
-    for name, job in jobs.items():
-        seen[name].setdefault("done", now)
-        if job.outputs():
-            seen[name].setdefault("first", now)
-    return seen
-
 
 def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(served: tuple[Any, str]) -> None:
     from gradio_client.exceptions import AppError
@@ -301,74 +315,19 @@ def test_a_flooding_session_cannot_make_another_user_wait_more_than_one_reply(se
 
 
 def test_a_flood_from_one_login_by_every_route_costs_another_user_at_most_one_reply(
-        served: tuple[Any, str], monkeypatch: pytest.MonkeyPatch, artifacts_dir: Path) -> None:
+        served: tuple[Any, str], artifacts_dir: Path) -> None:
     """Bob sends 30 chats through Gradio (each its own session hash) and 30 through /v1 (each its own `user`
-    field), every one from its own forged X-Forwarded-For. Admission counts bob once: alice's reply is the next to
-    take the (single) slot after the reply running when she arrives, before any of bob's. Asserted on the order the
-    scheduler gives; the wall times go to the record (artifacts/flood.json)."""
-    from llm_core.engine.admission import ReplySlots
-
+    field), every one from its own forged X-Forwarded-For (bench.security.flood, the record's own run). Admission
+    counts bob once: alice's reply is the next to take the (single) slot after the reply running when she arrives,
+    before any of bob's. Asserted on the order the scheduler gives; the wall times go to artifacts/flood.json."""
     demo, url = served
-    events: list[tuple[str, str, int]] = []  # (what, person, requests ahead) in the order the scheduler saw them
-    original = ReplySlots._wait_turn
-
-    def recording(self: ReplySlots, ticket: Any, on_wait: Callable[[int], None] | None = None) -> None:
-        def told(ahead: int) -> None:
-            events.append(("waits", ticket.session_id, ahead))
-            if on_wait is not None:
-                on_wait(ahead)
-
-        events.append(("ready", ticket.session_id, -1))
-        original(self, ticket, told)
-        events.append(("starts", ticket.session_id, -1))
-
-    monkeypatch.setattr(ReplySlots, "_wait_turn", recording)
-    alice = client(url, "alice")
-    quiet = timeline({"alice": submit_chat(alice, "Count from one to twenty in words.", 32)}, 120)["alice"]
-    bob_alone = timeline({"bob": submit_chat(client(url, "bob"), "Count from one to forty in words.", 48)}, 120)["bob"]
-    events.clear()
-
-    bob = Raw(url, "bob")
-    chat = fn_index(demo, "chat")
-    results: dict[str, Any] = {}
-
-    def gradio_flood(i: int) -> None:
-        bob.http.headers["X-Forwarded-For"] = f"10.0.0.{i}"  # not believed: the connection is not a listed proxy
-        results[f"gradio{i}"] = bob.event(uuid.uuid4().hex, chat, chat_data(f"Count from {i} to {i + 40}.", [], 48))
-
-    def api_flood(i: int) -> None:
-        results[f"api{i}"] = httpx.post(url + "v1/chat/completions", timeout=300, json={
-            "model": "SmolLM2-135M-Instruct", "max_tokens": 48, "user": f"end-user-{i}",
-            "messages": [{"role": "user", "content": f"Count from {i} to {i + 40}."}]}, headers={
-            "Authorization": f"Bearer bob:{USERS['bob']}", "X-Forwarded-For": f"10.0.1.{i}"})
-
-    flood = [threading.Thread(target=f, args=(i,), daemon=True) for i in range(30) for f in (gradio_flood, api_flood)]
-    for thread in flood:
-        thread.start()
-    wait_until(lambda: any(what == "starts" and who == "user:bob" for what, who, _ in events), 120,
-               "one of bob's requests to run")
-    job = submit_chat(alice, "Count from one to twenty in words.", 32)
-    seen = timeline({"alice": job}, 300)["alice"]
-    for thread in flood:
-        thread.join(timeout=300)
-
-    assert job.outputs()[-1][3]["new_tokens"] > 0
-    assert {who for _, who, _ in events} == {"user:alice", "user:bob"}  # 60 hashes, user fields and addresses: 1 bob
-    mine = [i for i, (_, who, _) in enumerate(events) if who == "user:alice"]
-    ready, start = mine[0], next(i for i in mine if events[i][0] == "starts")
-    waited = [ahead for what, who, ahead in events[ready:start] if what == "waits" and who == "user:alice"]
-    assert max(waited, default=0) <= 1, waited  # only the reply running when she arrived went first
-    assert not [e for e in events[ready:start] if e[0] == "starts"], events[ready:start]  # none of bob's jumped her
-    gradio_ok = sum(1 for k, r in results.items() if k.startswith("gradio") and r["success"])
-    api_ok = sum(1 for k, r in results.items() if k.startswith("api") and r.status_code == 200)
-    refused_api = [r for k, r in results.items() if k.startswith("api") and r.status_code == 429]
-    assert all(r.headers.get("retry-after") for r in refused_api)
-    record = {"bob_alone_reply_s": bob_alone["done"] - bob_alone["submitted"],
-              "flood_requests": len(results), "bob_admitted_gradio": gradio_ok, "bob_admitted_api": api_ok,
-              "bob_refused": len(results) - gradio_ok - api_ok, "alice_ahead_when_ready": max(waited, default=0),
-              "alice_wait_to_first_output_s": seen["first"] - seen["submitted"],
-              "alice_quiet_to_first_output_s": quiet["first"] - quiet["submitted"],
-              "alice_reply_s": seen["done"] - seen["first"]}
+    record = flood(url, USERS, fn_index(demo, "chat"), "SmolLM2-135M-Instruct", system_prompt=SYSTEM)
+    assert record["persons"] == ["user:alice", "user:bob"]  # 60 hashes, user fields and addresses: one bob
+    assert record["ahead_when_ready"] <= 1  # only the reply running when she arrived went first
+    assert record["others_started_before_it"] == 0  # none of bob's jumped her
+    assert record["bob_admitted_gradio"] + record["bob_admitted_api"] == 2  # one running, one waiting
+    assert record["bob_refused"] == 58 and record["api_429_with_retry_after"] == record["api_429"]
+    assert record["alice_reply_new_tokens"] > 0
     (artifacts_dir / "flood.json").write_text(json.dumps(record, indent=2))
 
 
@@ -493,3 +452,68 @@ def test_login_throttle_counts_each_known_user_and_each_address() -> None:
     assert throttle.retry_after_s("f", "alice") == 10
     now[0] = 10
     assert throttle.retry_after_s("d", "alice") == 0
+
+
+def test_a_flood_of_new_ids_forgets_only_the_flooders_own() -> None:
+    owners = SessionOwners(max_ids=100, max_per_owner=10)
+    assert owners.claim("alice-tab", "user:alice")
+    assert not owners.claim("alice-event", "user:alice", new=False)  # an event id no answer handed out: nobody's
+    for i in range(10_000):
+        assert owners.claim(f"bob-{i}", "user:bob")
+    assert not owners.claim("alice-tab", "user:bob") and owners.claim("alice-tab", "user:alice")  # still hers
+    assert owners.claim("bob-9999", "user:bob") and owners.claim("bob-0", "user:carol")  # bob's oldest went
+    for i in range(200):  # more persons than max_ids / max_per_owner: the least recently used id goes
+        owners.claim(f"tab-{i}", f"address:10.0.0.{i}")
+    assert owners.claim("alice-tab", "user:bob")  # forgotten after 200 newer ids from 200 persons
+
+
+def test_compare_runs_count_per_person_with_that_persons_chats(nf4_engine: ChatEngine) -> None:
+    """A person gets one comparison in (running or waiting its turn); a second is refused at once, not queued,
+    while another person's waits for its turn and runs next. A side on the chat engine counts in that engine's
+    admission for the same person, so comparisons cannot add to a person's running and waiting chats."""
+    from llm_core.engine.compare import CompareConfig, Comparison, EnginePool
+    from llm_core.errors import BusyError
+
+    pool = EnginePool(nf4_engine.settings, primary=nf4_engine)
+    comparison = Comparison(pool, pool.settings)
+    gen = nf4_engine.request_options(max_new_tokens=40)
+    configs = [CompareConfig(None, "nf4"), CompareConfig(None, "none")]
+    bobs = comparison.run(configs, "Count to ten.", gen, request_id="bob-tab-1", person="user:bob")
+    step = next(bobs)
+    while step.update is None:  # bob's first side is streaming on the chat engine
+        step = next(bobs)
+    with pytest.raises(BusyError, match="already has a reply being written"):
+        next(comparison.run(configs, "Hi", gen, request_id="bob-tab-2", person="user:bob"))  # another tab: refused
+    alices = comparison.run(configs, "Hi", gen, request_id="alice-tab", person="user:alice")
+    alice_started = threading.Event()
+    alice = threading.Thread(target=lambda: (next(alices), alice_started.set()), daemon=True)
+    alice.start()
+    wait_until(lambda: comparison._lock.waiting("user:alice") == 1, 30, "alice's comparison to wait for its turn")
+
+    chats: list[Any] = []
+    waiting_chat = threading.Thread(target=lambda: chats.append(list(nf4_engine.stream_chat(
+        "Hi", [], gen=nf4_engine.request_options(max_new_tokens=2), request_id="bob-tab-3", person="user:bob"))),
+        daemon=True)
+    waiting_chat.start()  # bob's compare side runs, this chat waits: bob's limit of one running and one waiting
+    wait_until(lambda: nf4_engine._lock.waiting("user:bob") == 1, 30, "bob's chat to wait")
+    third: list[BaseException] = []
+
+    def third_chat() -> None:
+        try:
+            next(nf4_engine.stream_chat("Hi", [], gen=gen, request_id="bob-tab-4", person="user:bob"))
+        except BaseException as exc:  # noqa: BLE001 - what the engine answered is the result
+            third.append(exc)
+
+    asking = threading.Thread(target=third_chat, daemon=True)
+    asking.start()
+    asking.join(30)  # refused at once; were it admitted it would wait for its turn, so Stop ends it
+    nf4_engine.stop("bob-tab-4")
+    asking.join(30)
+    assert third and isinstance(third[0], BusyError), third
+    assert "already has a reply being written and 1 waiting" in str(third[0])
+    bobs.close()  # bob's comparison ends: alice's is next, and bob's waiting chat gets the engine
+    assert alice_started.wait(60)
+    waiting_chat.join(120)
+    assert chats and chats[0][-1].done
+    alices.close()
+    alice.join(10)

@@ -11,6 +11,7 @@ import gradio as gr
 
 from llm_core.config import KV_CACHE_MODES, Settings
 from llm_core.errors import LLMCoreError
+from llm_core.security import person_of
 
 from .common import PageContext, add_rows, gen_options, model_choice, session
 from .errors import user_error
@@ -88,7 +89,8 @@ class CompareHandler:
             side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
             notes: list[str] = []
             shown_results = -1  # the summary and bars are sent when a side finishes, not with every token
-            for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request)):
+            for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request),
+                                           person=person_of(request, ctx.settings.server)):
                 if step.notes:
                     notes.extend(n for n in step.notes if n not in notes)
                 if step.update is not None:

@@ -18,6 +18,8 @@ from .fit import build_fit_tab
 from .model import current_model
 from .stats import StatsTab, build_stats_tab, show_history
 
+# Compare events handled at once (at most one runs): taken from the worker threads chat leaves free for Stop.
+COMPARE_WIDTH = 4
 # Gradio's tables break words anywhere to fit, which split narrow labels mid-word ("Sourc e", "decode_tok ens"):
 # the key-value tables' labels and the data tables' column names stay whole; values wrap.
 PAGE_CSS = ("#model-info td:first-child, #stats td:first-child, [id^=compare-stats-] td:first-child, "
@@ -84,8 +86,9 @@ def _wire(ctx: PageContext, chat: ChatTab, compare: CompareTab, stats: StatsTab,
     compare_inputs = [compare.prompt, *compare.side_inputs, *chat.options.components, stats_history]
     compare_outputs = [*compare.outputs, stats_history]
     run = CompareHandler(ctx).compare
-    # Loads/unloads models: one comparison at a time, page and API together.
-    in_compare: dict[str, Any] = {"concurrency_id": "compare", "concurrency_limit": 1}
+    # One comparison runs at a time (Comparison's fair turns, page and API together); the width lets several reach
+    # those turns, where a person with one comparison in has the next refused at once instead of queued in FIFO.
+    in_compare: dict[str, Any] = {"concurrency_id": "compare", "concurrency_limit": COMPARE_WIDTH}
     comparisons = [
         compare.run.click(in_page(run, len(compare_outputs)), compare_inputs, compare_outputs,
                           api_name="compare_in_page", api_visibility="private", **in_compare),

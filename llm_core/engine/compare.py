@@ -19,6 +19,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from ..memory.kv_cache import check_kv_mode
 from ..metrics import ReplyStats, configuration_label, format_bytes
 from .backend import ChatBackend
 from .chat import ChatEngine, ReplyUpdate
+from .serving import ReplySlots
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
 MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
@@ -443,10 +445,14 @@ class Comparison:
     # The Compare view and the CLI ask for two or more sides; bench/compare_bench.py measures one side at a time
     # through this same path (min_sides=1).
     min_sides: int = 2
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # One comparison at a time, in fair turns per person: one running or waiting each, more refused at once.
+    _lock: ReplySlots = field(default_factory=lambda: ReplySlots(1, session_max_waiting=0))
 
     def run(self, configs: Sequence[CompareConfig], message: str, gen: GenerationSettings,
-            system_prompt: str | None = "", request_id: str | None = None) -> Iterator[CompareUpdate]:
+            system_prompt: str | None = "", request_id: str | None = None, person: str | None = None
+            ) -> Iterator[CompareUpdate]:
+        """Run each side in turn. Stop names `request_id`; `person` (llm_core.security.person_of) is whom the turns
+        between comparisons and each side's admission in its engine count it for, beside that person's chats."""
         need = max(1, self.min_sides)
         if len(configs) < need:
             raise InputError("Choose at least two configurations to compare." if need == 2 else
@@ -463,7 +469,8 @@ class Comparison:
         if gen.do_sample and gen.seed is None:
             gen = replace(gen, seed=random.randrange(2**31))  # the same seed for every side
         results: list[SideResult] = []
-        with self._lock:  # one comparison at a time: the numbers of each side are measured alone
+        with self._lock.ticket(person or request_id or uuid.uuid4().hex) as turn:  # refused if one is in already
+            turn.wait()  # one comparison at a time: the numbers of each side are measured alone
             for index, config in enumerate(configs):
                 t0 = time.perf_counter()
                 resident = config.engine_key in self.pool.resident()
@@ -474,7 +481,8 @@ class Comparison:
                 side_gen = replace(gen, kv_cache=config.kv_cache)
                 try:
                     for last in engine.stream_chat(message, [], gen=side_gen, history_turns=0,
-                                                   system_prompt=system_prompt, request_id=request_id):
+                                                   system_prompt=system_prompt, request_id=request_id,
+                                                   person=person):
                         if last.done:  # the final numbers, as the result keeps them: no view shows another peak
                             last = replace(last, stats=replace(
                                 last.stats, others_resident_bytes=self.pool.others_resident_bytes(config),

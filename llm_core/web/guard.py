@@ -4,10 +4,15 @@
   refused (403) on every route, /v1 included, as Ollama refuses origins outside OLLAMA_ORIGINS.
 - POST /login: failed attempts are throttled per user name and per client address (LOGIN_MAX_FAILURES per
   LOGIN_WINDOW_S); the /v1 API counts its failed keys in the same throttle.
-- Any request that names a session hash, wherever it names it (a path parameter of the matched route, the
-  `session_hash` query parameter, or a JSON or form body's `session_hash`): allowed only to the session's owner, the
-  person that first used it (llm_core.security.person_of: the login with AUTH, else the address). With AUTH it also
-  needs a login. This covers run/*, call/*, queue/*, cancel, heartbeat and any route Gradio adds later.
+- Any request that names a session hash or an event id, wherever it names it (a path parameter of the matched
+  route, a query parameter, or a JSON or form body's field `session_hash` / `event_id`): allowed only to its owner
+  (llm_core.security.person_of: the login with AUTH, else the address). A session hash belongs to the person that
+  first used it; an event id to the person whose answer handed it out (queue/join, call/NAME: claimed before the
+  answer leaves), and one no answer handed out is nobody's. With AUTH it also needs a login. This covers run/*,
+  call/* (the result stream GET call/NAME/EVENT_ID too), queue/*, cancel, reset, heartbeat and any route Gradio adds
+  later under those parameter names.
+- Any spelling of a /v1 path that the /v1 mount would not receive (`/v1` itself, `//v1/...`, `/v1;x`, `/v1\\...`,
+  an absolute-form target): OpenAI's 404, never one of Gradio's answers.
 - Routes this app does not use (uploads, streaming inputs, run history, MCP, vibe editing, custom components):
   closed (404).
 - A malformed API payload gets one readable sentence, not pydantic's validation dump.
@@ -19,6 +24,7 @@ reads requests.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from http.cookies import SimpleCookie
 from types import SimpleNamespace
@@ -41,7 +47,9 @@ CLOSED_PREFIXES = tuple(API + p for p in ("/upload", "/stream/", "/runs", "/run-
                                           "/undo-vibe-edit", "/custom_component", "/process_recording",
                                           "/dev/reload"))
 MAX_BODY_BYTES = 64 * 2**20  # a queue/join or cancel body read here; far above the largest accepted request
-NOT_YOURS = "No session with that id belongs to your login: open the demo in your own browser tab."
+NOT_YOURS = ("No session or event with that id belongs to your login: open the demo in your own browser tab.")
+ID_FIELDS = ("session_hash", "event_id")  # the names Gradio's routes give a session's and a queued job's id
+MAX_WATCHED_ANSWER_BYTES = 64 * 2**10  # JSON answers held back until their event id is claimed (a join's is tiny)
 
 
 class GuardMiddleware:
@@ -55,12 +63,13 @@ class GuardMiddleware:
             return
         path = str(scope.get("path", "")).rstrip("/") or "/"
         method = scope.get("method", "GET")
-        openai = path == OPENAI or path.startswith(OPENAI + "/")
+        mounted = path.startswith(OPENAI + "/")  # what the /v1 mount itself answers
+        openai = mounted or _reads_as_openai(path)
         if not self._same_site(scope):
             await _refuse(send, 403, "Requests from another web site are refused: the page's origin is not this "
                           "server's own and not listed in CORS_ORIGINS.", openai=openai, code="origin_not_allowed")
             return
-        if openai and path == OPENAI:  # the bare prefix is no route of the /v1 app; Gradio's would redirect it
+        if openai and not mounted:  # /v1 itself, or a spelling of a /v1 path that Gradio's routes would answer
             await _refuse(send, 404, "Unknown route: this server answers GET /v1/models, GET /v1/models/{id} and "
                           "POST /v1/chat/completions.", openai=True, code="unknown_url")
             return
@@ -73,20 +82,22 @@ class GuardMiddleware:
         if path.startswith(CLOSED_PREFIXES):
             await _refuse(send, 404, "Not found: this demo does not use that route.")
             return
-        sessions, receive = await _sessions_named(scope, receive)
-        if sessions:
-            user = _user(scope)
-            if user is not None:
-                scope.setdefault("state", {})["login"] = user
-            try:
-                owner = person_of(_Connection(scope, user), self.server)
-            except AuthError:
+        named, receive = await _ids_named(scope, receive)
+        user = _user(scope)
+        if user is not None:
+            scope.setdefault("state", {})["login"] = user
+        try:
+            owner: str | None = person_of(_Connection(scope, user), self.server)
+        except AuthError:
+            owner = None  # Gradio refuses it its routes (no event id is handed out without a login)
+        if named:
+            if owner is None:
                 await _refuse(send, 401, "Not logged in.")
                 return
-            if not all([self.owners.claim(session, owner) for session in sessions]):
+            if not all([self.owners.claim(item, owner, new=field == "session_hash") for field, item in named]):
                 await _refuse(send, 403, NOT_YOURS)
                 return
-        await self.app(scope, receive, send)
+        await self.app(scope, receive, send if owner is None else _ClaimingSend(send, self.owners, owner))
 
     def _same_site(self, scope: Scope) -> bool:
         """No Origin (not a browser's cross-site request), this server's own host, or an origin the operator lists.
@@ -130,6 +141,50 @@ class GuardMiddleware:
             self.throttle.failed(address, name)
 
 
+def _reads_as_openai(path: str) -> bool:
+    """Whether a path is /v1 or under it as a lenient client or proxy might read it: an absolute-form target's
+    scheme and host dropped, backslashes as slashes, repeated slashes as one, segment parameters (`;x`) cut."""
+    if "://" in path:
+        path = "/" + path.partition("://")[2].partition("/")[2]
+    path = re.sub(r"/+", "/", path.replace("\\", "/"))
+    first = path.lstrip("/").partition("/")[0].partition(";")[0]
+    return first == OPENAI.lstrip("/")
+
+
+class _ClaimingSend:
+    """A `send` that claims for `owner` the event id a JSON answer hands out (queue/join, call/NAME, any route that
+    starts a job) before the answer leaves, so nobody else can have learnt the id first. Other answers, and JSON past
+    MAX_WATCHED_ANSWER_BYTES, pass as they come."""
+
+    def __init__(self, send: Send, owners: SessionOwners, owner: str) -> None:
+        self.send, self.owners, self.owner = send, owners, owner
+        self.held: list[Message] | None = None  # None: not holding (yet, or any more)
+        self.body = b""
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start" and _is_json(message.get("headers", [])):
+            self.held = [message]
+            return
+        if self.held is None or message["type"] != "http.response.body":
+            await self._release()
+            await self.send(message)
+            return
+        self.held.append(message)
+        self.body += message.get("body", b"")
+        if not message.get("more_body", False):
+            event = _event_id(self.body)
+            if event is not None:
+                self.owners.claim(event, self.owner)
+            await self._release()
+        elif len(self.body) > MAX_WATCHED_ANSWER_BYTES:
+            await self._release()
+
+    async def _release(self) -> None:
+        held, self.held = self.held or [], None
+        for message in held:
+            await self.send(message)
+
+
 class _Connection:
     """What person_of reads of a request, from an ASGI scope: its login (from the cookie) and client address."""
 
@@ -147,32 +202,51 @@ def _is_form(scope: Scope) -> bool:
     return headers.get(b"content-type", b"").split(b";")[0].strip() == b"application/x-www-form-urlencoded"
 
 
-async def _sessions_named(scope: Scope, receive: Receive) -> tuple[list[str], Receive]:
-    """Every session hash a request names: a path parameter `session_hash` of the route it matches, the
-    `session_hash` query parameter, `session_hash` in its JSON or form body. All are checked, so naming one's own
-    session in one place does not carry another's in the next. Returns the replaying `receive` too."""
+async def _ids_named(scope: Scope, receive: Receive) -> tuple[list[tuple[str, str]], Receive]:
+    """Every session hash and event id a request names, as (field, id): a path parameter (`session_hash`,
+    `event_id`) of the route it matches, the query parameters, the JSON or form body's fields of those names. All
+    are checked, so naming one's own session in one place does not carry another's in the next. Returns the
+    replaying `receive` too."""
     from starlette.routing import Match
 
-    named: list[str] = []
+    def of(values: Any) -> list[tuple[str, str]]:  # values: a mapping of field -> id, or of field -> [ids]
+        found = []
+        for field in ID_FIELDS:
+            value = values.get(field)
+            found += [(field, v) for v in (value if isinstance(value, list) else [value]) if isinstance(v, str)]
+        return found
+
+    named: list[tuple[str, str]] = []
     for route in getattr(scope.get("app"), "routes", ()):
         matched, child = _match(route, scope)
         if matched == Match.FULL:
-            session = child.get("path_params", {}).get("session_hash")
-            named += [session] if isinstance(session, str) else []
+            named += of(child.get("path_params", {}))
             break
-    named += parse_qs(scope.get("query_string", b"").decode("latin-1")).get("session_hash", [])
+    named += of(parse_qs(scope.get("query_string", b"").decode("latin-1")))
     if scope.get("method") not in ("POST", "PUT", "PATCH", "DELETE"):
         return named, receive
     body, receive = await _read_body(receive)
     if _is_form(scope):
-        return named + parse_qs(body.decode("latin-1")).get("session_hash", []), receive
+        return named + of(parse_qs(body.decode("latin-1"))), receive
     try:
         data = parse_json(body)
-    except InputError:
-        field = _form_field(body, b"session_hash")  # multipart (component_server) or not JSON
-        return named + ([field] if field is not None else []), receive
-    session = data.get("session_hash") if isinstance(data, dict) else None
-    return named + ([session] if isinstance(session, str) else []), receive
+    except InputError:  # multipart (component_server) or not JSON
+        return named + of({field: _form_field(body, field.encode()) for field in ID_FIELDS}), receive
+    return named + (of(data) if isinstance(data, dict) else []), receive
+
+
+def _is_json(headers: Any) -> bool:
+    return any(k.lower() == b"content-type" and v.split(b";")[0].strip() == b"application/json" for k, v in headers)
+
+
+def _event_id(body: bytes) -> str | None:
+    """The event id a JSON answer hands out (`{"event_id": ...}`), or None."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    event = data.get("event_id") if isinstance(data, dict) else None
+    return event if isinstance(event, str) else None
 
 
 def _match(route: Any, scope: Scope) -> tuple[Any, dict[str, Any]]:
