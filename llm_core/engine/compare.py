@@ -37,7 +37,7 @@ from ..memory.kv_cache import check_kv_mode
 from ..metrics import ReplyStats, configuration_label, format_bytes
 from .backend import ChatBackend
 from .chat import ChatEngine, ReplyUpdate
-from .serving import ReplySlots
+from .admission import ReplySlots
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
 MODE_PRESETS: dict[str, tuple[str, bool | None]] = {
