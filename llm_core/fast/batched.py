@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
-from ..sampling import SamplingOptions, sample_from_scores, sampling_generator
+from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
 from ..streams import Finished, TokenStreams
 from . import kvquant
 from .generate import FastDecoder, _prefill_attention_scope
@@ -959,7 +959,7 @@ class FastBatchScheduler(TokenStreams):
             return
         try:
             scores, nxt = self.decoder.first_scores(row.slot, hn)
-            if request.options.do_sample:
+            if host_pick(request.options):
                 nxt = sample_from_scores(scores, request.options, row.generator)
             token = int(nxt.item())
         except Exception as exc:  # noqa: BLE001 - this request only (e.g. its sampling options)
@@ -991,7 +991,7 @@ class FastBatchScheduler(TokenStreams):
         longest = max(r.length for r in rows.values()) + 1
         t0 = time.perf_counter()
         self._measure(lambda: self.decoder.run_step(bucket, longest), len(rows))
-        sampled = {s: r for s, r in rows.items() if r.request.options.do_sample}
+        sampled = {s: r for s, r in rows.items() if host_pick(r.request.options)}
         for slot, row in sampled.items():  # the sampler shared by every path, on this row's scores
             self.decoder.tok[slot:slot + 1].copy_(
                 sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..loading import LoadedModel
-from ..sampling import sample_from_scores, sampling_generator
+from ..sampling import host_pick, sample_from_scores, sampling_generator
 from . import kvquant
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -735,7 +735,7 @@ class FastDecoder:
         if events is not None:
             events[1].record()
         clock["prefill_launched"] = time.perf_counter()
-        if gen.do_sample:
+        if host_pick(gen):
             nxt = sample_from_scores(scores, gen, generator)
         self._tok.copy_(nxt)
         self._pos.fill_(prompt_len)
@@ -747,7 +747,7 @@ class FastDecoder:
                 if min_new_tokens and i == min_new_tokens:
                     self._eos_bias.zero_()
                 self._run_step(self._bucket_for(prompt_len + i))
-                if gen.do_sample:
+                if host_pick(gen):
                     self._tok.copy_(sample_from_scores(self._scores, gen, generator))
                 self._publish(i)
             token = self._collect(i - 1)
