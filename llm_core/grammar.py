@@ -25,7 +25,9 @@ ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # Wrap-up: in the last quarter of the reply's token budget (at least this many tokens) the mask keeps, of the allowed
 # tokens, those that close a value first, so a model looping inside a string or a number still ends valid JSON.
 WRAP_UP_MIN_TOKENS = 24
-_CLOSING_TIERS = ("}]", '"', ",")  # tried in order: end an object/array, end a string, move to the next item
+# Tokens made only of these close what is open: a string ('"'), an object or an array; inside a string a token that
+# merely contains '}' would not close it, so a tier is the tokens made of its characters alone.
+_CLOSING_TIERS = ('"}]',)
 
 
 class TokenGrammar:
@@ -40,7 +42,7 @@ class TokenGrammar:
         # bit b of word w of llguidance's mask allows token 32 * w + b
         self._bits = torch.arange(32, dtype=torch.int32)
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        self.closing_tiers = [torch.tensor([any(c in (p or "") for c in chars) for p in pieces] +
+        self.closing_tiers = [torch.tensor([bool(p) and all(c in chars for c in p) for p in pieces] +
                                            [False] * max(0, self.vocab_size - len(pieces)))[: self.vocab_size]
                               for chars in _CLOSING_TIERS]
 
@@ -52,8 +54,11 @@ class TokenGrammar:
             text = json.dumps(dict(ANY_JSON_OBJECT if schema is None else schema))
         except (TypeError, ValueError) as exc:
             raise InputError(f"The JSON schema is not valid JSON: {exc}.") from None
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        except (TypeError, ValueError, RuntimeError) as exc:  # the schema's own fault, said by llguidance
+            raise InputError(f"This JSON schema cannot be used for structured output: {exc}") from None
         if error:
             raise InputError(f"This JSON schema cannot be used for structured output: {error}")
         return JsonConstraint(self, llguidance.LLMatcher(self._tokenizer, grammar), max_tokens)

@@ -121,8 +121,8 @@ class ChatCompletionRequest(BaseModel):
         kind = (self.response_format or {}).get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
             return "response_format.type must be text, json_object or json_schema."
-        if kind == "json_schema" and not isinstance((self.response_format or {}).get("json_schema", {}).get("schema"),
-                                                    dict):
+        wrapper = (self.response_format or {}).get("json_schema")
+        if kind == "json_schema" and not (isinstance(wrapper, dict) and isinstance(wrapper.get("schema"), dict)):
             return "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}."
         return None
 
@@ -542,7 +542,7 @@ class _Reply:
         finish_reason and `stats`. With tools, a choice's text is held to its end, then sent as content or as
         tool_calls deltas."""
         finals: list[ReplyUpdate] = []
-        current: Iterator[ReplyUpdate] | None = stream
+        current = stream
         try:
             for i, job in enumerate(self.plan.jobs):
                 if i:
@@ -553,7 +553,6 @@ class _Reply:
                         finals.append(item)
                     else:
                         yield item
-                assert current is not None
                 await run_in_threadpool(_close, current)
             if include_usage:
                 yield _sse({"id": self.id, "object": "text_completion" if self.text else "chat.completion.chunk",
@@ -565,8 +564,7 @@ class _Reply:
         finally:
             # Client gone, error or done: closing the generator halts this request's decode loop and releases its
             # slot (the engine's own clean-up, which waits for its worker: off the event loop).
-            if current is not None:
-                asyncio.get_running_loop().run_in_executor(None, _close, current)
+            asyncio.get_running_loop().run_in_executor(None, _close, current)
             self.server.leave(self.person)
 
     async def _one(self, job: Job, stream: Iterator[ReplyUpdate], update: ReplyUpdate

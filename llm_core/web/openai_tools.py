@@ -37,7 +37,8 @@ def check_tools(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any
     if len(functions) > MAX_TOOLS:
         raise InputError(f"At most {MAX_TOOLS} tools per request.")
     if tool_choice not in (None, "auto", "none", "required"):
-        name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+        fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
         if not any(f["name"] == name for f in functions):
             raise InputError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                              "\"function\": {\"name\": ...}} naming one of the tools.")
@@ -83,9 +84,13 @@ def flatten_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     for i, msg in enumerate(messages):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role == "assistant" and msg.get("tool_calls"):
+            if not isinstance(msg["tool_calls"], list):
+                raise InputError(f"messages[{i}].tool_calls must be a list of tool calls.")
             parts = [content_to_text(msg.get("content"))] if msg.get("content") else []
             for call in msg["tool_calls"]:
-                fn = call.get("function", {}) if isinstance(call, dict) else {}
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict):
+                    raise InputError(f"messages[{i}].tool_calls: each call needs a function with name and arguments.")
                 try:
                     args = json.loads(fn.get("arguments") or "{}")
                 except (TypeError, ValueError):
