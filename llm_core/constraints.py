@@ -9,6 +9,7 @@ own pick (the CUDA graph's argmax for greedy rows), so plain replies pay nothing
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -58,6 +59,22 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+
+
+def schema_control(text: Any, loaded: Any) -> RowControl | None:
+    """The chat page's "JSON schema" field as one reply's control: blank = none; otherwise a JSON schema object
+    (InputError saying what is wrong when it is not valid JSON, not an object, or not usable as a grammar)."""
+    if text is None or not str(text).strip():
+        return None
+    try:
+        schema = json.loads(str(text))
+    except ValueError as exc:
+        raise InputError(f"The JSON schema is not valid JSON: {exc}.") from None
+    if not isinstance(schema, dict):
+        raise InputError("The JSON schema must be a JSON object, e.g. {\"type\": \"object\", \"properties\": {...}}.")
+    if loaded is None:
+        raise InputError("Structured output runs on a local engine only, not on a remote one.")
+    return RowControl.for_model(OutputSpec(json=True, json_schema=schema), loaded)
 
 
 def token_grammar(loaded: Any) -> TokenGrammar:
