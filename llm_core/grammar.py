@@ -25,9 +25,10 @@ ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # Wrap-up: in the last quarter of the reply's token budget (at least this many tokens) the mask keeps, of the allowed
 # tokens, those that close a value first, so a model looping inside a string or a number still ends valid JSON.
 WRAP_UP_MIN_TOKENS = 24
-# Tokens made only of these close what is open: a string ('"'), an object or an array; inside a string a token that
-# merely contains '}' would not close it, so a tier is the tokens made of its characters alone.
-_CLOSING_TIERS = ('"}]',)
+# Tried in order, (characters, whole token made of them or just containing one): first tokens made only of quote,
+# brace and bracket (inside a string a token merely containing '}' would not close it), then ending an object/array,
+# ending a string, moving to the next item.
+_CLOSING_TIERS = (('"}]', True), ("}]", False), ('"', False), (",", False))
 
 
 class TokenGrammar:
@@ -42,9 +43,9 @@ class TokenGrammar:
         # bit b of word w of llguidance's mask allows token 32 * w + b
         self._bits = torch.arange(32, dtype=torch.int32)
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        self.closing_tiers = [torch.tensor([bool(p) and all(c in chars for c in p) for p in pieces] +
-                                           [False] * max(0, self.vocab_size - len(pieces)))[: self.vocab_size]
-                              for chars in _CLOSING_TIERS]
+        self.closing_tiers = [torch.tensor([bool(p) and (all if whole else any)(c in chars for c in p) for p in pieces]
+                                           + [False] * max(0, self.vocab_size - len(pieces)))[: self.vocab_size]
+                              for chars, whole in _CLOSING_TIERS]
 
     def json_constraint(self, schema: Mapping[str, Any] | None = None, max_tokens: int | None = None
                         ) -> JsonConstraint:
