@@ -300,6 +300,8 @@ class GenerationSettings:
     # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
     # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
     min_new_tokens: int = 0
+    # One request's output control (llm_core.constraints.RowControl: grammar, penalties, logprobs); not a setting.
+    control: Any = field(default=None, compare=False)
 
     def validate(self) -> GenerationSettings:
         _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)

@@ -25,7 +25,10 @@ ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # Wrap-up: in the last quarter of the reply's token budget (at least this many tokens) the mask keeps, of the allowed
 # tokens, those that close a value first, so a model looping inside a string or a number still ends valid JSON.
 WRAP_UP_MIN_TOKENS = 24
-_CLOSING_TIERS = ("}]", '"', ",")  # tried in order: end an object/array, end a string, move to the next item
+# Tried in order, (characters, whole token made of them or just containing one): first tokens made only of quote,
+# brace and bracket (inside a string a token merely containing '}' would not close it), then ending an object/array,
+# ending a string, moving to the next item.
+_CLOSING_TIERS = (('"}]', True), ("}]", False), ('"', False), (",", False))
 
 
 class TokenGrammar:
@@ -40,9 +43,9 @@ class TokenGrammar:
         # bit b of word w of llguidance's mask allows token 32 * w + b
         self._bits = torch.arange(32, dtype=torch.int32)
         pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        self.closing_tiers = [torch.tensor([any(c in (p or "") for c in chars) for p in pieces] +
-                                           [False] * max(0, self.vocab_size - len(pieces)))[: self.vocab_size]
-                              for chars in _CLOSING_TIERS]
+        self.closing_tiers = [torch.tensor([bool(p) and (all if whole else any)(c in chars for c in p) for p in pieces]
+                                           + [False] * max(0, self.vocab_size - len(pieces)))[: self.vocab_size]
+                              for chars, whole in _CLOSING_TIERS]
 
     def json_constraint(self, schema: Mapping[str, Any] | None = None, max_tokens: int | None = None
                         ) -> JsonConstraint:
@@ -52,8 +55,11 @@ class TokenGrammar:
             text = json.dumps(dict(ANY_JSON_OBJECT if schema is None else schema))
         except (TypeError, ValueError) as exc:
             raise InputError(f"The JSON schema is not valid JSON: {exc}.") from None
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_DEFAULTS)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        except (TypeError, ValueError, RuntimeError) as exc:  # the schema's own fault, said by llguidance
+            raise InputError(f"This JSON schema cannot be used for structured output: {exc}") from None
         if error:
             raise InputError(f"This JSON schema cannot be used for structured output: {error}")
         return JsonConstraint(self, llguidance.LLMatcher(self._tokenizer, grammar), max_tokens)

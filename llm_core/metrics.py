@@ -61,6 +61,7 @@ class ReplyStats:
     context_fit_tokens: int | None = None  # context meter: prompt tokens that fit the budget with this reply
     weights_bytes: int | None = None
     decode_bandwidth_bytes_per_s: float | None = None  # weights_bytes x decode_tokens_per_s (KV reads excluded)
+    grammar_mask_ms_per_token: float | None = None  # structured output: the JSON mask's mean time per token
     finish_reason: str = ""  # eos | length | stopped | error
     dropped_turns: int = 0
     notes: list[str] = field(default_factory=list)

@@ -6,7 +6,7 @@ Knows nothing of models or caches: it takes (1, vocab) float32 scores and the re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -41,8 +41,8 @@ class SamplingParams(Protocol):
 @dataclass(frozen=True)
 class SamplingOptions:
     """One request's sampling options as a batch scheduler keeps them per row (the eager and the batched fast one):
-    the GenerationSettings fields the sampler reads, its seed, and min_new_tokens (the batched fast path bans EOS
-    until then)."""
+    the GenerationSettings fields the sampler reads, its seed, min_new_tokens (the batched fast path bans EOS
+    until then) and its output control (llm_core.constraints.RowControl: grammar, penalties, logprobs)."""
 
     do_sample: bool = False
     temperature: float = 1.0
@@ -51,12 +51,13 @@ class SamplingOptions:
     repetition_penalty: float = 1.0
     seed: int | None = None
     min_new_tokens: int = 0
+    control: Any = field(default=None, compare=False)
 
     @classmethod
     def of(cls, gen: Any) -> SamplingOptions:
         return cls(do_sample=bool(gen.do_sample), temperature=float(gen.temperature), top_p=float(gen.top_p),
                    top_k=int(gen.top_k), repetition_penalty=float(gen.repetition_penalty), seed=gen.seed,
-                   min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0))
+                   min_new_tokens=int(getattr(gen, "min_new_tokens", 0) or 0), control=getattr(gen, "control", None))
 
 
 def sampling_generator(params: Any, device: torch.device | str | None = None) -> torch.Generator | None:
@@ -89,20 +90,41 @@ def logits_processors(params: SamplingParams, *, penalty: bool = True) -> Logits
 
 
 def next_token(scores: torch.Tensor, do_sample: bool, processors: LogitsProcessorList,
-               seen: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+               seen: torch.Tensor | None = None, generator: torch.Generator | None = None,
+               control: Any = None) -> torch.Tensor:
     """scores (1, V) float32 -> the next token id (1,): the processors (seen: (1, T) ids the penalty reads), then
-    multinomial over the softmax when sampling, else argmax."""
+    multinomial over the softmax when sampling, else argmax. A `control` (llm_core.constraints.RowControl) runs
+    between the repetition penalty and the warpers, as generate runs a custom logits processor, and is told the
+    pick."""
+    ids = seen if seen is not None else _NO_IDS.to(scores.device)
+    if control is not None:
+        penalties = [p for p in processors if isinstance(p, RepetitionPenaltyLogitsProcessor)]
+        for processor in penalties:
+            scores = processor(ids, scores)  # type: ignore[arg-type]
+        scores = control.process(scores)
+        processors = LogitsProcessorList(p for p in processors if p not in penalties)
     if len(processors):
-        ids = seen if seen is not None else _NO_IDS.to(scores.device)
         scores = processors(ids, scores)  # type: ignore[arg-type]  # LongTensor is a typing-only alias
     if do_sample:
-        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).view(1)
-    return scores.argmax(dim=-1).view(1)
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1, generator=generator).view(1)
+    else:
+        token = scores.argmax(dim=-1).view(1)
+    if control is not None:
+        control.accept(int(token))
+    return token
 
 
 def sample_from_scores(scores: torch.Tensor, params: Any, generator: torch.Generator | None) -> torch.Tensor:
-    """The warpers (no penalty: the scores have it) and multinomial. scores (1, V) -> (1,)."""
-    return next_token(scores, True, logits_processors(params, penalty=False), None, generator)
+    """The warpers (no penalty: the scores have it) and multinomial. scores (1, V) -> (1,). A row with an output
+    control (`params.control`) goes through it and picks greedily when it does not sample."""
+    control = getattr(params, "control", None)
+    return next_token(scores, bool(params.do_sample) or control is None, logits_processors(params, penalty=False),
+                      None, generator, control)
+
+
+def host_pick(params: Any) -> bool:
+    """Whether a row's token is picked on the host from its scores: it samples, or it has an output control."""
+    return bool(params.do_sample) or getattr(params, "control", None) is not None
 
 
 _NO_IDS = torch.zeros((1, 0), dtype=torch.long)  # the warpers never read input ids; a constant, never written

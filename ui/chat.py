@@ -12,6 +12,7 @@ from gradio.data_classes import GradioRootModel
 from pydantic import ValidationError
 
 from llm_core.config import ChatSettings
+from llm_core.constraints import schema_control
 from llm_core.errors import InputError, LLMCoreError
 from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, content_to_text, turns_from_messages
 from llm_core.metrics import ReplyStats
@@ -68,7 +69,7 @@ class ChatHandlers:
 
     def respond(self, message: str, history: ChatHistory, system_prompt: str, max_new_tokens: float,
                 history_turns: float, do_sample: bool, temperature: float, top_p: float, top_k: float,
-                repetition_penalty: float, kv_cache: str, rows: list[dict[str, Any]],
+                repetition_penalty: float, kv_cache: str, json_schema: str, rows: list[dict[str, Any]],
                 request: gr.Request, progress: gr.Progress = PROGRESS) -> Iterator[tuple[Any, ...]]:
         """The /chat API: stream a reply. Yields (textbox, chatbot history, stats markdown, stats JSON, session stats
         rows); the rows (a gr.State, never sent by the client) get the finished reply's stats. While the request
@@ -86,8 +87,9 @@ class ChatHandlers:
             # the cleaned text (a lone surrogate sent back would break this client's stream).
             chat_input = clean_chat_input(message, history, system_prompt, self.ctx.settings.chat)
             chat_engine = pool.primary()
-            gen = gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k, repetition_penalty,
-                              kv_cache)
+            gen = replace(gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k,
+                                      repetition_penalty, kv_cache),
+                          control=schema_control(json_schema, getattr(chat_engine, "loaded", None)))
             stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
                                              history_turns=whole(history_turns),
                                              system_prompt=chat_input.system_prompt, request_id=session(request),
@@ -122,11 +124,11 @@ class ChatHandlers:
 
     def regenerate(self, history: ChatHistory, system_prompt: str, max_new_tokens: float, history_turns: float,
                    do_sample: bool, temperature: float, top_p: float, top_k: float, repetition_penalty: float,
-                   kv_cache: str, rows: list[dict[str, Any]], request: gr.Request,
+                   kv_cache: str, json_schema: str, rows: list[dict[str, Any]], request: gr.Request,
                    progress: gr.Progress = PROGRESS) -> Iterator[tuple[Any, ...]]:
         """Answer the last user message again, replacing the reply(ies) after it."""
         values = (system_prompt, max_new_tokens, history_turns, do_sample, temperature, top_p, top_k,
-                  repetition_penalty, kv_cache, rows)
+                  repetition_penalty, kv_cache, json_schema, rows)
         messages = history if isinstance(history, list) else []
         last_user = next((i for i in range(len(messages) - 1, -1, -1)
                           if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
@@ -167,6 +169,7 @@ class ChatTab:
     stats_json: Any
     options: Options
     model: ModelPanel
+    json_schema: Any  # structured output: replies are JSON valid for this schema (blank: off)
 
 
 def build_chat_tab(ctx: PageContext, report: Any, header: Any) -> ChatTab:
@@ -191,6 +194,8 @@ def build_chat_tab(ctx: PageContext, report: Any, header: Any) -> ChatTab:
                 stats_json_view = gr.JSON(value={}, elem_id="stats-json", show_label=False)
             with gr.Accordion("Generation settings", open=True):
                 options = Options(ctx.settings)
+                json_schema = gr.Code("", language="json", label="JSON schema (structured output; blank = off)",
+                                      elem_id="json-schema")
             model = build_model_panel(ctx, report, header)
     return ChatTab(chatbot, chat_input, send, stop_btn, regen, clear_btn, api_chat, api_regen, api_compare, stats_md,
-                   stats_json_view, options, model)
+                   stats_json_view, options, model, json_schema)

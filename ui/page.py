@@ -64,7 +64,7 @@ def _wire(ctx: PageContext, chat: ChatTab, compare: CompareTab, stats: StatsTab,
     one sees and fail the call, as API callers expect. (Their own api_names: a private event named after its
     function would take the public endpoint's name.)"""
     handlers = ChatHandlers(ctx)
-    chat_inputs = [chat.chat_input, chat.chatbot, *chat.options.components, stats_history]
+    chat_inputs = [chat.chat_input, chat.chatbot, *chat.options.components, chat.json_schema, stats_history]
     chat_outputs = [chat.chat_input, chat.chatbot, chat.stats_md, chat.stats_json, stats_history]
     chat_width = min(WORKER_THREADS - 8, ctx.concurrency + ctx.settings.server.queue_size)
     in_chat: dict[str, Any] = {"concurrency_id": "chat", "concurrency_limit": chat_width}
@@ -76,7 +76,7 @@ def _wire(ctx: PageContext, chat: ChatTab, compare: CompareTab, stats: StatsTab,
                                api_visibility="private", **in_chat),
         chat.api_chat.click(handlers.respond, chat_inputs, chat_outputs, api_name="chat", **in_chat),
     ]
-    regen_inputs = [chat.chatbot, *chat.options.components, stats_history]
+    regen_inputs = [chat.chatbot, *chat.options.components, chat.json_schema, stats_history]
     replies += [
         chat.regenerate.click(in_page(handlers.regenerate, len(chat_outputs) - 1), regen_inputs, chat_outputs[1:],
                               api_name="regenerate_in_page", api_visibility="private", **in_chat),

@@ -38,6 +38,8 @@ def format_stats(stats: ReplyStats | None, *, live: bool = False) -> str:
          f"(budget {format_bytes(stats.memory_budget_bytes)})"),
         ("Decode path", stats.decode_path),
     ]
+    if stats.grammar_mask_ms_per_token is not None:
+        rows.append(("JSON schema mask", f"{stats.grammar_mask_ms_per_token:.2f} ms/token"))
     if not live and stats.finish_reason:
         rows.append(("Finished by", stats.finish_reason))
     text = "| Reply | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)

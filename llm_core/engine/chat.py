@@ -313,24 +313,25 @@ class ChatEngine(DecodeStartup):
         """The chat template applied and tokenized, as a reply's prompt is (input_ids, attention_mask)."""
         return self._encode(messages)
 
-    def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None) -> Any:
+    def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None, raw: bool = False) -> Any:
         """The chat template applied and tokenized. `memo` is one request's: fitting the history counts the same
         lists that the prompt is then encoded from (one tokenization each, not two). Nothing outlives the request,
         so a refused prompt's encoding is never kept."""
-        key = tuple((m["role"], m["content"]) for m in messages)
+        key = (raw, *((m["role"], m["content"]) for m in messages))
         encoded = memo.get(key) if memo is not None else None
         if encoded is None:
             with self._tokenizer_lock:  # concurrent requests share one tokenizer (not thread-safe)
-                encoded = self.loaded.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-                )
+                encoded = self.loaded.tokenizer(messages[-1]["content"], return_tensors="pt") if raw else (
+                    self.loaded.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"))
             if memo is not None:
                 memo[key] = encoded
         return encoded
 
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
-                system_prompt: str | None) -> PreparedPrompt:
-        """fit_history + encode_chat: the prompt for this request within the context budget."""
+                system_prompt: str | None, raw_prompt: bool = False) -> PreparedPrompt:
+        """fit_history + encode_chat: the prompt for this request within the context budget (raw_prompt: the
+        message as text to continue, no chat template, no history)."""
         fast = self._fast_serves(gen.kv_cache)
         measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
         if fast and not measured:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan
@@ -343,7 +344,7 @@ class ChatEngine(DecodeStartup):
         memo: dict[Any, Any] = {}
 
         def count(messages: list[dict[str, str]]) -> int:
-            return int(self._encode(messages, memo)["input_ids"].shape[-1])
+            return int(self._encode(messages, memo, raw_prompt)["input_ids"].shape[-1])
 
         step = self.settings.chat.history_trim_step
         steps = {"turn_step": max(1, round(history_turns * step)), "token_step": int(budget_tokens * step)}
@@ -371,7 +372,7 @@ class ChatEngine(DecodeStartup):
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
-        encoded = self._encode(fitted.messages, memo)
+        encoded = self._encode(fitted.messages, memo, raw_prompt)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
         fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
@@ -412,8 +413,9 @@ class ChatEngine(DecodeStartup):
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
-                    on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
-        """Stream a reply to `message` after `history`. Yields ReplyUpdate; the last one has done=True.
+                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False) -> Iterator[ReplyUpdate]:
+        """Stream a reply to `message` after `history` (raw_prompt: a continuation of `message` as plain text, no
+        chat template, system prompt or history). Yields ReplyUpdate; the last one has done=True.
         `request_id` is what Stop names (a browser session); `person` is whom admission and fair turns count the
         request for (llm_core.security.person_of; unset: the request_id).
 
@@ -439,8 +441,9 @@ class ChatEngine(DecodeStartup):
         try:
             with self._lock.ticket(person or request_id, stop_event) as ticket:  # refused when the person is full
                 try:
-                    prepared = self.prepare(text, history, gen=gen, history_turns=history_turns,
-                                            system_prompt=system_prompt)
+                    prepared = self.prepare(text, [] if raw_prompt else history, gen=gen, raw_prompt=raw_prompt,
+                                            history_turns=history_turns, system_prompt=None if raw_prompt else
+                                            system_prompt)
                 except Exception as exc:  # OOM while tokenizing/planning: same recovery as in the worker
                     if not is_oom_error(exc):
                         raise
@@ -458,6 +461,8 @@ class ChatEngine(DecodeStartup):
     def _stream(self, prepared: PreparedPrompt, stop_event: threading.Event, start_s: float
                 ) -> Iterator[ReplyUpdate]:
         loaded, gen = self.loaded, prepared.gen
+        if gen.control is not None:  # grammar, penalties, logprobs: fresh for this reply's token budget
+            gen.control.start(gen.max_new_tokens)
         clock = TokenClock(start_s)
         streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
         peak = PeakMeter(loaded.device)
@@ -521,6 +526,8 @@ class ChatEngine(DecodeStartup):
             stats = replace(stats, cached_prompt_tokens=cached[0] if cached else 0)
             final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend,
                                           cached_free)
+            if gen.control is not None:
+                final = replace(final, **gen.control.stats_fields())
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
             stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too

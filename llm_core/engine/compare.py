@@ -35,9 +35,9 @@ from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
 from ..memory.kv_cache import check_kv_mode
 from ..metrics import ReplyStats, configuration_label, format_bytes
+from .admission import ReplySlots
 from .backend import ChatBackend
 from .chat import ChatEngine, ReplyUpdate
-from .admission import ReplySlots
 
 # Quantization presets a comparison may use: name -> (quantization, double_quant).
 MODE_PRESETS: dict[str, tuple[str, bool | None]] = {

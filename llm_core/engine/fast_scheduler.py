@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
 from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
-from ..sampling import SamplingOptions, sample_from_scores, sampling_generator
+from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
 from ..streams import Finished, TokenStreams
 
 
@@ -407,7 +407,7 @@ class FastBatchScheduler(TokenStreams):
             return
         try:
             scores, nxt = self.decoder.first_scores(row.slot, hn)
-            if request.options.do_sample:
+            if host_pick(request.options):
                 nxt = sample_from_scores(scores, request.options, row.generator)
             token = int(nxt.item())
         except Exception as exc:  # noqa: BLE001 - this request only (e.g. its sampling options)
@@ -439,7 +439,7 @@ class FastBatchScheduler(TokenStreams):
         longest = max(r.length for r in rows.values()) + 1
         t0 = time.perf_counter()
         self._measure(lambda: self.decoder.run_step(bucket, longest), len(rows))
-        sampled = {s: r for s, r in rows.items() if r.request.options.do_sample}
+        sampled = {s: r for s, r in rows.items() if host_pick(r.request.options)}
         for slot, row in sampled.items():  # the sampler shared by every path, on this row's scores
             self.decoder.tok[slot:slot + 1].copy_(
                 sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))

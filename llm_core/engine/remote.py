@@ -153,9 +153,12 @@ class RemoteEngine:
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
-                    on_wait: Callable[[int], None] | None = None) -> Iterator[ReplyUpdate]:
+                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False) -> Iterator[ReplyUpdate]:
         """Stream a reply from the server. History is cut to `history_turns` whole turns here; the token budget is
         the engine's (a prompt it cannot fit comes back as ContextBudgetError with its message)."""
+        if raw_prompt or (gen is not None and gen.control is not None):
+            raise InputError("Text completions, structured output, logprobs and presence/frequency penalties run on "
+                             "a local engine only, not on a remote one.")
         start_s = time.perf_counter()  # request received: the clock TTFT and end-to-end are measured from
         gen = gen or self.settings.generation
         history_turns = self.settings.chat.history_turns if history_turns is None else history_turns

@@ -101,11 +101,13 @@ class PlainBackend:
         if cache is not None and chunk and prepared.input_ids.shape[-1] > chunk:
             prefill_in_chunks(model, prepared.input_ids, cache, chunk)  # activation peak ~ chunk, not prompt
         stop = _StopOnEvent(stop_event, on_step=lambda: self.check_oom("decode"))
+        processors, criteria = gen.control.hf_hooks() if gen.control is not None else (None, None)
         kwargs: dict[str, Any] = dict(
             input_ids=prepared.input_ids, attention_mask=prepared.attention_mask,
             max_new_tokens=gen.max_new_tokens, do_sample=gen.do_sample,
             repetition_penalty=gen.repetition_penalty, streamer=streamer, use_cache=True,
-            stopping_criteria=StoppingCriteriaList([stop]), pad_token_id=_pad_id(self.loaded),
+            stopping_criteria=StoppingCriteriaList([c for c in (criteria, stop) if c is not None]),
+            pad_token_id=_pad_id(self.loaded), logits_processor=[processors] if processors is not None else None,
         )
         if cache is not None:
             kwargs[cache_kwarg(model)] = cache

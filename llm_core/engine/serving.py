@@ -468,8 +468,9 @@ class BatchScheduler(TokenStreams):
 
     def _pick(self, row: _Row, logits: torch.Tensor) -> int:
         """Next token of one row from its (1, vocab) float32 logits: generate's processors, then argmax or sample."""
-        token = int(next_token(logits, row.request.options.do_sample, row.processors, row.seen[:, :row.n_seen],
-                               row.generator)[0])
+        options = row.request.options
+        token = int(next_token(logits, options.do_sample, row.processors, row.seen[:, :row.n_seen], row.generator,
+                               options.control)[0])
         row.seen[0, row.n_seen] = token
         row.n_seen += 1
         row.new_tokens += 1

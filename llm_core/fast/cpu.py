@@ -699,7 +699,8 @@ class CPUDecoder:
                                      sel.bias)
         out: list[int] = []
         while True:
-            token = int(next_token(scores, True, warpers, None, generator) if gen.do_sample else best)
+            token = int(next_token(scores, gen.do_sample, warpers, None, generator, gen.control)
+                        if gen.do_sample or gen.control is not None else best)
             sel.seen[0, token] = True
             out.append(token)
             if streamer is not None:

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
-from ..sampling import sample_from_scores, sampling_generator
+from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
 from . import kvquant
 from .kernels.attention import round_up
@@ -622,7 +622,7 @@ class FastDecoder(DecoderWarmup):
         if events is not None:
             events[1].record()
         clock["prefill_launched"] = time.perf_counter()
-        if gen.do_sample:
+        if host_pick(gen):
             nxt = sample_from_scores(scores, gen, generator)
         self._tok.copy_(nxt)
         self._pos.fill_(prompt_len)
@@ -634,7 +634,7 @@ class FastDecoder(DecoderWarmup):
                 if min_new_tokens and i == min_new_tokens:
                     self._eos_bias.zero_()
                 self._run_step(self._bucket_for(prompt_len + i))
-                if gen.do_sample:
+                if host_pick(gen):
                     self._tok.copy_(sample_from_scores(self._scores, gen, generator))
                 self._publish(i)
             token = self._collect(i - 1)

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from ..config import HISTORY_TURNS_RANGE, Settings, parse_auth
+from ..constraints import OutputSpec
 from ..engine.backend import ChatBackend
 from ..engine.chat import ReplyUpdate
 from ..errors import BusyError, InputError, LLMCoreError
@@ -36,6 +37,20 @@ from ..history import check_history_size, content_to_text, turns_from_messages
 from ..metrics import ReplyStats
 from ..models import EMBEDDED_NAME
 from ..security import LoginThrottle, parse_json, person_of
+from .openai_jobs import (
+    CompletionRequest,
+    Job,
+    Plan,
+    base_options,
+    chat_choice,
+    chat_spec,
+    make_jobs,
+    text_choice,
+    tool_messages,
+    usage,
+    with_tool_prompt,
+)
+from .openai_tools import chat_logprobs, completion_logprobs
 
 # (HTTP status, OpenAI error type, OpenAI error code) for a library error.
 ErrorInfo = tuple[int, str, str | None]
@@ -44,6 +59,7 @@ GetEngine = Callable[[], ChatBackend]
 
 FINISH_REASONS = {"eos": "stop", "length": "length", "stopped": "stop"}  # ReplyStats.finish_reason -> OpenAI's
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
+MAX_CHOICES = 4  # n: each choice is a reply of its own, run one after another
 
 
 def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> str:
@@ -96,19 +112,18 @@ class ChatCompletionRequest(BaseModel):
 
     def unsupported(self) -> str | None:
         """What this server cannot do of what the request asks, in words; None if it can do all of it."""
-        if self.n not in (None, 1):
-            return "n must be 1: this server writes one choice per request."
-        if self.presence_penalty or self.frequency_penalty:
-            return ("presence_penalty and frequency_penalty are not supported; use repetition_penalty (1.0-2.0) "
-                    "instead.")
-        if self.logprobs or self.top_logprobs:
-            return "logprobs are not supported by this server."
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            return f"n must be 1 to {MAX_CHOICES}: each choice is a reply of its own."
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true."
         if self.logit_bias:
             return "logit_bias is not supported by this server."
-        if self.tools or self.tool_choice not in (None, "none"):
-            return "tools and tool_choice are not supported by this server."
-        if self.response_format and self.response_format.get("type") != "text":
-            return "response_format must be {\"type\": \"text\"}: structured output is not supported."
+        kind = (self.response_format or {}).get("type", "text")
+        if kind not in ("text", "json_object", "json_schema"):
+            return "response_format.type must be text, json_object or json_schema."
+        wrapper = (self.response_format or {}).get("json_schema")
+        if kind == "json_schema" and not (isinstance(wrapper, dict) and isinstance(wrapper.get("schema"), dict)):
+            return "response_format json_schema needs {\"json_schema\": {\"name\": ..., \"schema\": {...}}}."
         return None
 
 
@@ -150,8 +165,8 @@ def split_messages(messages: list[dict[str, Any]]) -> Conversation:
         elif role in ("user", "assistant"):
             rest.append({"role": role, "content": msg.get("content")})
         else:
-            raise InputError(f"messages[{i}] has role {role!r}; this server takes system, developer, user and "
-                             "assistant messages (no tool calls).")
+            raise InputError(f"messages[{i}] has role {role!r}; this server takes system, developer, user, "
+                             "assistant and tool messages.")
     if not rest or rest[-1]["role"] != "user":
         raise InputError("The last message must come from the user.")
     return Conversation("\n\n".join(s for s in system if s.strip()), rest[:-1], content_to_text(rest[-1]["content"]))
@@ -252,7 +267,7 @@ class OpenAIServer:
                 del self._in_flight_by_person[person]
 
     # --- requests ------------------------------------------------------------------------------------
-    async def parse(self, request: Request) -> ChatCompletionRequest:
+    async def parse(self, request: Request, model: type[Any] = ChatCompletionRequest) -> Any:
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if content_type != "application/json":  # text/plain would let any web page post here without a preflight
             raise ApiError(415, f"The request body must be sent as Content-Type: application/json (got "
@@ -272,7 +287,7 @@ class OpenAIServer:
         if not isinstance(data, dict):
             raise ApiError(400, "The request body must be a JSON object.")
         try:
-            req = ChatCompletionRequest.model_validate(data)
+            req = model.model_validate(data)
         except ValidationError as exc:
             first = exc.errors()[0]
             param = ".".join(str(p) for p in first.get("loc", ())) or None
@@ -286,40 +301,61 @@ class OpenAIServer:
             raise ApiError(400, f"stop takes up to {MAX_STOP_SEQUENCES} non-empty strings.", param="stop")
         return req
 
-    def start(self, req: ChatCompletionRequest, session: str, person: str
-              ) -> tuple[ChatBackend, str, Iterator[ReplyUpdate], ReplyUpdate]:
-        """Validate against the engine, start the reply and wait for its first update (runs in a worker thread:
-        errors before the first token still get their own HTTP status). Returns the served model's id too.
-        `session` names this request for Stop; `person` is whom the engine's admission counts it for."""
+    def _engine_for(self, req: Any) -> tuple[ChatBackend, str]:
         engine = self.get_engine()
         model_id = served_model_id(self.settings, engine)
         if req.model != model_id:
             raise ApiError(404, f"The model {req.model!r} is not served here; this server serves {model_id!r} "
                            "(GET /v1/models).", code="model_not_found", param="model")
-        options: dict[str, Any] = {
-            "max_new_tokens": req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-            "top_p": req.top_p, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty, "seed": req.seed,
-        }
-        if req.temperature is not None:  # 0 = greedy, as OpenAI's API; unset = the server's DO_SAMPLE/TEMPERATURE
-            options.update(do_sample=req.temperature > 0, temperature=req.temperature or None)
-        gen = engine.request_options(**options)
-        conversation = split_messages(req.messages)
+        return engine, model_id
+
+    def plan_chat(self, req: ChatCompletionRequest) -> tuple[ChatBackend, str, Plan]:
+        """The request's replies, validated against the engine (runs in a worker thread)."""
+        engine, model_id = self._engine_for(req)
+        messages, functions, forced = tool_messages(engine, req)
+        conversation = split_messages(messages)
         chat = self.settings.chat
         check_history_size(conversation.history, max_messages=chat.max_history_messages,
                            max_chars=chat.max_history_chars)
         turns = turns_from_messages(conversation.history)
+        system = conversation.system_prompt
+        if functions:
+            system = with_tool_prompt(system, chat.system_prompt, functions, forced is not None)
+        options = base_options(req, req.max_completion_tokens if req.max_completion_tokens is not None
+                               else req.max_tokens)
+        jobs = make_jobs(engine, req, chat_spec(req, forced), options, [(conversation.message, turns, system)],
+                         raw=False)
+        return engine, model_id, self._plan(engine, jobs, [f["name"] for f in functions], forced is not None,
+                                            bool(req.logprobs))
+
+    def plan_completion(self, req: CompletionRequest) -> tuple[ChatBackend, str, Plan]:
+        engine, model_id = self._engine_for(req)
+        spec = OutputSpec(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                          top_logprobs=req.logprobs)
+        prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        jobs = make_jobs(engine, req, spec, base_options(req, req.max_tokens), [(p, [], None) for p in prompts],
+                         raw=True)
+        return engine, model_id, self._plan(engine, jobs, [], False, req.logprobs is not None)
+
+    @staticmethod
+    def _plan(engine: ChatBackend, jobs: list[Job], names: list[str], forced: bool, logprobs: bool) -> Plan:
+        loaded = getattr(engine, "loaded", None)
+        return Plan(jobs, names, forced, logprobs, getattr(loaded, "tokenizer", None),
+                    frozenset(getattr(loaded, "eos_token_ids", ()) or ()))
+
+    def begin(self, engine: ChatBackend, job: Job, session: str, person: str
+              ) -> tuple[Iterator[ReplyUpdate], ReplyUpdate]:
+        """Start one reply and wait for its first update (in a worker thread: errors before the first token still
+        get their own HTTP status). `session` names the request for Stop; `person` is whom admission counts."""
         # The client sends what it wants in context: keep every turn the budget allows (dropped ones are noted).
-        stream = engine.stream_chat(conversation.message, turns, gen=gen, history_turns=HISTORY_TURNS_RANGE[1],
-                                    system_prompt=conversation.system_prompt, request_id=session, person=person)
-        first = next(stream)
-        return engine, model_id, stream, first
+        stream = engine.stream_chat(job.message, job.turns, gen=job.gen, history_turns=HISTORY_TURNS_RANGE[1],
+                                    system_prompt=job.system_prompt, request_id=session, person=person,
+                                    raw_prompt=job.raw)
+        return stream, next(stream)
 
 
 def _usage(update: ReplyUpdate) -> dict[str, Any]:
-    completion = update.stats.new_tokens  # generated token ids, EOS included (a remote engine's own count)
-    return {"prompt_tokens": update.stats.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": update.stats.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": update.stats.cached_prompt_tokens}}
+    return usage([update])
 
 
 def _stats_field(stats: ReplyStats) -> dict[str, Any]:
@@ -349,8 +385,8 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
     def http_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 404:
-            message = "Unknown route: this server answers GET /v1/models, GET /v1/models/{id} and POST " \
-                      "/v1/chat/completions."
+            message = "Unknown route: this server answers GET /v1/models, GET /v1/models/{id}, POST " \
+                      "/v1/chat/completions and POST /v1/completions."
         elif exc.status_code == 405:
             message = "This route does not take that method."
         else:
@@ -386,37 +422,37 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
                            type_="invalid_request_error", code="model_not_found", param="model")
         return model_card(served)
 
-    @api.post("/chat/completions", response_model=None)
-    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+    async def serve(request: Request, text: bool) -> JSONResponse | StreamingResponse:
         person = server.caller(request)
-        req = await server.parse(request)
+        req = await server.parse(request, CompletionRequest if text else ChatCompletionRequest)
         server.enter(person)
         left = False
         try:
             # Stop reaches this request alone; admission counts the person (the key's user), never `user`.
             session = f"openai-api:{uuid.uuid4().hex}"
-            engine, model_id, stream, first = await run_in_threadpool(server.start, req, session, person)
+            engine, model_id, plan = await run_in_threadpool(server.plan_completion if text else server.plan_chat,
+                                                             req)
+            stream, first = await run_in_threadpool(server.begin, engine, plan.jobs[0], session, person)
             stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
-            completion_id = f"chatcmpl-{first.stats.reply_id}"
-            created = int(time.time())
+            reply = _Reply(server, engine, plan, stops, session, person, model_id, text,
+                           f"{'cmpl' if text else 'chatcmpl'}-{first.stats.reply_id}", int(time.time()))
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 left = True  # the stream leaves when it ends
-                return StreamingResponse(
-                    _events(server, engine, stream, first, stops, session, completion_id, created, include_usage,
-                            model_id, person),
-                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            final = await run_in_threadpool(_drain, engine, stream, first, stops, session)
-            text, reason = _final_text(final, stops)
-            return JSONResponse({
-                "id": completion_id, "object": "chat.completion", "created": created, "model": model_id,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": reason, "logprobs": None}],
-                "usage": _usage(final), "stats": _stats_field(final.stats),
-            })
+                return StreamingResponse(reply.events(stream, first, include_usage), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await run_in_threadpool(reply.whole, stream, first))
         finally:
             if not left:
                 server.leave(person)
+
+    @api.post("/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> JSONResponse | StreamingResponse:
+        return await serve(request, text=False)
+
+    @api.post("/completions", response_model=None)
+    async def completions(request: Request) -> JSONResponse | StreamingResponse:
+        return await serve(request, text=True)
 
     return api
 
@@ -447,47 +483,122 @@ def _sse(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _events(server: OpenAIServer, engine: ChatBackend, stream: Iterator[ReplyUpdate], first: ReplyUpdate,
-                  stops: StopScanner, session: str, completion_id: str, created: int, include_usage: bool,
-                  model_id: str, person: str) -> AsyncIterator[bytes]:
-    """Server-sent events in OpenAI's chunk format; the last content chunk carries finish_reason and `stats`."""
+@dataclass
+class _Reply:
+    """One request's choices, run one after another, as a whole response or as server-sent events."""
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        return _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                     "model": model_id, "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
-                                                            "logprobs": None}], **extra})
+    server: OpenAIServer
+    engine: ChatBackend
+    plan: Plan
+    stops: StopScanner
+    session: str
+    person: str
+    model_id: str
+    text: bool  # /v1/completions (else chat)
+    id: str
+    created: int
 
-    sent = 0
-    update = first
-    cut: int | None = None
-    try:
-        yield chunk({"role": "assistant", "content": ""})
+    def _choice(self, job: Job, final: ReplyUpdate) -> dict[str, Any]:
+        text, reason = _final_text(final, self.stops)
+        build = text_choice if self.text else chat_choice
+        return build(self.plan, job, text, reason)
+
+    def whole(self, stream: Iterator[ReplyUpdate], first: ReplyUpdate) -> dict[str, Any]:
+        choices, finals = [], []
+        for i, job in enumerate(self.plan.jobs):
+            if i:
+                stream, first = self.server.begin(self.engine, job, self.session, self.person)
+            final = _drain(self.engine, stream, first, self.stops, self.session)
+            choice = self._choice(job, final)
+            if len(self.plan.jobs) > 1:
+                choice["stats"] = _stats_field(final.stats)
+            choices.append(choice)
+            finals.append(final)
+        return {"id": self.id, "object": "text_completion" if self.text else "chat.completion",
+                "created": self.created, "model": self.model_id, "choices": choices, "usage": usage(finals),
+                "stats": _stats_field(finals[0].stats)}
+
+    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
+               **extra: Any) -> bytes:
+        if self.text:
+            choice: dict[str, Any] = {"index": index, "text": delta.get("content", ""), "finish_reason": finish,
+                                      "logprobs": logprobs}
+        else:
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return _sse({"id": self.id, "object": "text_completion" if self.text else "chat.completion.chunk",
+                     "created": self.created, "model": self.model_id, "choices": [choice], **extra})
+
+    def _logprobs(self, job: Job, sent: int) -> tuple[Any, int]:
+        """The logprobs of the tokens made since `sent`, for the next chunk."""
+        if not self.plan.logprobs or job.control is None:
+            return None, sent
+        entries = job.control.logprobs[sent:]
+        build = completion_logprobs if self.text else chat_logprobs
+        return build(entries, self.plan.tokenizer, self.plan.eos_ids), sent + len(entries)
+
+    async def events(self, stream: Iterator[ReplyUpdate], first: ReplyUpdate, include_usage: bool
+                     ) -> AsyncIterator[bytes]:
+        """Server-sent events in OpenAI's chunk format, choice after choice; each choice's last chunk carries its
+        finish_reason and `stats`. With tools, a choice's text is held to its end, then sent as content or as
+        tool_calls deltas."""
+        finals: list[ReplyUpdate] = []
+        current = stream
+        try:
+            for i, job in enumerate(self.plan.jobs):
+                if i:
+                    current, first = await run_in_threadpool(self.server.begin, self.engine, job, self.session,
+                                                             self.person)
+                async for item in self._one(job, current, first):
+                    if isinstance(item, ReplyUpdate):
+                        finals.append(item)
+                    else:
+                        yield item
+                await run_in_threadpool(_close, current)
+            if include_usage:
+                yield _sse({"id": self.id, "object": "text_completion" if self.text else "chat.completion.chunk",
+                            "created": self.created, "model": self.model_id, "choices": [], "usage": usage(finals)})
+            yield b"data: [DONE]\n\n"
+        except LLMCoreError as exc:  # after the first token the status is sent: the error travels as an event
+            status, type_, code = self.server.describe_error(exc)
+            yield _sse(error_body(str(exc), type_, code) | {"status": status})
+        finally:
+            # Client gone, error or done: closing the generator halts this request's decode loop and releases its
+            # slot (the engine's own clean-up, which waits for its worker: off the event loop).
+            asyncio.get_running_loop().run_in_executor(None, _close, current)
+            self.server.leave(self.person)
+
+    async def _one(self, job: Job, stream: Iterator[ReplyUpdate], update: ReplyUpdate
+                   ) -> AsyncIterator[bytes | ReplyUpdate]:
+        """One choice's chunks, then its final update."""
+        hold = bool(self.plan.tool_names)
+        if not self.text:
+            yield self._chunk(job.index, {"role": "assistant", "content": ""})
+        sent = logged = 0
+        cut: int | None = None
         while True:
             if cut is None:
-                cut = stops.cut(update.text)
+                cut = self.stops.cut(update.text)
                 if cut is not None:
-                    engine.stop(session)
-            end = cut if cut is not None else (len(update.text) if update.done else stops.safe_length(update.text))
-            if end > sent:
-                yield chunk({"content": update.text[sent:end]})
+                    self.engine.stop(self.session)
+            end = cut if cut is not None else (len(update.text) if update.done else
+                                               self.stops.safe_length(update.text))
+            if end > sent and not hold:
+                logprobs, logged = self._logprobs(job, logged)
+                yield self._chunk(job.index, {"content": update.text[sent:end]}, logprobs=logprobs)
                 sent = end
             if update.done:
                 break
             update = await run_in_threadpool(next, stream)
         reason = "stop" if cut is not None else FINISH_REASONS.get(update.stats.finish_reason, "stop")
-        yield chunk({}, reason, stats=_stats_field(update.stats))
-        if include_usage:
-            yield _sse({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                        "model": model_id, "choices": [], "usage": _usage(update)})
-        yield b"data: [DONE]\n\n"
-    except LLMCoreError as exc:  # after the first token the status is sent: the error travels as an event
-        status, type_, code = server.describe_error(exc)
-        yield _sse(error_body(str(exc), type_, code) | {"status": status})
-    finally:
-        # Client gone, error or done: closing the generator halts this request's decode loop and releases its slot
-        # (the engine's own clean-up, which waits for its worker: off the event loop).
-        asyncio.get_running_loop().run_in_executor(None, _close, stream)
-        server.leave(person)
+        if hold:
+            choice = self._choice(job, update)
+            message, reason = choice["message"], choice["finish_reason"]
+            calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
+            logprobs, logged = self._logprobs(job, logged)
+            yield self._chunk(job.index, {"tool_calls": calls} if calls else {"content": message["content"]},
+                              logprobs=logprobs)
+        yield self._chunk(job.index, {}, reason, stats=_stats_field(update.stats))
+        yield update
 
 
 def _close(stream: Iterator[ReplyUpdate]) -> None:
