@@ -23,6 +23,7 @@ from .config import (
     KV_CACHE_MODES,
     QUANTIZATION_MODES,
     SettingsError,
+    canonical_kv_cache,
     parse_bytes,
 )
 from .errors import InputError, LLMCoreError, ModelLoadError
@@ -164,7 +165,7 @@ class FitReport:
             return ""
         return (f"plain generate (DECODE_PATH=plain) could hold longer prompts here (up to about "
                 f"{self.seed_prompt_tokens:,} tokens), decoding many times slower; the fast path holds "
-                f"{self.longest_prompt_tokens:,}" + (" (try KV_CACHE=quantized)" if self.kv_cache == "dynamic" else "")
+                f"{self.longest_prompt_tokens:,}" + (" (try KV_CACHE=int8)" if self.kv_cache == "bf16" else "")
                 + ".")
 
     def to_markdown(self) -> str:
@@ -218,15 +219,14 @@ def _new_tokens_of(value: Any, context_length: int) -> int:
 
 
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
-               kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
+               kv_cache: str = "bf16", max_new_tokens: int = 256, margin_bytes: int | None = None,
                prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
                compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
     """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there).
     `prefill_chunk_tokens` and `prefill_graph_tokens` as the settings of those names: None = auto, 0 = off."""
     if quantization not in QUANTIZATION_MODES:
         raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
-    if kv_cache not in KV_CACHE_MODES:
-        raise SettingsError(f"KV cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_MODES)}.")
+    kv_cache = canonical_kv_cache(kv_cache, "KV cache")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     weights = estimate_weights_bytes(config, quantization, compute_dtype) if weights_bytes is None else weights_bytes
     if not card_bytes > 0:
@@ -235,11 +235,11 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     budget = max(0, int(card_bytes) - margin)
     facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
     n = _new_tokens_of(max_new_tokens, facts.context_length)
-    kv_format = "int8" if kv_cache == "quantized" else "bf16"
+    fast_kv = "int8" if kv_cache == "int8" else "bf16"  # offload: the plain path; the fast path's would be bf16
     fused = replace(facts, fast_prefill=True)
-    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_format=kv_format)
+    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_cache=fast_kv)
     # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
-    seed = max_context_tokens(facts, int(card_bytes), n, "dynamic")
+    seed = max_context_tokens(facts, int(card_bytes), n, "bf16")
     common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
                                   quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
@@ -255,11 +255,11 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     fast_ok, reason = config_fast_path_support(text, quantization)
     if fast_ok and kv_cache != "offload":
         graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
-                                              prefill_chunk_tokens=chunk, kv_format=kv_format)
+                                              prefill_chunk_tokens=chunk, kv_cache=fast_kv)
         plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=chunk,
-                                 kv_format=kv_format, prefill_graph_tokens=graphs)
+                                 kv_cache=fast_kv, prefill_graph_tokens=graphs)
         if plan.tokens >= MIN_FAST_CACHE_TOKENS or plan.tokens == facts.context_length:
-            per_token = static_kv_bytes(replace(facts, static_kv_format=kv_format), 1)
+            per_token = static_kv_bytes(replace(facts, static_kv_cache=fast_kv), 1)
             return FitReport(kv_bytes_per_token=per_token, decode_path="fast", decode_path_reason=reason,
                              longest_prompt_tokens=plan.max_prompt_tokens, static_cache_tokens=plan.tokens, **common)
         reason = f"no room for a {MIN_FAST_CACHE_TOKENS}-token fast-path cache; plain generate"
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default="", help="local folder, hub id, or empty for the embedded model")
     parser.add_argument("--gpu", required=True, help="card size, e.g. 8GiB, 12GiB, 24GB")
     parser.add_argument("--quantization", default="nf4", choices=QUANTIZATION_MODES)
-    parser.add_argument("--kv-cache", default="dynamic", choices=KV_CACHE_MODES)
+    parser.add_argument("--kv-cache", default="bf16", type=canonical_kv_cache, choices=KV_CACHE_MODES)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--margin", default="", help="kept free on the card (default 512MiB)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,

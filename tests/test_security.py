@@ -99,7 +99,7 @@ class Raw:
 
 
 def chat_data(message: str, history: list[Any], max_new_tokens: int = 4) -> list[Any]:
-    return [message, history, SYSTEM, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", None]
+    return [message, history, SYSTEM, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "bf16", None]
 
 
 # --- 7 and 8: the open host, auth through main's path, login throttling, sessions' owners ---------------------------

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
-from ..config import GenerationSettings, Settings
+from ..config import GenerationSettings, Settings, canonical_kv_cache
 from ..errors import (
     ContextBudgetError,
     GenerationError,
@@ -79,7 +79,7 @@ class PreparedPrompt:
     attention_mask: torch.Tensor  # (1, prompt_tokens)
     gen: GenerationSettings
     notes: tuple[str, ...] = ()
-    kv_cache: str = "dynamic"
+    kv_cache: str = "bf16"
     predicted: Any = None  # memory.PeakPrediction for prompt + max_new_tokens
     context_fit_tokens: int | None = None  # prompt tokens that fit the memory budget with this max_new_tokens
 
@@ -197,7 +197,7 @@ class PlainBackend:
     cache_at_start: bool = True
 
     def make_cache(self) -> Any:
-        return make_cache("dynamic", self.loaded.model)
+        return make_cache("bf16", self.loaded.model)
 
     def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
         prefix = self.prefix if self.prefix is not None and self.prefix.owns(cache) else None
@@ -346,7 +346,7 @@ class ChatEngine:
         self._prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         options = fast.FastDecodeOptions(prefill_graph_tokens=self._prefill_graph_tokens,
                                          prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                         kv_cache=self._fast_kv_format)
+                                         kv_cache=self._fast_kv_cache)
         plain_facts = self.memory_facts
         try:
             cache_tokens = self._fast_cache_tokens()
@@ -358,7 +358,7 @@ class ChatEngine:
             return
         decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options,
                                    prefix_cache=PrefixCache() if self._prefix_cache else None)
-        if self._fast_kv_format == "int8":
+        if self._fast_kv_cache == "int8":
             reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
@@ -375,26 +375,25 @@ class ChatEngine:
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
-                                    static_kv_format=self._fast_kv_format,
+                                    static_kv_cache=self._fast_kv_cache,
                                     resident_extra_bytes=self._cache_plan.resident_extra_bytes)
 
     @property
-    def _fast_kv_format(self) -> str:
-        """The fast path's static cache: int8 when KV_CACHE=quantized (so quantized chats keep the graphed step),
-        else the compute dtype."""
-        return "int8" if self.settings.generation.kv_cache == "quantized" else "bf16"
+    def _fast_kv_cache(self) -> str:
+        """The fast path's static cache: int8 when KV_CACHE=int8 (so int8 chats keep the graphed step), else bf16
+        (the compute dtype; offload replies run on the plain path)."""
+        return "int8" if self.settings.generation.kv_cache == "int8" else "bf16"
 
     def _fast_serves(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
-        fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
-        return self.backend.name in ("fast", "fast-batched") and kv_cache == fast_mode
+        return self.backend.name in ("fast", "fast-batched") and kv_cache == self._fast_kv_cache
 
     def _backend_for(self, kv_cache: str) -> DecodeBackend:
         """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
-        (plain, batched) serve the dynamic cache themselves."""
+        (plain, batched) serve the bf16 cache themselves."""
         if self.backend.name in ("fast", "fast-batched"):
             return self.backend if self._fast_serves(kv_cache) else self._plain
-        return self.backend if kv_cache == "dynamic" else self._plain
+        return self.backend if kv_cache == "bf16" else self._plain
 
     def _resolve_prefill_chunk_tokens(self) -> int | None:
         from ..memory.plan import resolve_prefill_chunk_tokens
@@ -402,7 +401,7 @@ class ChatEngine:
         return resolve_prefill_chunk_tokens(
             self.settings.memory.prefill_chunk_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            kv_format=self._fast_kv_format)
+            kv_cache=self._fast_kv_cache)
 
     @property
     def memory_plan(self) -> str:
@@ -433,7 +432,7 @@ class ChatEngine:
         return resolve_prefill_graph_tokens(
             self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            prefill_chunk_tokens=self._prefill_chunk_tokens, kv_format=self._fast_kv_format)
+            prefill_chunk_tokens=self._prefill_chunk_tokens, kv_cache=self._fast_kv_cache)
 
     def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
@@ -445,7 +444,7 @@ class ChatEngine:
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
                                  max_new_tokens=self.settings.generation.max_new_tokens,
                                  prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                 kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
+                                 kv_cache=self._fast_kv_cache, resident_extra_bytes=resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
         self._cache_plan = require_cache(plan, self.memory_facts)
         return plan.tokens
@@ -530,7 +529,7 @@ class ChatEngine:
             plan = static_cache_plan(
                 self.memory_facts, self.memory_budget.budget_bytes,
                 max_new_tokens=min(self.settings.generation.max_new_tokens, tokens - 1),
-                prefill_chunk_tokens=chunk, kv_format=self._fast_kv_format,
+                prefill_chunk_tokens=chunk, kv_cache=self._fast_kv_cache,
                 resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, tokens) + others)
             return plan.tokens >= tokens
 
@@ -552,7 +551,7 @@ class ChatEngine:
         if slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
             raise ContextBudgetError(
                 f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
-                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=quantized or a "
+                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=int8 or a "
                 "larger VRAM_BUDGET.")
         decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
@@ -563,7 +562,7 @@ class ChatEngine:
                                                                                    slot_tokens))
         self.fast_scheduler = scheduler
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
-                                    static_kv_format=self._fast_kv_format,
+                                    static_kv_cache=self._fast_kv_cache,
                                     resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, slot_tokens))
         self._lock = ReplySlots(slots, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(slots)
@@ -803,7 +802,7 @@ class ChatEngine:
 
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
                                  prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                 kv_format=self._fast_kv_format,
+                                 kv_cache=self._fast_kv_cache,
                                  resident_extra_bytes=self.memory_facts.resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
         tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply
@@ -848,6 +847,8 @@ class ChatEngine:
         if "do_sample" in clean and not isinstance(clean["do_sample"], bool):
             raise InputError(f"do_sample must be true or false, got {clean['do_sample']!r}.")
         try:
+            if "kv_cache" in clean:  # an old alias (dynamic, quantized) named as its mode
+                clean["kv_cache"] = canonical_kv_cache(clean["kv_cache"], "kv_cache")
             return replace(self.settings.generation, **clean).validate()
         except SettingsError as exc:
             raise InputError(str(exc).replace("MAX_NEW_TOKENS", "max_new_tokens")) from None
@@ -894,9 +895,8 @@ class ChatEngine:
         chunk = self._prefill_chunk_tokens
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
-        plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
         if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
-            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, plan_mode,
+            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, gen.kv_cache,
                                            prefill_chunk_tokens=chunk)
             # the graph pools' and fragments' bytes are reserved, never allocated: as reserve, so that the panel's
             # predicted allocated peak compares with torch's allocated one
@@ -906,7 +906,7 @@ class ChatEngine:
                              budget_bytes=self.memory_budget.budget_bytes)
         else:
             plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                          gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
+                                          gen.max_new_tokens, gen.kv_cache, min_prompt_tokens=newest_only,
                                           prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
@@ -914,23 +914,23 @@ class ChatEngine:
         encoded = self._encode(fitted.messages, memo)
         device = self.loaded.device
         notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
+        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
         allowed = plan.allowed_new_tokens
         resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
                               resolved, notes, gen.kv_cache, plan.predicted,
                               min(fit_tokens, budget_tokens))
 
-    def _context_fit(self, max_new_tokens: int, kv_mode: str, chunk: int | None) -> int:
+    def _context_fit(self, max_new_tokens: int, kv_cache: str, chunk: int | None) -> int:
         """The context meter's bound (a bisection over the predictor), memoized: it runs before every first token
         and depends only on these and the engine's fixed budget."""
         facts = self.memory_facts  # replaced (not mutated) when the reserve is refitted after an OOM
-        key = (facts, self.memory_budget.budget_bytes, max_new_tokens, kv_mode, chunk)
+        key = (facts, self.memory_budget.budget_bytes, max_new_tokens, kv_cache, chunk)
         with self._fit_lock:
             if key not in self._fit_cache:
                 if len(self._fit_cache) > 256:
                     self._fit_cache.clear()
-                self._fit_cache[key] = max_context_tokens(facts, key[1], max_new_tokens, kv_mode,
+                self._fit_cache[key] = max_context_tokens(facts, key[1], max_new_tokens, kv_cache,
                                                           prefill_chunk_tokens=chunk)
             return self._fit_cache[key]
 
@@ -1015,7 +1015,7 @@ class ChatEngine:
             memory_budget_bytes=self.memory_budget.budget_bytes, context_fit_tokens=prepared.context_fit_tokens,
         )
         if backend is self._plain:  # the kept cache when it serves this reply (run() gives it back), else a new one
-            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "dynamic" \
+            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "bf16" \
                 else None
             cache = claimed if claimed is not None else make_cache(
                 prepared.kv_cache, self.loaded.model, capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)

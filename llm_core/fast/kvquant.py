@@ -17,7 +17,6 @@ import torch
 from ..memory.model import STATIC_INT8_ROW_PAD as ROW_PAD
 
 SCALE_STEPS_PER_OCTAVE = 8.0
-KV_FORMATS = ("bf16", "int8")
 
 
 def row_bytes(head_dim: int) -> int:

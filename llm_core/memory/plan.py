@@ -49,7 +49,7 @@ CUDA_HELD_FREE_BYTES = 1280 * MiB
 # 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
 MEASURED_SAFETY_BYTES = 128 * MiB
 # What a user can change when the fast path's cache does not fit (said by every error that says so)
-FAST_CACHE_ADVICE = ("Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
+FAST_CACHE_ADVICE = ("Use KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
                      "or DECODE_PATH=plain.")
 
 
@@ -81,14 +81,14 @@ class CachePlan:
 
 
 def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tokens: int,
-                      prefill_chunk_tokens: int | None, kv_format: str = "bf16",
+                      prefill_chunk_tokens: int | None, kv_cache: str = "bf16",
                       resident_extra_bytes: int | None = None, prefill_graph_tokens: int = 0) -> CachePlan:
     """The largest static cache (multiple of 16 tokens, at most the model's context) whose fullest reply fits.
 
     `resident_extra_bytes`: what the fast path holds besides weights and cache (measured after warm-up); None =
     `fast_resident_estimate` for `prefill_graph_tokens`. tokens = 0 when not even MIN_FAST_CACHE_TOKENS fit."""
     n = max(1, int(max_new_tokens))
-    base = replace(facts, static_kv_format=kv_format)
+    base = replace(facts, static_kv_cache=kv_cache)
 
     def facts_for(t: int) -> ModelMemoryFacts:
         extra = resident_extra_bytes if resident_extra_bytes is not None else fast_resident_estimate(
@@ -97,7 +97,7 @@ def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tok
 
     def peak(t: int) -> int:
         reply_new = min(n, t - 1)
-        return predict_peak_bytes(facts_for(t), t - reply_new, reply_new, "dynamic",
+        return predict_peak_bytes(facts_for(t), t - reply_new, reply_new, kv_cache,
                                   prefill_chunk_tokens=prefill_chunk_tokens).total_bytes
 
     r = CACHE_ROUND_TOKENS
@@ -123,7 +123,7 @@ def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tok
 
 
 def resolve_prefill_graph_tokens(setting: int | None, facts: ModelMemoryFacts, budget_bytes: int, *,
-                                 max_new_tokens: int, prefill_chunk_tokens: int | None, kv_format: str = "bf16"
+                                 max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str = "bf16"
                                  ) -> int:
     """PREFILL_GRAPH_TOKENS as the fast path uses it: the setting when given; auto (None) = the default
     (DEFAULT_PREFILL_GRAPH_TOKENS) where the model's whole context fits beside the graphs, else the small-card
@@ -135,13 +135,13 @@ def resolve_prefill_graph_tokens(setting: int | None, facts: ModelMemoryFacts, b
     if setting is not None:
         return int(setting)
     plan = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens,
-                             prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format,
+                             prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
                              prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS)
     return DEFAULT_PREFILL_GRAPH_TOKENS if plan.capped_by_context else SMALL_CARD_PREFILL_GRAPH_TOKENS
 
 
 def resolve_prefill_chunk_tokens(setting: int | None, facts: ModelMemoryFacts, budget_bytes: int, *,
-                                 max_new_tokens: int, kv_format: str = "bf16") -> int | None:
+                                 max_new_tokens: int, kv_cache: str = "bf16") -> int | None:
     """PREFILL_CHUNK_TOKENS as the engine uses it (None = one pass): the setting when given (0 = off); auto (None) =
     DEFAULT_PREFILL_CHUNK_TOKENS where the model's whole context fits the fast path's cache with the default
     prefill chunks and graphs, else SMALL_CARD_PREFILL_CHUNK_TOKENS. The last chunk of a long prompt is every
@@ -158,7 +158,7 @@ def resolve_prefill_chunk_tokens(setting: int | None, facts: ModelMemoryFacts, b
     if setting is not None:
         return int(setting) or None
     plan = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens,
-                             prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS, kv_format=kv_format,
+                             prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS, kv_cache=kv_cache,
                              prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS)
     return DEFAULT_PREFILL_CHUNK_TOKENS if plan.capped_by_context else SMALL_CARD_PREFILL_CHUNK_TOKENS
 
@@ -171,7 +171,7 @@ def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
         f"The model's weights ({human_bytes(facts.weights_bytes)}) leave no room in the memory budget "
         f"({human_bytes(plan.budget_bytes)}) for a KV cache of {MIN_FAST_CACHE_TOKENS} tokens with the fast path's "
         f"prefill and graphs ({human_bytes(plan.resident_extra_bytes)}). Use a smaller model, QUANTIZATION=nf4, "
-        "KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
+        "KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
 
 
 def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int, bytes_per_token: int,
