@@ -31,8 +31,9 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 SMALL_CARD_PREFILL_CHUNK_TOKENS = 1024  # auto where memory bounds the cache: a smaller working-memory peak
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
 # The KV cache, one name end to end (KV_CACHE, GenerationSettings.kv_cache, the memory model, the fast path):
-# bf16 = the compute dtype; int8 = 8-bit rows with a scale; offload = bf16 in CPU RAM, two layers on the GPU
-KV_CACHE_MODES = ("bf16", "int8", "offload")
+# auto = bf16 where the card holds the model's context (up to 32k) in bf16, else int8 (llm_core.memory.plan.
+# choose_kv_cache); bf16 = the compute dtype; int8 / int4 = quantized rows with scales; offload = bf16 in CPU RAM
+KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 # Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
@@ -311,9 +312,10 @@ class GenerationSettings:
         "random seed for sampling; empty = random")
     stream_timeout_s: float = setting("STREAM_TIMEOUT_S", 120.0, _parse_float,
         "fail a reply when no token arrives for this many seconds")
-    kv_cache: str = setting("KV_CACHE", "bf16", _parse_kv_cache,
-        "bf16 | int8 (quantized KV: more context per GiB) | offload (KV in CPU RAM: last resort); "
-        "dynamic and quantized are accepted as bf16 and int8")
+    kv_cache: str = setting("KV_CACHE", "auto", _parse_kv_cache,
+        "auto (bf16 where the card holds the model's context up to 32k in bf16, else int8) | bf16 | int8 (1.8x the "
+        "context per GiB) | int4 (3.2x, lower quality) | offload (KV in CPU RAM: last resort); dynamic and quantized "
+        "are accepted as bf16 and int8")
     # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
     # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
     min_new_tokens: int = 0

@@ -36,6 +36,7 @@ from ..loading import LoadedModel, Progress, load_model
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks
 from ..memory.model import (
+    STATIC_KV_LAYOUTS,
     MemoryBudget,
     ModelMemoryFacts,
     ReplyPlan,
@@ -281,6 +282,7 @@ class ChatEngine:
         budget = settings.memory.budget_bytes
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
+        self._kv_choice = self._choose_kv_cache()  # (KV_CACHE as resolved, the sentence that says why)
         self._prefill_chunk_tokens = self._resolve_prefill_chunk_tokens()  # PREFILL_CHUNK_TOKENS (None = one pass)
         # PREFIX_CACHE: each single-reply path keeps the ids whose KV its cache holds and prefills only the rest
         self._prefix_cache = settings.memory.prefix_cache
@@ -358,8 +360,9 @@ class ChatEngine:
             return
         decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options,
                                    prefix_cache=PrefixCache() if self._prefix_cache else None)
-        if self._fast_kv_cache == "int8":
-            reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
+        if self._fast_kv_cache != "bf16":
+            kv = self._fast_kv_cache
+            reason += f"; KV cache {kv} ({STATIC_KV_LAYOUTS[kv]}), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
             nf4 = quantization == "nf4"
@@ -378,11 +381,40 @@ class ChatEngine:
                                     static_kv_cache=self._fast_kv_cache,
                                     resident_extra_bytes=self._cache_plan.resident_extra_bytes)
 
+    def _choose_kv_cache(self) -> tuple[str, str]:
+        """KV_CACHE resolved for this engine: auto is decided where the start-up sizes the fast path's cache
+        (llm_core.memory.plan.choose_kv_cache) on CUDA; the plain and CPU paths keep bf16 for auto."""
+        from ..memory.plan import choose_kv_cache
+
+        model = self.settings.model
+        return choose_kv_cache(self.settings.generation.kv_cache, replace(self.memory_facts, fast_prefill=True),
+                               self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
+                               prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens,
+                               prefill_graph_tokens=model.prefill_graph_tokens,
+                               fast_path=self.loaded.device.type == "cuda" and model.decode_path != "plain")
+
     @property
     def _fast_kv_cache(self) -> str:
-        """The fast path's static cache: int8 when KV_CACHE=int8 (so int8 chats keep the graphed step), else bf16
-        (the compute dtype; offload replies run on the plain path)."""
-        return "int8" if self.settings.generation.kv_cache == "int8" else "bf16"
+        """The fast path's static cache: KV_CACHE as resolved (so int8/int4 chats keep the graphed step); bf16 for
+        offload, whose replies run on the plain path."""
+        kv = self._kv_choice[0]
+        return kv if kv in ("bf16", "int8", "int4") else "bf16"
+
+    @property
+    def kv_cache_reason(self) -> str:
+        """One sentence for the Model panel: which KV cache replies get by default, and why."""
+        from ..memory.plan import AUTO_ON_PLAIN
+
+        if self.backend.name in ("fast", "fast-batched") or self.settings.generation.kv_cache != "auto":
+            return self._kv_choice[1]
+        return AUTO_ON_PLAIN
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache a reply asking for auto gets: the fast path's, else bf16 where KV_CACHE=auto."""
+        if self.backend.name in ("fast", "fast-batched"):
+            return self._kv_choice[0]
+        return "bf16" if self.settings.generation.kv_cache == "auto" else self._kv_choice[0]
 
     def _fast_serves(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
@@ -418,7 +450,7 @@ class ChatEngine:
             parts[-1] += f", sized by measurement (peak {human_bytes(self._fast_profile['peak_reserved_bytes'])})"
         chunk = self._prefill_chunk_tokens
         parts.append(f"long prompts prefilled in {chunk:,}-token chunks" if chunk else "prompts prefilled in one pass")
-        return "; ".join(parts)
+        return "; ".join(parts) + ". " + self.kv_cache_reason
 
     @property
     def prefill_chunk_tokens(self) -> int | None:
@@ -874,7 +906,8 @@ class ChatEngine:
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
                 system_prompt: str | None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget."""
-        fast = self._fast_serves(gen.kv_cache)
+        kv = self.kv_cache if gen.kv_cache == "auto" else gen.kv_cache
+        fast = self._fast_serves(kv)
         measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
         if fast and not measured:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan
             self._fit_fast_cache(self.settings.generation.max_new_tokens)
@@ -896,7 +929,7 @@ class ChatEngine:
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
         if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
-            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, gen.kv_cache,
+            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, kv,
                                            prefill_chunk_tokens=chunk)
             # the graph pools' and fragments' bytes are reserved, never allocated: as reserve, so that the panel's
             # predicted allocated peak compares with torch's allocated one
@@ -906,19 +939,22 @@ class ChatEngine:
                              budget_bytes=self.memory_budget.budget_bytes)
         else:
             plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                          gen.max_new_tokens, gen.kv_cache, min_prompt_tokens=newest_only,
+                                          gen.max_new_tokens, kv, min_prompt_tokens=newest_only,
                                           prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count)
         encoded = self._encode(fitted.messages, memo)
         device = self.loaded.device
-        notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, gen.kv_cache, chunk)
+        switched = "" if fast or self.backend.name not in ("fast", "fast-batched") else (
+            f"KV cache {kv} asked for this reply: the plain path serves it, not the fast path (whose cache is "
+            f"{self._fast_kv_cache}).")
+        notes = tuple(n for n in (fitted.describe(), plan.message, switched) if n)
+        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, kv, chunk)
         allowed = plan.allowed_new_tokens
         resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
-                              resolved, notes, gen.kv_cache, plan.predicted,
+                              resolved, notes, kv, plan.predicted,
                               min(fit_tokens, budget_tokens))
 
     def _context_fit(self, max_new_tokens: int, kv_cache: str, chunk: int | None) -> int:

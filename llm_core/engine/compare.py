@@ -56,7 +56,7 @@ class CompareConfig:
     model_id: str | None = None  # None = the embedded default model
     mode: str = "nf4"
     attn_implementation: str = "sdpa"
-    kv_cache: str = "bf16"
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_PRESETS and self.mode != REMOTE_MODE:
@@ -76,7 +76,7 @@ class CompareConfig:
     @property
     def engine_key(self) -> CompareConfig:
         """What a loaded engine is: model + quantization + attention. The KV mode is chosen per reply."""
-        return replace(self, kv_cache="bf16") if self.kv_cache != "bf16" else self
+        return replace(self, kv_cache="auto") if self.kv_cache != "auto" else self
 
     @property
     def is_remote(self) -> bool:
@@ -88,7 +88,7 @@ class CompareConfig:
             return f"{self.model_id or 'remote model'} · remote"
         model = self.model_id or "embedded"
         parts = [model, self.mode, self.attn_implementation]
-        if self.kv_cache != "bf16":
+        if self.kv_cache != "auto":
             parts.append(f"{self.kv_cache} KV")
         return " · ".join(parts)
 
@@ -159,7 +159,8 @@ def check_allowed(config: CompareConfig, settings: Settings) -> None:
         raise InputError(f"Model {model_id!r} is not in the configured list (COMPARE_MODELS) or in a model folder "
                          "this demo may load from; the operator can add it to COMPARE_MODELS or MODEL_DIRS.")
     try:
-        check_kv_cache(config.kv_cache, resolve_device(config.apply(settings).model))
+        if config.kv_cache != "auto":  # auto is the engine's choice, made when it loads
+            check_kv_cache(config.kv_cache, resolve_device(config.apply(settings).model))
     except SettingsError as exc:
         raise InputError(f"{config.label}: {exc}") from None
 

@@ -50,7 +50,26 @@ DEFAULT_CUDA_MARGIN_BYTES = 512 * MiB  # other processes, CUDA graphs, a second 
 DEFAULT_CPU_MARGIN_BYTES = 1 * GiB
 BNB_4BIT_BLOCK = 64  # bitsandbytes NF4/FP4 block size: one absmax per 64 weights
 DEQUANT_CHUNK_TOKENS = 8192  # the quantized KV cache dequantizes at most this many tokens per kernel batch
+PLAIN_QUANTIZED = ("int8", "int4")  # KV_CACHE modes the plain path serves with its quantized cache (kv_cache.py)
 STATIC_INT8_ROW_PAD = 16  # bytes after each int8 row of head_dim codes: its scale byte, padded to 16-byte rows
+STATIC_INT4_GROUP = 16  # int4 rows: one scale and zero point per this many (rotated) values
+
+
+STATIC_KV_LAYOUTS = {"int8": "per token and head scale",
+                     "int4": "Hadamard-rotated, a scale and zero point per 16 values"}
+
+
+def static_row_bytes(kv_cache: str, head_dim: int, cache_element_bytes: int = 2) -> int:
+    """Bytes of one (token, KV head) row of the fast path's static cache: head_dim values of the cache dtype (bf16),
+    head_dim int8 codes + STATIC_INT8_ROW_PAD (int8), head_dim / 2 packed bytes + two bytes per STATIC_INT4_GROUP
+    values (scale exponent, zero point) padded to 16 (int4)."""
+    if kv_cache == "int8":
+        return head_dim + STATIC_INT8_ROW_PAD
+    if kv_cache == "int4":
+        return head_dim // 2 + -(-2 * head_dim // STATIC_INT4_GROUP // 16) * 16
+    if kv_cache == "bf16":
+        return head_dim * cache_element_bytes
+    raise SettingsError(f"The fast path's KV cache cannot be {kv_cache!r}; choose bf16, int8 or int4.")
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -300,18 +319,18 @@ def kv_bytes_per_token(
     """KV-cache bytes one more token of history costs, summed over layers (a sliding layer counts until its
     window is full): 2 (K and V) x layers x KV heads x head_dim x bytes per element.
 
-    int8 (the plain path's quantized cache): bytes per element = nbits/8 + 2 x scale bytes / group (one scale and
-    one zero point per group), e.g. 4-bit, group 64, bf16 scales: 0.5 + 4/64 = 0.5625 B, 3.56x less than bf16.
-    Rounded up to whole bytes.
+    int8 / int4 (the plain path's quantized cache, 8 / 4 bits unless `quant` says otherwise): bytes per element =
+    nbits/8 + 2 x scale bytes / group (one scale and one zero point per group), e.g. 4-bit, group 64, bf16 scales:
+    0.5 + 4/64 = 0.5625 B, 3.56x less than bf16. Rounded up to whole bytes.
     offload: the same bytes as bf16, held in CPU memory instead of on the device.
     """
     facts = _facts_of(config, cache_dtype)
-    _check_mode(kv_cache)
+    check_kv_cache_name(kv_cache)
     elems = 2 * facts.num_layers * facts.kv_dim
     b = facts.cache_bytes_per_element
-    if kv_cache != "int8":
+    if kv_cache not in PLAIN_QUANTIZED:
         return elems * b
-    spec = (quant or QuantizedKVSpec()).validate()
+    spec = (quant or plain_quant_spec(kv_cache)).validate()
     per_element = spec.nbits / 8 + 2 * b / spec.group_size
     return math.ceil(elems * per_element)
 
@@ -335,17 +354,17 @@ def kv_bytes(
     The dequantization scratch (one layer, shared) is not part of it: see `kv_workspace_bytes`.
     """
     facts = _facts_of(config, cache_dtype)
-    _check_mode(kv_cache)
+    check_kv_cache_name(kv_cache)
     tokens = max(0, int(tokens))
     b = facts.cache_bytes_per_element
     total = 0
     for window in facts.layer_windows:
         if window is not None:
             total += 2 * min(tokens, window) * facts.kv_dim * b
-        elif kv_cache != "int8":
+        elif kv_cache not in PLAIN_QUANTIZED:
             total += 2 * tokens * facts.kv_dim * b
         else:
-            total += _quantized_layer_bytes(facts, tokens, (quant or QuantizedKVSpec()).validate())
+            total += _quantized_layer_bytes(facts, tokens, (quant or plain_quant_spec(kv_cache)).validate())
     return total
 
 
@@ -372,7 +391,7 @@ def kv_workspace_bytes(config: Any, tokens: int, cache_dtype: torch.dtype | str,
     """
     facts = _facts_of(config, cache_dtype)
     b = facts.cache_bytes_per_element
-    if kv_cache == "int8":
+    if kv_cache in PLAIN_QUANTIZED:
         batch = min(tokens, DEQUANT_CHUNK_TOKENS)
         return 2 * tokens * facts.kv_dim * b + batch * facts.kv_dim * (2 + b)
     if kv_cache == "offload":
@@ -380,9 +399,17 @@ def kv_workspace_bytes(config: Any, tokens: int, cache_dtype: torch.dtype | str,
     return 0
 
 
-def _check_mode(kv_cache: str) -> None:
+def check_kv_cache_name(kv_cache: str) -> None:
+    """SettingsError unless `kv_cache` names a cache (a mode of KV_CACHE_MODES other than auto)."""
     if kv_cache not in KV_CACHE_MODES:
         raise SettingsError(f"KV_CACHE={kv_cache!r} is not supported; choose one of: {', '.join(KV_CACHE_MODES)}.")
+    if kv_cache == "auto":
+        raise SettingsError("KV_CACHE=auto names no cache: the engine resolves it at start-up (choose_kv_cache).")
+
+
+def plain_quant_spec(kv_cache: str) -> QuantizedKVSpec:
+    """The plain path's quantized cache for KV_CACHE=int8 / int4: the builtin KIVI-style cache at 8 / 4 bits."""
+    return QuantizedKVSpec(nbits=8 if kv_cache == "int8" else 4)
 
 
 def is_fast_reply(facts: ModelMemoryFacts, kv_cache: str) -> bool:
@@ -407,13 +434,10 @@ def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_cache: str, quant:
 
 def static_kv_bytes(facts: ModelMemoryFacts, tokens: int | None = None, kv_cache: str | None = None) -> int:
     """Bytes of the fast path's static KV block for `tokens` (default facts.static_kv_tokens): K and V tensors of
-    (layers, tokens, KV heads, row) where a row is head_dim elements of the cache dtype (bf16 format) or head_dim int8
-    codes + STATIC_INT8_ROW_PAD bytes (int8 format)."""
+    (layers, tokens, KV heads, row), a row as `static_row_bytes` lays it out."""
     fmt = facts.static_kv_cache if kv_cache is None else kv_cache
-    if fmt not in KV_CACHE_MODES or fmt == "offload":
-        raise SettingsError(f"The fast path's KV cache cannot be {fmt!r}; choose bf16 or int8.")
     t = facts.static_kv_tokens if tokens is None else int(tokens)
-    row = facts.head_dim + STATIC_INT8_ROW_PAD if fmt == "int8" else facts.head_dim * facts.cache_bytes_per_element
+    row = static_row_bytes(fmt, facts.head_dim, facts.cache_bytes_per_element)
     return 2 * facts.num_layers * max(0, t) * facts.num_kv_heads * row
 
 
@@ -443,7 +467,7 @@ def forward_activation_bytes(facts: ModelMemoryFacts, new_tokens: int, cached_to
         if facts.num_kv_heads < facts.num_attention_heads:
             attn += 2 * kv_len * facts.q_dim * b  # repeat_kv: SDPA gets full-head K and V when a mask is passed
         if is_fast_reply(facts, kv_cache):  # the fast path writes its static block in place
-            if facts.static_kv_cache == "int8":  # ... and dequantizes the history it attends to (K and V)
+            if facts.static_kv_cache in ("int8", "int4"):  # ... and dequantizes the history it attends to (K and V)
                 attn += 2 * kv_len * facts.kv_dim * b
         elif kv_cache in ("bf16", "offload"):
             attn += cached_tokens * facts.kv_dim * facts.cache_bytes_per_element  # torch.cat keeps old + new
@@ -533,7 +557,7 @@ def predict_peak_bytes(
     None = one pass over the whole prompt (plain generate). The cache is counted for prompt + new tokens.
     """
     f = model_facts
-    _check_mode(kv_cache)
+    check_kv_cache_name(kv_cache)
     p, n = max(0, int(prompt_tokens)), max(0, int(max_new_tokens))
     end = p + n
     chunk = p if not prefill_chunk_tokens or prefill_chunk_tokens >= p else int(prefill_chunk_tokens)
@@ -545,14 +569,14 @@ def predict_peak_bytes(
     if last_pass != chunk and p > chunk:
         prefill_act = max(prefill_act, forward_activation_bytes(f, last_pass, p - last_pass, kv_cache))
     # The quantized cache is preallocated for the whole reply; the others grow to `p` during the prefill.
-    kv_at_prefill = _kv_device_bytes(f, end if kv_cache == "int8" else p, kv_cache, quant, chunk)
+    kv_at_prefill = _kv_device_bytes(f, end if kv_cache in PLAIN_QUANTIZED else p, kv_cache, quant, chunk)
     kv_at_end = _kv_device_bytes(f, end, kv_cache, quant)
     static = static_kv_bytes(f) if f.static_kv_tokens else 0
     fast = is_fast_reply(f, kv_cache)
     if fast:  # the fast path: one preallocated block, held throughout
         kv_at_prefill = kv_at_end = static
     plain = "bf16" if fast else kv_cache  # the static block needs no dequantization scratch
-    ws_prefill = kv_workspace_bytes(f, end if plain == "int8" else p, f.cache_dtype, plain)
+    ws_prefill = kv_workspace_bytes(f, end if plain in PLAIN_QUANTIZED else p, f.cache_dtype, plain)
     ws_end = kv_workspace_bytes(f, end, f.cache_dtype, plain)
     decode_t = decode_transient_bytes(f, end, kv_cache) if n else 0
     prefill_total = kv_at_prefill + ws_prefill + prefill_act

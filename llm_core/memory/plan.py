@@ -48,6 +48,8 @@ CUDA_HELD_FREE_BYTES = 1280 * MiB
 # above the start-up profile's once (Llama-3-8B shape, int8 cache, 8 GiB card: bench/results/
 # 2026-12-01-h200-cards-measured-2.json); the other six cases matched it to the byte.
 MEASURED_SAFETY_BYTES = 128 * MiB
+# KV_CACHE=auto keeps bf16 where the card holds the model's context up to this many tokens in bf16, else int8
+AUTO_KV_BF16_TOKENS = 32768
 # What a user can change when the fast path's cache does not fit (said by every error that says so)
 FAST_CACHE_ADVICE = ("Use KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
                      "or DECODE_PATH=plain.")
@@ -161,6 +163,36 @@ def resolve_prefill_chunk_tokens(setting: int | None, facts: ModelMemoryFacts, b
                              prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS, kv_cache=kv_cache,
                              prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS)
     return DEFAULT_PREFILL_CHUNK_TOKENS if plan.capped_by_context else SMALL_CARD_PREFILL_CHUNK_TOKENS
+
+
+AUTO_ON_PLAIN = ("KV cache bf16 (KV_CACHE=auto): the plain path's cache grows with the reply, and auto quantizes "
+                 "only the CUDA fast path's (int8 and int4 can be asked for, decoding slower there).")
+
+
+def choose_kv_cache(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tokens: int,
+                    prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
+                    fast_path: bool = True) -> tuple[str, str]:
+    """(the KV cache, one sentence saying why) for KV_CACHE=`setting`. auto on the CUDA fast path: bf16 where its
+    static cache planned in bf16 (with the prefill chunks and graphs auto would pick for it) holds the model's whole
+    context or AUTO_KV_BF16_TOKENS, whichever is less; else int8 (about 1.8x the tokens per byte); never int4 (that
+    is asked for). auto elsewhere (`fast_path` False: the plain or CPU path): bf16. Other settings are kept as they
+    are. `prefill_*`: the settings (None = auto)."""
+    if setting != "auto":
+        return setting, f"KV cache {setting} (KV_CACHE={setting})."
+    if not fast_path:
+        return "bf16", AUTO_ON_PLAIN
+    want = min(int(facts.context_length), AUTO_KV_BF16_TOKENS)
+    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, facts, budget_bytes, max_new_tokens=max_new_tokens,
+                                         kv_cache="bf16")
+    graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, facts, budget_bytes, max_new_tokens=max_new_tokens,
+                                          prefill_chunk_tokens=chunk, kv_cache="bf16")
+    held = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens, prefill_chunk_tokens=chunk,
+                             kv_cache="bf16", prefill_graph_tokens=graphs).tokens
+    whole = "the model's whole context" if want == int(facts.context_length) else f"{want:,} tokens"
+    if held >= want:
+        return "bf16", f"KV cache bf16 (KV_CACHE=auto): the budget holds {whole} ({want:,} tokens) in bf16."
+    return "int8", (f"KV cache int8 (KV_CACHE=auto): in bf16 the budget would hold {held:,} of the {want:,} tokens "
+                    f"auto asks for ({whole}), and int8 holds about 1.8x more per byte.")
 
 
 def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
