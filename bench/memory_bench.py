@@ -167,7 +167,7 @@ class Bench:
                                    min_new_tokens=new, do_sample=False, use_cache=True, pad_token_id=0,
                                    return_dict_in_generate=True, **kwargs)
 
-    def reply(self, *, phase: str, recipe: str, prompt: int, new: int, kv_cache: str = "dynamic",
+    def reply(self, *, phase: str, recipe: str, prompt: int, new: int, kv_cache: str = "bf16",
               chunk: int | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run one reply, measure it, record it. OOM is caught, freed and recorded as crashed=True."""
         assert self.facts is not None
@@ -189,7 +189,7 @@ class Bench:
                 if self.smoke and pred.total_bytes > self.cap_bytes and phase != "a":
                     self.faults.arm("prefill")  # emulated small card
                 self.faults.check("prefill")
-                if recipe == "ours" or kv_cache != "dynamic":
+                if recipe == "ours" or kv_cache != "bf16":
                     cache = make_cache(kv_cache, self.model, capacity_tokens=prompt + new,
                                        quant=QuantizedKVSpec())
                     if chunk:
@@ -243,7 +243,7 @@ class Bench:
         for prompt in self.sizes([512, 4096, 16384], [64, 256, 1024]):
             self.guarded("a", 25, self.reply, phase="a", recipe="seed", prompt=prompt, new=new)
         for prompt in self.sizes([4096, 16384], [256, 1024]):
-            self.guarded("a", 40, self.reply, phase="a", recipe="ours", prompt=prompt, new=new, kv_cache="quantized",
+            self.guarded("a", 40, self.reply, phase="a", recipe="ours", prompt=prompt, new=new, kv_cache="int8",
                          chunk=self.args.chunk)
 
     def set_cap(self, on: bool) -> None:
@@ -267,7 +267,7 @@ class Bench:
         self.rec.set_summary(seed_max_context_tokens=last_ok, seed_crashed_at=prompt if last_ok < prompt else None)
         return last_ok
 
-    def phase_b_ours(self, kv_cache: str = "dynamic") -> int:
+    def phase_b_ours(self, kv_cache: str = "bf16") -> int:
         """Ours under the cap: history grows turn by turn; the planner caps the prompt (drops oldest turns)."""
         assert self.facts is not None
         new, chunk = self.args.new_tokens, self.args.chunk
@@ -293,9 +293,9 @@ class Bench:
         """Longest context with the quantized KV cache under the cap, run at the planner's maximum."""
         assert self.facts is not None
         new, chunk = self.args.new_tokens, self.args.chunk
-        most = max_context_tokens(self.facts, self.budget_bytes, new, "quantized", prefill_chunk_tokens=chunk)
+        most = max_context_tokens(self.facts, self.budget_bytes, new, "int8", prefill_chunk_tokens=chunk)
         rec = self.guarded("c", 60, self.reply, phase="c", recipe="ours", prompt=most, new=new,
-                           kv_cache="quantized", chunk=chunk, extra={"max_context_tokens": most,
+                           kv_cache="int8", chunk=chunk, extra={"max_context_tokens": most,
                                                                      "budget_bytes": self.budget_bytes})
         ok = rec is not None and not rec["crashed"]
         self.rec.set_summary(ours_quantized_max_context_tokens=most, ours_quantized_ran_at_max=ok,
@@ -324,7 +324,7 @@ class Bench:
             if "c" in phases:
                 self.phase_c(seed_max)
             if "b" in phases:
-                self.phase_b_ours("dynamic")
+                self.phase_b_ours("bf16")
             if "d" in phases and self.device.type == "cuda":
                 self.phase_d()
         finally:

@@ -8,7 +8,7 @@ them: per segment kind (graph pool or not, expandable or not, stream) the reserv
 the allocated bytes grouped by the first frame inside llm_core / transformers / bitsandbytes that made them.
 
     python -m bench.memory_breakdown --out "$OUT/breakdown.json" [--model llama-3-8b] [--positions 131072]
-        [--card-gib 8] [--kv-cache quantized] [--live-switch]
+        [--card-gib 8] [--kv-cache int8] [--live-switch]
 
 --live-switch reproduces bench.cards (cap first, expandable segments switched on in the live allocator); without
 it the process starts as the app does (PYTORCH_CUDA_ALLOC_CONF set before CUDA is initialised). Raw snapshots are
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="llama-3-8b", choices=["llama-2-7b", "llama-3-8b"])
     parser.add_argument("--positions", type=int, default=131072)
     parser.add_argument("--card-gib", type=float, default=8)
-    parser.add_argument("--kv-cache", default="quantized", choices=["dynamic", "quantized"])
+    parser.add_argument("--kv-cache", default="int8", choices=["bf16", "int8"])
     parser.add_argument("--prompt-words", type=int, default=2800)
     parser.add_argument("--live-switch", action="store_true")
     args = parser.parse_args(argv)

@@ -30,7 +30,12 @@ SMALL_CARD_PREFILL_GRAPH_TOKENS = 256  # auto where memory bounds the fast path'
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 SMALL_CARD_PREFILL_CHUNK_TOKENS = 1024  # auto where memory bounds the cache: a smaller working-memory peak
 COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization presets of llm_core.engine.compare
-KV_CACHE_MODES = ("dynamic", "quantized", "offload")  # llm_core.memory.kv_cache
+# The KV cache, one name end to end (KV_CACHE, GenerationSettings.kv_cache, the memory model, the fast path):
+# auto = bf16 where the card holds the model's context (up to 32k) in bf16, else int8 (llm_core.memory.plan.
+# choose_kv_cache); bf16 = the compute dtype; int8 / int4 = quantized rows with scales; offload = bf16 in CPU RAM
+KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
+# Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
+KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
@@ -166,6 +171,19 @@ def _parse_choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return parse
 
 
+def canonical_kv_cache(value: Any, name: str = "KV_CACHE") -> str:
+    """A KV cache mode as the rest of the code names it: lower-cased, an old alias (dynamic, quantized) mapped to
+    its mode; SettingsError for anything else."""
+    text = str(value).strip().lower()
+    text = KV_CACHE_ALIASES.get(text, text)
+    _check_choice(name, text, KV_CACHE_MODES)
+    return text
+
+
+def _parse_kv_cache(name: str, value: Any) -> str:
+    return canonical_kv_cache(value, name)
+
+
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise SettingsError(f"{name}={value!r} is not supported; choose one of: {', '.join(choices)}.")
@@ -295,8 +313,10 @@ class GenerationSettings:
         "random seed for sampling; empty = random")
     stream_timeout_s: float = setting("STREAM_TIMEOUT_S", 120.0, _parse_float,
         "fail a reply when no token arrives for this many seconds")
-    kv_cache: str = setting("KV_CACHE", "dynamic", _parse_choice(KV_CACHE_MODES),
-        "dynamic | quantized (4-bit KV, ~3.5x more context, slower) | offload (KV in CPU RAM: last resort)")
+    kv_cache: str = setting("KV_CACHE", "auto", _parse_kv_cache,
+        "auto (bf16 where the card holds the model's context up to 32k in bf16, else int8) | bf16 | int8 (1.8x the "
+        "context per GiB) | int4 (3.2x, lower quality) | offload (KV in CPU RAM: last resort); dynamic and quantized "
+        "are accepted as bf16 and int8")
     # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every
     # reply exactly max_new_tokens long, as bench.decode does. Honoured by the plain and fast paths, not batched.
     min_new_tokens: int = 0

@@ -23,6 +23,7 @@ from .config import (
     KV_CACHE_MODES,
     QUANTIZATION_MODES,
     SettingsError,
+    canonical_kv_cache,
     parse_bytes,
 )
 from .errors import InputError, LLMCoreError, ModelLoadError
@@ -37,7 +38,9 @@ from .memory.model import (
     static_kv_bytes,
 )
 from .memory.plan import (
+    AUTO_ON_PLAIN,
     MIN_FAST_CACHE_TOKENS,
+    choose_kv_cache,
     resolve_prefill_chunk_tokens,
     resolve_prefill_graph_tokens,
     static_cache_plan,
@@ -127,6 +130,7 @@ class FitReport:
     seed_prompt_tokens: int  # plain generate, no guard, whole card, one-pass prefill: what the seed recipe holds
     offload_note: str = ""
     prefill_chunk_tokens: int | None = None  # as the engine would prefill long prompts (None: one pass)
+    kv_cache_reason: str = ""  # one sentence: which KV cache (KV_CACHE=auto resolved) and why
 
     @property
     def fits(self) -> bool:
@@ -146,6 +150,7 @@ class FitReport:
             f"  weights            {human_bytes(self.weights_bytes)}",
             f"  KV cache per token {self.kv_bytes_per_token:,} B",
             f"  decode path        {self.decode_path} ({self.decode_path_reason})",
+            f"  KV cache           {self.kv_cache_reason}",
             f"  longest prompt     {self.longest_prompt_tokens:,} tokens with {self.max_new_tokens:,} new "
             f"(model context {self.context_length:,})",
         ]
@@ -164,13 +169,14 @@ class FitReport:
             return ""
         return (f"plain generate (DECODE_PATH=plain) could hold longer prompts here (up to about "
                 f"{self.seed_prompt_tokens:,} tokens), decoding many times slower; the fast path holds "
-                f"{self.longest_prompt_tokens:,}" + (" (try KV_CACHE=quantized)" if self.kv_cache == "dynamic" else "")
+                f"{self.longest_prompt_tokens:,}" + (" (try KV_CACHE=int8)" if self.kv_cache == "bf16" else "")
                 + ".")
 
     def to_markdown(self) -> str:
         if not self.fits:
             return f"**Does not fit.** {self.summary()}"
-        rows = [("Weights", human_bytes(self.weights_bytes)), ("KV cache per token", f"{self.kv_bytes_per_token:,} B"),
+        rows = [("Weights", human_bytes(self.weights_bytes)), ("KV cache", self.kv_cache_reason),
+                ("KV cache per token", f"{self.kv_bytes_per_token:,} B"),
                 ("Decode path", f"{self.decode_path}: {self.decode_path_reason}"),
                 ("Longest prompt", f"{self.longest_prompt_tokens:,} tokens (+{self.max_new_tokens:,} new) of "
                  f"{self.context_length:,}"),
@@ -218,15 +224,14 @@ def _new_tokens_of(value: Any, context_length: int) -> int:
 
 
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
-               kv_cache: str = "dynamic", max_new_tokens: int = 256, margin_bytes: int | None = None,
+               kv_cache: str = "auto", max_new_tokens: int = 256, margin_bytes: int | None = None,
                prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
                compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
     """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there).
     `prefill_chunk_tokens` and `prefill_graph_tokens` as the settings of those names: None = auto, 0 = off."""
     if quantization not in QUANTIZATION_MODES:
         raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
-    if kv_cache not in KV_CACHE_MODES:
-        raise SettingsError(f"KV cache {kv_cache!r}: choose one of {', '.join(KV_CACHE_MODES)}.")
+    kv_cache = asked = canonical_kv_cache(kv_cache, "KV cache")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     weights = estimate_weights_bytes(config, quantization, compute_dtype) if weights_bytes is None else weights_bytes
     if not card_bytes > 0:
@@ -235,15 +240,19 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     budget = max(0, int(card_bytes) - margin)
     facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
     n = _new_tokens_of(max_new_tokens, facts.context_length)
-    kv_format = "int8" if kv_cache == "quantized" else "bf16"
     fused = replace(facts, fast_prefill=True)
-    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_format=kv_format)
+    fast_ok, reason = config_fast_path_support(text, quantization)
+    kv_cache, kv_reason = choose_kv_cache(kv_cache, fused, budget, max_new_tokens=n, fast_path=fast_ok,
+                                          prefill_chunk_tokens=prefill_chunk_tokens,
+                                          prefill_graph_tokens=prefill_graph_tokens)
+    fast_kv = kv_cache if kv_cache != "offload" else "bf16"  # offload replies run on the plain path
+    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_cache=fast_kv)
     # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
-    seed = max_context_tokens(facts, int(card_bytes), n, "dynamic")
+    seed = max_context_tokens(facts, int(card_bytes), n, "bf16")
     common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
                                   quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
-                                  prefill_chunk_tokens=chunk)
+                                  prefill_chunk_tokens=chunk, kv_cache_reason=kv_reason)
     if weights + facts.workspace_bytes >= budget:
         offload = offload_bytes(weights, budget)
         note = (f"With MAX_MEMORY offload about {human_bytes(offload)} of weights would cross PCIe every "
@@ -252,17 +261,19 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
         return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype), decode_path="none",
                          decode_path_reason="the weights alone exceed the budget", longest_prompt_tokens=0,
                          static_cache_tokens=0, offload_note=note, **common)
-    fast_ok, reason = config_fast_path_support(text, quantization)
     if fast_ok and kv_cache != "offload":
         graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
-                                              prefill_chunk_tokens=chunk, kv_format=kv_format)
+                                              prefill_chunk_tokens=chunk, kv_cache=fast_kv)
         plan = static_cache_plan(fused, budget, max_new_tokens=n, prefill_chunk_tokens=chunk,
-                                 kv_format=kv_format, prefill_graph_tokens=graphs)
+                                 kv_cache=fast_kv, prefill_graph_tokens=graphs)
         if plan.tokens >= MIN_FAST_CACHE_TOKENS or plan.tokens == facts.context_length:
-            per_token = static_kv_bytes(replace(facts, static_kv_format=kv_format), 1)
+            per_token = static_kv_bytes(replace(facts, static_kv_cache=fast_kv), 1)
             return FitReport(kv_bytes_per_token=per_token, decode_path="fast", decode_path_reason=reason,
                              longest_prompt_tokens=plan.max_prompt_tokens, static_cache_tokens=plan.tokens, **common)
         reason = f"no room for a {MIN_FAST_CACHE_TOKENS}-token fast-path cache; plain generate"
+    if asked == "auto" and kv_cache != "bf16":  # as the engine: auto means bf16 on the plain path
+        kv_cache = "bf16"
+        common.update(kv_cache=kv_cache, kv_cache_reason=AUTO_ON_PLAIN)
     longest = max_context_tokens(facts, budget, n, kv_cache, prefill_chunk_tokens=chunk)
     return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype, kv_cache), decode_path="plain",
                      decode_path_reason=reason, longest_prompt_tokens=longest, static_cache_tokens=0, **common)
@@ -321,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default="", help="local folder, hub id, or empty for the embedded model")
     parser.add_argument("--gpu", required=True, help="card size, e.g. 8GiB, 12GiB, 24GB")
     parser.add_argument("--quantization", default="nf4", choices=QUANTIZATION_MODES)
-    parser.add_argument("--kv-cache", default="dynamic", choices=KV_CACHE_MODES)
+    parser.add_argument("--kv-cache", default="auto", type=canonical_kv_cache, choices=KV_CACHE_MODES)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--margin", default="", help="kept free on the card (default 512MiB)")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=None,

@@ -34,7 +34,7 @@ class ReplyStats:
     double_quant: bool = False
     compute_dtype: str = ""
     attention: str = ""
-    kv_cache: str = "dynamic"
+    kv_cache: str = "bf16"
     decode_path: str = ""
     device: str = ""
     versions: dict[str, str] = field(default_factory=dict)
@@ -104,7 +104,7 @@ def configuration_label(stats: ReplyStats) -> str:
         return f"{model} · remote"
     ran = "nf4-nodq" if stats.quantization == "nf4" and not stats.double_quant else (stats.quantization or "?")
     parts = [model, quantization_label(ran, stats.quantization_requested), stats.attention or "?"]
-    if stats.kv_cache not in ("", "dynamic"):
+    if stats.kv_cache not in ("", "bf16"):
         parts.append(f"{stats.kv_cache} KV")
     return " · ".join(parts)
 

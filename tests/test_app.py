@@ -51,7 +51,7 @@ def client(app_url: str) -> Any:
 def chat(client: Any, message: Any, history: Any = (), max_new_tokens: Any = 16, history_turns: Any = 8) -> list[Any]:
     """All streamed outputs of one /chat call (a failed streaming job yields nothing: callers assert on it)."""
     job = client.submit(message, list(history), SYSTEM, max_new_tokens, history_turns, False, 0.7, 0.95, 50, 1.05,
-                        "dynamic", api_name="/chat")
+                        "bf16", api_name="/chat")
     return list(job)
 
 
@@ -95,7 +95,7 @@ def test_bad_input_through_the_api_gets_an_error_and_the_server_keeps_serving(
 
     with pytest.raises(AppError, match=re.escape(says)):
         client.predict(message, history, SYSTEM, max_new_tokens, history_turns, False, 0.7, 0.95, 50, 1.05,
-                       "dynamic", api_name="/chat")
+                       "bf16", api_name="/chat")
     assert chat(client, "Still there?", max_new_tokens=4)[-1][3]["new_tokens"] > 0
 
 
@@ -106,7 +106,7 @@ def test_unicode_and_emoji_round_trip(client: Any) -> None:
 
 def test_regenerate_replaces_the_last_reply(client: Any) -> None:
     history = chat(client, "Say one word.", max_new_tokens=4)[-1][1]
-    job = client.submit(history, SYSTEM, 4, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", api_name="/regenerate")
+    job = client.submit(history, SYSTEM, 4, 8, False, 0.7, 0.95, 50, 1.05, "bf16", api_name="/regenerate")
     regenerated = list(job)[-1][0]
     assert len(regenerated) == 2 and text(regenerated[0]["content"]) == "Say one word."
 
@@ -143,9 +143,9 @@ def test_browser_sends_a_message_and_sees_the_reply_and_its_numbers(app_url: str
 
 
 def test_compare_endpoint_answers_with_both_sides_and_a_summary(client: Any) -> None:
-    sides = [EMBEDDED, "nf4", "sdpa", "dynamic", EMBEDDED, "none", "sdpa", "dynamic", EMBEDDED, NO_SIDE, "sdpa",
-             "dynamic"]
-    outputs = list(client.submit("Name a color.", *sides, SYSTEM, 8, 8, False, 0.7, 0.95, 50, 1.05, "dynamic",
+    sides = [EMBEDDED, "nf4", "sdpa", "bf16", EMBEDDED, "none", "sdpa", "bf16", EMBEDDED, NO_SIDE, "sdpa",
+             "bf16"]
+    outputs = list(client.submit("Name a color.", *sides, SYSTEM, 8, 8, False, 0.7, 0.95, 50, 1.05, "bf16",
                                  api_name="/compare"))
     final = outputs[-1]
     texts, diff, stats = final[0:3], final[8], final[9]

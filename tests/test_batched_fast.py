@@ -96,15 +96,15 @@ def test_every_row_equals_its_reply_alone_while_rows_join_and_leave(fp32_engine:
     assert after.prefills - before.prefills == len(PROMPTS) and after.active == 0 and after.errors == 0
 
 
-@pytest.mark.parametrize("kv_cache", ["dynamic", "quantized"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
 def test_newcomers_prefilled_together_equal_their_replies_alone(fp32_engine: ChatEngine, fast_batched: ChatEngine,
                                                                 kv_cache: str) -> None:
     """Four prompts of different lengths reaching an idle loop at once are prefilled in one padded pass
     (SlotDecoder.prefill_rows: fewer prefill passes than prompts), and each reply's greedy tokens equal that prompt
-    served alone by the same loop, token for token; with the fp32 slots and with int8 ones (KV_CACHE=quantized)."""
+    served alone by the same loop, token for token; with the fp32 slots and with int8 ones (KV_CACHE=int8)."""
     from llm_core.streams import Finished
 
-    own = kv_cache != "dynamic"
+    own = kv_cache != "bf16"
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
                                                           KV_CACHE=kv_cache)) if own else fast_batched
     scheduler = engine.fast_scheduler
@@ -436,7 +436,7 @@ def test_the_panel_says_a_batched_replys_peak_is_the_batchs() -> None:
     from llm_core.metrics import ReplyStats
     from ui.stats import format_stats
 
-    base = dict(model="m", quantization="nf4", kv_cache="dynamic", prompt_tokens=10, new_tokens=5,
+    base = dict(model="m", quantization="nf4", kv_cache="bf16", prompt_tokens=10, new_tokens=5,
                 peak_vram_allocated_bytes=5 * 2**30, peak_vram_reserved_bytes=6 * 2**30, predicted_peak_bytes=2**30)
     batched = format_stats(ReplyStats(**base, peak_batch_rows=3))
     assert "the batch's, 3 replies decoding at that peak" in batched

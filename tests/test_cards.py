@@ -59,10 +59,10 @@ def facts_for(model: str, positions: int) -> ModelMemoryFacts:
     return replace(ModelMemoryFacts.from_config(config, int(WEIGHTS[model]), torch.bfloat16), fast_prefill=True)
 
 
-def plan_for(model: str, positions: int, card_gib: int, kv_format: str = "bf16") -> Any:
+def plan_for(model: str, positions: int, card_gib: int, kv_cache: str = "bf16") -> Any:
     budget = int((card_gib - 0.5) * GiB)  # what the demo derives on a card of that size
     return static_cache_plan(facts_for(model, positions), budget, max_new_tokens=256, prefill_chunk_tokens=2048,
-                             kv_format=kv_format, prefill_graph_tokens=1024)
+                             kv_cache=kv_cache, prefill_graph_tokens=1024)
 
 
 # --- pure arithmetic: the device facts of each card -----------------------------------------------------------
@@ -81,21 +81,21 @@ def test_static_block_bytes_per_token_are_exact() -> None:
 @pytest.mark.parametrize("model,positions", [("llama-2-7b", 4096), ("llama-2-7b", 32768), ("llama-3-8b", 32768),
                                              ("llama-3-8b", 131072)])
 @pytest.mark.parametrize("card_gib", CARDS_GIB)
-@pytest.mark.parametrize("kv_format", ["bf16", "int8"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
 def test_static_cache_is_the_largest_whose_fullest_reply_fits(model: str, positions: int, card_gib: int,
-                                                              kv_format: str) -> None:
+                                                              kv_cache: str) -> None:
     """Issue 17's start-up failures (8/12/16 GiB, 32k positions: 'fits at most 0') cannot happen: the cache is the
     most tokens (a multiple of 16, at most the context) for which a reply that fills it fits the budget, and 16
     more would not fit unless the context caps it."""
-    plan = plan_for(model, positions, card_gib, kv_format)
+    plan = plan_for(model, positions, card_gib, kv_cache)
     budget = int((card_gib - 0.5) * GiB)
     assert plan.tokens >= 256 and plan.tokens % CACHE_ROUND_TOKENS == 0 and plan.tokens <= positions
     assert plan.peak_bytes <= budget
     if plan.tokens < positions:
         bigger = static_cache_plan(facts_for(model, plan.tokens + CACHE_ROUND_TOKENS), budget, max_new_tokens=256,
-                                   prefill_chunk_tokens=2048, kv_format=kv_format, prefill_graph_tokens=1024)
+                                   prefill_chunk_tokens=2048, kv_cache=kv_cache, prefill_graph_tokens=1024)
         assert bigger.tokens == plan.tokens  # the larger context does not fit: the plan stops at the same size
-        base = replace(facts_for(model, positions), static_kv_format=kv_format)
+        base = replace(facts_for(model, positions), static_kv_cache=kv_cache)
         over = replace(base, static_kv_tokens=plan.tokens + CACHE_ROUND_TOKENS,
                        resident_extra_bytes=plan.resident_extra_bytes)
         t = plan.tokens + CACHE_ROUND_TOKENS
@@ -240,7 +240,7 @@ def test_measured_sizing_recovers_from_an_oom_and_refuses_when_nothing_useful_fi
     tokens = size_cache_by_measurement(card, 8192, per_token, budget, 32768)  # 8192 tokens: OOM at first
     assert card(tokens) is not None and card.fixed + per_token * tokens <= budget
     full = SimulatedCard(fixed=int(7.45 * GiB), per_token=per_token, cap=8 * GiB)
-    with pytest.raises(ContextBudgetError, match="KV_CACHE=quantized"):
+    with pytest.raises(ContextBudgetError, match="KV_CACHE=int8"):
         size_cache_by_measurement(full, 1024, per_token, budget, 32768)
     assert MIN_FAST_CACHE_TOKENS * per_token > budget - full.fixed
 
@@ -321,7 +321,7 @@ def test_auto_prefill_chunks_are_smaller_where_memory_bounds_the_cache_and_give_
     the operator is kept; 0 turns chunking off (one pass: None)."""
     def resolve(model: str, positions: int, card_gib: int, setting: int | None = None, kv: str = "bf16") -> Any:
         return resolve_prefill_chunk_tokens(setting, facts_for(model, positions), int((card_gib - 0.5) * GiB),
-                                            max_new_tokens=256, kv_format=kv)
+                                            max_new_tokens=256, kv_cache=kv)
 
     assert resolve("llama-2-7b", 32768, 24) == 2048
     assert resolve("llama-2-7b", 32768, 8) == resolve("llama-3-8b", 131072, 8, kv="int8") == 1024
@@ -329,7 +329,7 @@ def test_auto_prefill_chunks_are_smaller_where_memory_bounds_the_cache_and_give_
 
     def cache(chunk: int) -> int:
         return static_cache_plan(facts_for("llama-3-8b", 131072), int(7.5 * GiB), max_new_tokens=256,
-                                 prefill_chunk_tokens=chunk, kv_format="int8", prefill_graph_tokens=256).tokens
+                                 prefill_chunk_tokens=chunk, kv_cache="int8", prefill_graph_tokens=256).tokens
 
     assert cache(1024) > 1.2 * cache(2048)
 
@@ -387,9 +387,9 @@ def _fast_settings(budget: int | None = None, **extra: str) -> Any:
     return make_settings(**env)
 
 
-def _budget_for_cache(loaded: LoadedModel, tokens: int, kv_format: str) -> int:
+def _budget_for_cache(loaded: LoadedModel, tokens: int, kv_cache: str) -> int:
     """The budget whose plan gives exactly `tokens` of static cache on this model (inverse of the planner)."""
-    facts = replace(ModelMemoryFacts.from_loaded(loaded), fast_prefill=True, static_kv_format=kv_format)
+    facts = replace(ModelMemoryFacts.from_loaded(loaded), fast_prefill=True, static_kv_cache=kv_cache)
     resident = fast_resident_estimate(facts, 128, tokens)
     full = replace(facts, static_kv_tokens=tokens, resident_extra_bytes=resident)
     return predict_peak_bytes(full, tokens - 16, 16, prefill_chunk_tokens=96).total_bytes
@@ -539,19 +539,19 @@ def test_int8_static_cache_replies_agree_with_the_bf16_caches(fp32_loaded: Loade
 
 
 def test_int8_engine_serves_quantized_chats_on_the_fast_path() -> None:
-    """KV_CACHE=quantized with the fast path: the static cache is int8 (fewer bytes per token than the bf16 one
+    """KV_CACHE=int8 with the fast path: the static cache is int8 (fewer bytes per token than the bf16 one
     on the same budget, so more tokens) and replies with kv_cache=quantized run on the fast path."""
-    settings = _fast_settings(KV_CACHE="quantized")
+    settings = _fast_settings(KV_CACHE="int8")
     loaded = load_model(settings.model)
     budget = _budget_for_cache(loaded, 512, "bf16")
-    engine = ChatEngine(loaded, _fast_settings(budget, KV_CACHE="quantized"))
+    engine = ChatEngine(loaded, _fast_settings(budget, KV_CACHE="int8"))
     engine.warmup()
     decoder = engine.fast_decoder
     assert decoder.options.kv_cache == "int8" and decoder.cache_len > 512
     last = None
     for update in engine.stream_chat("Write a haiku about the sea.", []):
         last = update
-    assert last is not None and last.stats.decode_path == "fast" and last.stats.kv_cache == "quantized"
+    assert last is not None and last.stats.decode_path == "fast" and last.stats.kv_cache == "int8"
     assert last.stats.kv_cache_bytes == decoder.cache_len * decoder.kv_bytes_per_token()
 
 

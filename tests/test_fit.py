@@ -53,8 +53,8 @@ def test_weights_estimate_matches_the_loaded_embedded_model() -> None:
 
 @pytest.mark.parametrize("card_gib", [8, 12, 16, 24])
 @pytest.mark.parametrize("config,name", [(LLAMA2_7B, "llama-2-7b"), (LLAMA3_8B, "llama-3-8b")])
-@pytest.mark.parametrize("kv_cache,per_token", [("dynamic", {"llama-2-7b": 524_288, "llama-3-8b": 131_072}),
-                                                ("quantized", {"llama-2-7b": 294_912, "llama-3-8b": 73_728})])
+@pytest.mark.parametrize("kv_cache,per_token", [("bf16", {"llama-2-7b": 524_288, "llama-3-8b": 131_072}),
+                                                ("int8", {"llama-2-7b": 294_912, "llama-3-8b": 73_728})])
 def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str, kv_cache: str,
                                   per_token: dict[str, int]) -> None:
     """Fast path (llama, nf4); KV bytes per token exact (bf16 rows, or int8 rows of 144 bytes); the longest prompt
@@ -65,12 +65,11 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
     assert report.kv_bytes_per_token == per_token[name]
     facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4"), "bfloat16")
     fused, budget = replace(facts, fast_prefill=True), card_gib * GiB - 512 * 2**20
-    kv_format = "int8" if kv_cache == "quantized" else "bf16"
-    chunk = resolve_prefill_chunk_tokens(None, fused, budget, max_new_tokens=256, kv_format=kv_format)
+    chunk = resolve_prefill_chunk_tokens(None, fused, budget, max_new_tokens=256, kv_cache=kv_cache)
     assert report.prefill_chunk_tokens == chunk in (1024, 2048)
     graphs = resolve_prefill_graph_tokens(None, fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk,
-                                          kv_format=kv_format)  # auto: smaller graphs where memory bounds the cache
-    plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk, kv_format=kv_format,
+                                          kv_cache=kv_cache)  # auto: smaller graphs where memory bounds the cache
+    plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk, kv_cache=kv_cache,
                              prefill_graph_tokens=graphs)
     assert report.static_cache_tokens == plan.tokens and report.longest_prompt_tokens == plan.max_prompt_tokens
     assert report.seed_prompt_tokens == max_context_tokens(facts, card_gib * GiB, 256)
@@ -97,7 +96,7 @@ def test_plain_path_for_quantizations_the_fast_path_does_not_take() -> None:
     facts = ModelMemoryFacts.from_config(LLAMA2_7B, estimate_weights_bytes(LLAMA2_7B, "fp4"), "bfloat16",
                                          weight_quantization="fp4")
     assert report.prefill_chunk_tokens == 1024
-    assert report.longest_prompt_tokens == max_context_tokens(facts, 8 * GiB - 512 * 2**20, 256, "dynamic",
+    assert report.longest_prompt_tokens == max_context_tokens(facts, 8 * GiB - 512 * 2**20, 256, "bf16",
                                                               prefill_chunk_tokens=1024)
     set_2048 = fit_config(LLAMA2_7B, 8 * GiB, quantization="fp4", prefill_chunk_tokens=2048)
     assert set_2048.prefill_chunk_tokens == 2048 and set_2048.longest_prompt_tokens < report.longest_prompt_tokens
@@ -119,7 +118,7 @@ def test_fit_cli_on_the_embedded_models_config(capsys: pytest.CaptureFixture[str
 def test_app_fit_panel_answers_in_markdown() -> None:
     from ui.fit import fit_answer
 
-    text = fit_answer(None, 8, "nf4", "quantized", 256, cache_dir=str(MODEL_CACHE))
+    text = fit_answer(None, 8, "nf4", "int8", 256, cache_dir=str(MODEL_CACHE))
     assert "Fast-path KV cache" in text and "Longest prompt" in text and torch is not None
 
 

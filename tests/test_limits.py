@@ -211,13 +211,13 @@ def pool(nf4_engine: ChatEngine) -> EnginePool:
 
 
 def test_compare_with_another_kv_mode_loads_no_second_copy(pool: EnginePool, nf4_engine: ChatEngine) -> None:
-    quantized_kv = CompareConfig(None, "nf4", kv_cache="quantized")
+    quantized_kv = CompareConfig(None, "nf4", kv_cache="int8")
     device = nf4_engine.loaded.device
     before = memory_in_use(device)
     done = drain(Comparison(pool, pool.settings).run([NF4, quantized_kv], "Name a fruit.",
                                                      nf4_engine.request_options(max_new_tokens=4)))
     grown = memory_in_use(device) - before
-    assert [r.stats.kv_cache for r in done.results] == ["dynamic", "quantized"]
+    assert [r.stats.kv_cache for r in done.results] == ["bf16", "int8"]
     assert pool.resident() == [NF4] and done.results[1].load_s is None  # the served engine answered both
     assert grown < 0.5 * nf4_engine.report.weights_bytes, grown  # a second copy would add at least the weights
 

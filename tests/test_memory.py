@@ -110,9 +110,9 @@ def test_kv_bytes_per_token_embedded_model_in_its_compute_dtype(loaded: LoadedMo
 def test_kv_bytes_per_token_quantized_is_nbits_plus_scale_and_zero_per_group() -> None:
     # 4 bits + (bf16 scale + bf16 zero) / 64 elements = 0.5625 bytes per element
     elements = 2 * 32 * 32 * 128
-    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "quantized") == elements * 9 // 16 == 147456
+    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "int8") == elements * 9 // 16 == 147456
     spec8 = QuantizedKVSpec(nbits=8, group_size=32)
-    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "quantized", spec8) == elements * 9 // 8
+    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "int8", spec8) == elements * 9 // 8
 
 
 def test_kv_bytes_sliding_window_layers_hold_at_most_a_window() -> None:
@@ -149,13 +149,13 @@ def test_kv_bytes_mixed_layer_types_counts_each_layer() -> None:
 def test_dynamic_cache_after_generate_holds_exactly_prompt_plus_new_minus_one_tokens(loaded: LoadedModel) -> None:
     ids = chat_ids(loaded, "Name three colours of the rainbow.")
     prompt, new = ids.shape[1], 6
-    plain = greedy(loaded, ids, new, make_cache("dynamic", loaded.model))
+    plain = greedy(loaded, ids, new, make_cache("bf16", loaded.model))
     cache = returned_cache(plain)
     # the last generated token is returned but never fed back, so it has no K/V yet
     assert cache.get_seq_length() == prompt + new - 1
     assert cache_bytes(cache) == kv_bytes(loaded.model.config, prompt + new - 1, loaded.compute_dtype)
 
-    chunked_cache = make_cache("dynamic", loaded.model)
+    chunked_cache = make_cache("bf16", loaded.model)
     assert prefill_in_chunks(loaded.model, ids, chunked_cache, chunk_tokens=13) == prompt - 1
     chunked = greedy(loaded, ids, new, chunked_cache)
     assert torch.equal(chunked.sequences, plain.sequences)  # chunked prefill changes memory, not the reply
@@ -166,16 +166,16 @@ def test_quantized_cache_holds_exactly_its_predicted_bytes(loaded: LoadedModel) 
     ids = chat_ids(loaded, HELD_PROMPTS[1])
     prompt, new = ids.shape[1], 6
     spec = QuantizedKVSpec()
-    cache = make_cache("quantized", loaded.model, capacity_tokens=prompt + new, quant=spec)
+    cache = make_cache("int8", loaded.model, capacity_tokens=prompt + new, quant=spec)
     out = greedy(loaded, ids, new, cache)
     held = returned_cache(out)
     assert held.get_seq_length() == prompt + new - 1
     config, dtype = loaded.model.config, loaded.compute_dtype
     kv_dim = config.num_key_value_heads * config.head_dim
     scratch = 2 * (prompt + new) * kv_dim * dtype.itemsize  # one layer's K and V, dequantized (shared)
-    assert cache_bytes(held) == kv_bytes(config, prompt + new, dtype, "quantized", spec) + scratch
+    assert cache_bytes(held) == kv_bytes(config, prompt + new, dtype, "int8", spec) + scratch
     # the 64-token full-precision residual dominates this short reply; at length the 4-bit storage is 3.5x smaller
-    assert kv_bytes(config, 8192, dtype, "quantized", spec) < kv_bytes(config, 8192, dtype) / 3.4
+    assert kv_bytes(config, 8192, dtype, "int8", spec) < kv_bytes(config, 8192, dtype) / 3.4
 
 
 @torch.no_grad()
@@ -201,8 +201,8 @@ def test_quantized_kv_replies_stay_close_to_the_dynamic_cache(loaded: LoadedMode
     steps, agree, kls = 16, 0, []
     for text in HELD_PROMPTS:
         ids = chat_ids(loaded, text)
-        ref_logits, ref_tokens = teacher_forced_logits(loaded, ids, steps, make_cache("dynamic", loaded.model))
-        cache = make_cache("quantized", loaded.model, capacity_tokens=ids.shape[1] + steps)
+        ref_logits, ref_tokens = teacher_forced_logits(loaded, ids, steps, make_cache("bf16", loaded.model))
+        cache = make_cache("int8", loaded.model, capacity_tokens=ids.shape[1] + steps)
         logits, _ = teacher_forced_logits(loaded, ids, steps, cache, forced=ref_tokens)
         assert cache.layers[0].n_quantized >= 64  # the prompt really went through quantization
         agree += int((logits.argmax(-1) == ref_tokens).sum())
@@ -241,12 +241,12 @@ def test_make_cache_rejects_unknown_modes_and_missing_backends(loaded: LoadedMod
     with pytest.raises(SettingsError, match="CUDA"):
         make_cache("offload", loaded.model)  # the embedded model runs on CPU here
     with pytest.raises(SettingsError, match="backend"):
-        make_cache("quantized", loaded.model, backend="nope")
+        make_cache("int8", loaded.model, backend="nope")
     import importlib.util
 
     if importlib.util.find_spec("hqq") is None:
         with pytest.raises(SettingsError, match="pip install hqq"):
-            make_cache("quantized", loaded.model, backend="hqq")
+            make_cache("int8", loaded.model, backend="hqq")
 
 
 # --- the activation model against a real allocation trace -------------------------------------------------------
@@ -292,7 +292,7 @@ def test_prefill_activation_formula_matches_a_tensor_allocation_trace(kv_heads: 
     prompt = 1024
     ids = torch.randint(0, 512, (1, prompt))
     with torch.inference_mode(), LiveTensorBytes() as trace:
-        cache = make_cache("dynamic", model)
+        cache = make_cache("bf16", model)
         model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
     facts = ModelMemoryFacts.from_config(config, 0, torch.bfloat16, weight_quantization="none", device_type="cpu")
     predicted = kv_bytes(config, prompt, torch.bfloat16) + forward_activation_bytes(facts, prompt)
@@ -332,7 +332,7 @@ def test_predictor_reproduces_the_recorded_h200_peaks(model: str, weights_gib: f
     """Calibration test on recorded numbers (shared/reference/2026-11-30-{baseline,cap-probe}.jsonl: NF4 + double
     quant, bf16, SDPA, plain generate, peak = torch.cuda.max_memory_allocated). The issue's goal is 5% or 128 MiB;
     the model lands within 10 MiB of every point (the recordings are rounded to 0.01 GiB), asserted at 24 MiB."""
-    predicted = predict_peak_bytes(h200_facts(model, weights_gib, workspace), prompt, new, "dynamic")
+    predicted = predict_peak_bytes(h200_facts(model, weights_gib, workspace), prompt, new, "bf16")
     error = predicted.peak_allocated_bytes - peak_gib * GiB
     assert abs(error) <= 24 * MiB
     assert abs(error) <= max(0.05 * peak_gib * GiB, 128 * MiB)
@@ -418,7 +418,7 @@ def test_max_context_tokens_is_monotonic_in_the_budget_and_maximal(facts_7b: Mod
 def test_quantized_kv_fits_at_least_two_and_a_half_times_the_context(facts_7b: ModelMemoryFacts) -> None:
     budget = 8 * GiB - 256 * MiB
     dynamic = max_context_tokens(facts_7b, budget, 128)
-    quantized = max_context_tokens(facts_7b, budget, 128, "quantized", prefill_chunk_tokens=2048)
+    quantized = max_context_tokens(facts_7b, budget, 128, "int8", prefill_chunk_tokens=2048)
     assert quantized >= 2.5 * dynamic
 
 
@@ -511,15 +511,15 @@ def test_injected_oom_is_recognised_freed_and_the_next_reply_works(loaded: Loade
     ids = chat_ids(loaded, "Say hello.")
     faults = OOMInjector()
     stop = StoppingCriteriaList([_FaultAtDecode(faults)])
-    expected = greedy(loaded, ids, 3, make_cache("dynamic", loaded.model), stopping_criteria=stop).sequences
+    expected = greedy(loaded, ids, 3, make_cache("bf16", loaded.model), stopping_criteria=stop).sequences
 
     faults.arm("decode")
     with pytest.raises(torch.OutOfMemoryError) as caught:
-        greedy(loaded, ids, 3, make_cache("dynamic", loaded.model), stopping_criteria=stop)
+        greedy(loaded, ids, 3, make_cache("bf16", loaded.model), stopping_criteria=stop)
     assert is_oom_error(caught.value) and faults.fired == ["decode"]
     free_memory(loaded.device)
 
-    again = greedy(loaded, ids, 3, make_cache("dynamic", loaded.model), stopping_criteria=stop).sequences
+    again = greedy(loaded, ids, 3, make_cache("bf16", loaded.model), stopping_criteria=stop).sequences
     assert torch.equal(again, expected)  # disarmed after firing once: the next reply is the same reply
 
 
@@ -552,7 +552,7 @@ def test_fast_path_prediction_counts_its_whole_static_cache_whatever_the_reply_l
         assert fast.peak_allocated_bytes > plain.peak_allocated_bytes
     # quantized and offloaded caches run on the plain path beside the static block, which stays resident: their
     # prediction is the plain one plus exactly that block (issue 17: it was left out)
-    for mode in ("quantized", "offload"):
+    for mode in ("int8", "offload"):
         beside, alone = predict_peak_bytes(static, 512, 128, mode), predict_peak_bytes(growing, 512, 128, mode)
         assert beside.total_bytes - alone.total_bytes == block
         assert beside.kv_bytes == alone.kv_bytes and beside.reserve_bytes == alone.reserve_bytes

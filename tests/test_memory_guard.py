@@ -33,7 +33,7 @@ def engine(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
 
 
 def budget_for(engine: ChatEngine, prompt_tokens: int, new_tokens: int) -> MemoryBudget:
-    pred = predict_peak_bytes(engine.memory_facts, prompt_tokens, new_tokens, "dynamic",
+    pred = predict_peak_bytes(engine.memory_facts, prompt_tokens, new_tokens, "bf16",
                               prefill_chunk_tokens=engine.prefill_chunk_tokens)
     return MemoryBudget(pred.total_bytes, "test")
 
@@ -66,7 +66,7 @@ def test_guard_lowers_max_new_tokens_when_dropping_turns_is_not_enough(engine: C
     allowed = int(re.search(r"lowered from 200 to (\d+)", note).group(1))  # type: ignore[union-attr]
 
     def peak(new: int) -> int:
-        return predict_peak_bytes(engine.memory_facts, base, new, "dynamic",
+        return predict_peak_bytes(engine.memory_facts, base, new, "bf16",
                                   prefill_chunk_tokens=engine.prefill_chunk_tokens).total_bytes
 
     budget = engine.memory_budget.budget_bytes
@@ -93,8 +93,8 @@ def test_injected_oom_is_reported_memory_freed_and_the_next_reply_works(engine: 
 def test_quantized_kv_cache_reply_uses_less_cache_memory(engine: ChatEngine) -> None:
     prompt = "Explain photosynthesis in detail. " * 250  # ~1.5k tokens: storage, not scratch, dominates
     dense = last(engine.stream_chat(prompt, [], gen=engine.request_options(max_new_tokens=24)))
-    quant = last(engine.stream_chat(prompt, [], gen=engine.request_options(max_new_tokens=24, kv_cache="quantized")))
-    assert quant.stats.kv_cache == "quantized" and quant.stats.decode_path == "plain"
+    quant = last(engine.stream_chat(prompt, [], gen=engine.request_options(max_new_tokens=24, kv_cache="int8")))
+    assert quant.stats.kv_cache == "int8" and quant.stats.decode_path == "plain"
     assert quant.done and quant.stats.new_tokens > 0
     per_token_dense = dense.stats.kv_cache_bytes / (dense.stats.prompt_tokens + dense.stats.new_tokens - 1)
     per_token_quant = quant.stats.kv_cache_bytes / (quant.stats.prompt_tokens + quant.stats.new_tokens - 1)

@@ -100,7 +100,7 @@ def test_the_ui_chats_through_the_remote_engine_with_numbers_measured_here(front
 
     client = Client(front + "/", verbose=False)
     outputs = list(client.submit("What is the capital of France?", [], SYSTEM, 24, 8, False, 0.7, 0.95, 50, 1.05,
-                                 "dynamic", api_name="/chat"))
+                                 "bf16", api_name="/chat"))
     assert len(outputs) >= 2  # streamed
     _, history, stats_md, stats = outputs[-1]
     assert "Paris" in text(history[-1]["content"])
@@ -165,10 +165,10 @@ def test_compare_puts_local_nf4_beside_the_remote_engine(nf4_engine: ChatEngine,
     demo, url = serve(nf4_engine, settings)
     try:
         client = Client(url + "/", verbose=False)
-        sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", remote_choice(settings), "nf4", "sdpa", "dynamic",
-                 EMBEDDED_CHOICE, NO_SIDE, "sdpa", "dynamic"]
+        sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "bf16", remote_choice(settings), "nf4", "sdpa", "bf16",
+                 EMBEDDED_CHOICE, NO_SIDE, "sdpa", "bf16"]
         final = list(client.submit("What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50,
-                                   1.05, "dynamic", api_name="/compare"))[-1]
+                                   1.05, "bf16", api_name="/compare"))[-1]
         texts, bars, stats = final[0:3], final[7], final[9]
         assert texts[0] and texts[1] and not texts[2]
         assert [s["quantization"] for s in stats] == ["nf4", "remote"]
@@ -227,10 +227,10 @@ def test_vllm_cpu_engine_behind_the_same_ui_and_compare(nf4_engine: ChatEngine, 
         settings = make_settings(OPENAI_BASE_URL=url)
         demo, front = serve(nf4_engine, settings)
         try:
-            sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "dynamic", remote_choice(settings), "nf4", "sdpa", "dynamic",
-                     EMBEDDED_CHOICE, NO_SIDE, "sdpa", "dynamic"]
+            sides = [EMBEDDED_CHOICE, "nf4", "sdpa", "bf16", remote_choice(settings), "nf4", "sdpa", "bf16",
+                     EMBEDDED_CHOICE, NO_SIDE, "sdpa", "bf16"]
             out = list(Client(front + "/", verbose=False).submit(
-                "What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "dynamic",
+                "What is the capital of France?", *sides, SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "bf16",
                 api_name="/compare"))[-1]
             assert out[0] and out[1]
             stats = out[9]

@@ -171,7 +171,7 @@ def test_compare_bars_start_at_zero_and_carry_full_escaped_labels() -> None:
 def test_session_stats_plot_one_series_per_configuration_with_whole_reply_numbers() -> None:
     from ui.stats import history_frame, history_plot
 
-    base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "dynamic",
+    base = {"model": "SmolLM2-135M-Instruct (embedded)", "attention": "sdpa", "kv_cache": "bf16",
             "decode_tokens_per_s": 10.0, "peak_rss_bytes": 2**30}
     remote = {"model": "SmolLM2-135M-Instruct", "quantization": "remote", "attention": "", "decode_path": "remote"}
     assert history_frame([remote])["configuration"][0] == "SmolLM2-135M-Instruct · remote"  # as Compare labels it

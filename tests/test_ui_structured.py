@@ -20,7 +20,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 
 def _chat(client: Any, schema: str, message: str = "Name a city in Europe.") -> list[Any]:
-    return list(client.submit(message, [], SYSTEM, 40, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", schema,
+    return list(client.submit(message, [], SYSTEM, 40, 8, False, 0.7, 0.95, 50, 1.05, "bf16", schema,
                               api_name="/chat"))
 
 
@@ -40,6 +40,6 @@ def test_a_bad_json_schema_is_refused_with_what_is_wrong(client: Any, schema: st
     from gradio_client.exceptions import AppError
 
     with pytest.raises(AppError, match=re.escape(says)):
-        client.predict("Name a city.", [], SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "dynamic", schema,
+        client.predict("Name a city.", [], SYSTEM, 16, 8, False, 0.7, 0.95, 50, 1.05, "bf16", schema,
                        api_name="/chat")
     assert _chat(client, "", "Still there?")[-1][3]["new_tokens"] > 0

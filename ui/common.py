@@ -79,7 +79,7 @@ class PageContext:
         return CompareConfig(name, REMOTE_MODE)
 
     def config_of(self, choice: str | None, mode: str | None, attention: str = "sdpa",
-                  kv_cache: str = "dynamic") -> CompareConfig:
+                  kv_cache: str = "auto") -> CompareConfig:
         """A model choice of the page (a model, the remote engine) with its settings as a configuration."""
         if self.remote and choice == self.remote:
             return self.remote_config()
@@ -105,7 +105,8 @@ class Options:
         self.rep = gr.Slider(*REPETITION_PENALTY_RANGE, value=gen.repetition_penalty, step=0.01,
                              label="Repetition penalty", elem_id="repetition-penalty")
         self.kv_cache = gr.Dropdown(list(KV_CACHE_MODES), value=gen.kv_cache, label="KV cache",
-                                    info="quantized: ~3.5x more context per GiB, slower; offload: CPU RAM, last resort",
+                                    info="auto: the engine's (bf16, or int8 where the card is small); int8: ~1.8x "
+                                         "the context per GiB; int4: ~3.2x, lower quality; offload: CPU RAM",
                                     elem_id="kv-cache")
 
     @property

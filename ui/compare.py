@@ -162,5 +162,5 @@ def _side_inputs(ctx: PageContext, i: int, model: str | None, mode: str) -> list
         gr.Dropdown([*settings.compare.modes, *([NO_SIDE] if i >= 2 else [])], value=mode, label="Quantization",
                     elem_id=f"compare-mode-{i}"),
         gr.Dropdown(["sdpa", "eager"], value="sdpa", label="Attention", elem_id=f"compare-attn-{i}"),
-        gr.Dropdown(list(KV_CACHE_MODES), value="dynamic", label="KV cache", elem_id=f"compare-kv-{i}"),
+        gr.Dropdown(list(KV_CACHE_MODES), value="auto", label="KV cache", elem_id=f"compare-kv-{i}"),
     ]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import TextIteratorStreamer
 
-from ..config import GenerationSettings, Settings
+from ..config import GenerationSettings, Settings, canonical_kv_cache
 from ..errors import (
     GenerationError,
     InputError,
@@ -162,6 +162,7 @@ class ChatEngine(DecodeStartup):
         budget = settings.memory.budget_bytes
         self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
             loaded.device, settings.memory.margin_bytes)
+        self._kv_choice = self._choose_kv_cache()  # (KV_CACHE as resolved, the sentence that says why)
         self._prefill_chunk_tokens = self._resolve_prefill_chunk_tokens()  # PREFILL_CHUNK_TOKENS (None = one pass)
         # PREFIX_CACHE: each single-reply path keeps the ids whose KV its cache holds and prefills only the rest
         self._prefix_cache = settings.memory.prefix_cache
@@ -190,23 +191,51 @@ class ChatEngine(DecodeStartup):
             engine.warmup(progress)
         return engine
 
+    def _choose_kv_cache(self) -> tuple[str, str]:
+        """KV_CACHE resolved for this engine: auto is decided where the start-up sizes the fast path's cache
+        (llm_core.memory.plan.choose_kv_cache) on CUDA; the plain and CPU paths keep bf16 for auto."""
+        from ..memory.plan import choose_kv_cache
+
+        model = self.settings.model
+        return choose_kv_cache(self.settings.generation.kv_cache, replace(self.memory_facts, fast_prefill=True),
+                               self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
+                               prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens,
+                               prefill_graph_tokens=model.prefill_graph_tokens,
+                               fast_path=self.loaded.device.type == "cuda" and model.decode_path != "plain")
+
     @property
-    def _fast_kv_format(self) -> str:
-        """The fast path's static cache: int8 when KV_CACHE=quantized (so quantized chats keep the graphed step),
-        else the compute dtype."""
-        return "int8" if self.settings.generation.kv_cache == "quantized" else "bf16"
+    def _fast_kv_cache(self) -> str:
+        """The fast path's static cache: KV_CACHE as resolved (so int8/int4 chats keep the graphed step); bf16 for
+        offload, whose replies run on the plain path."""
+        kv = self._kv_choice[0]
+        return kv if kv in ("bf16", "int8", "int4") else "bf16"
+
+    @property
+    def kv_cache_reason(self) -> str:
+        """One sentence for the Model panel: which KV cache replies get by default, and why."""
+        from ..memory.plan import AUTO_ON_PLAIN
+
+        if self.backend.name in ("fast", "fast-batched") or self.settings.generation.kv_cache != "auto":
+            return self._kv_choice[1]
+        return AUTO_ON_PLAIN
+
+    @property
+    def kv_cache(self) -> str:
+        """The KV cache a reply asking for auto gets: the fast path's, else bf16 where KV_CACHE=auto."""
+        if self.backend.name in ("fast", "fast-batched"):
+            return self._kv_choice[0]
+        return "bf16" if self.settings.generation.kv_cache == "auto" else self._kv_choice[0]
 
     def _fast_serves(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
-        fast_mode = "quantized" if self._fast_kv_format == "int8" else "dynamic"
-        return self.backend.name in ("fast", "fast-batched") and kv_cache == fast_mode
+        return self.backend.name in ("fast", "fast-batched") and kv_cache == self._fast_kv_cache
 
     def _backend_for(self, kv_cache: str) -> DecodeBackend:
         """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
-        (plain, batched) serve the dynamic cache themselves."""
+        (plain, batched) serve the bf16 cache themselves."""
         if self.backend.name in ("fast", "fast-batched"):
             return self.backend if self._fast_serves(kv_cache) else self._plain
-        return self.backend if kv_cache == "dynamic" else self._plain
+        return self.backend if kv_cache == "bf16" else self._plain
 
     @property
     def memory_plan(self) -> str:
@@ -223,7 +252,7 @@ class ChatEngine(DecodeStartup):
             parts[-1] += f", sized by measurement (peak {human_bytes(self._fast_profile['peak_reserved_bytes'])})"
         chunk = self._prefill_chunk_tokens
         parts.append(f"long prompts prefilled in {chunk:,}-token chunks" if chunk else "prompts prefilled in one pass")
-        return "; ".join(parts)
+        return "; ".join(parts) + ". " + self.kv_cache_reason
 
     @property
     def prefill_chunk_tokens(self) -> int | None:
@@ -302,6 +331,8 @@ class ChatEngine(DecodeStartup):
         if "do_sample" in clean and not isinstance(clean["do_sample"], bool):
             raise InputError(f"do_sample must be true or false, got {clean['do_sample']!r}.")
         try:
+            if "kv_cache" in clean:  # an old alias (dynamic, quantized) named as its mode
+                clean["kv_cache"] = canonical_kv_cache(clean["kv_cache"], "kv_cache")
             return replace(self.settings.generation, **clean).validate()
         except SettingsError as exc:
             raise InputError(str(exc).replace("MAX_NEW_TOKENS", "max_new_tokens")) from None
@@ -332,7 +363,8 @@ class ChatEngine(DecodeStartup):
                 system_prompt: str | None, raw_prompt: bool = False) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget (raw_prompt: the
         message as text to continue, no chat template, no history)."""
-        fast = self._fast_serves(gen.kv_cache)
+        kv = self.kv_cache if gen.kv_cache == "auto" else gen.kv_cache
+        fast = self._fast_serves(kv)
         measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
         if fast and not measured:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan
             self._fit_fast_cache(self.settings.generation.max_new_tokens)
@@ -355,9 +387,8 @@ class ChatEngine(DecodeStartup):
         chunk = self._prefill_chunk_tokens
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
-        plan_mode = "dynamic" if fast else gen.kv_cache  # the fast path's static block, whatever its format
         if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
-            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, plan_mode,
+            predicted = predict_peak_bytes(self.memory_facts, fitted.prompt_tokens, gen.max_new_tokens, kv,
                                            prefill_chunk_tokens=chunk)
             # the graph pools' and fragments' bytes are reserved, never allocated: as reserve, so that the panel's
             # predicted allocated peak compares with torch's allocated one
@@ -367,31 +398,34 @@ class ChatEngine(DecodeStartup):
                              budget_bytes=self.memory_budget.budget_bytes)
         else:
             plan = require_fit(plan_reply(self.memory_facts, self.memory_budget.budget_bytes, fitted.prompt_tokens,
-                                          gen.max_new_tokens, plan_mode, min_prompt_tokens=newest_only,
+                                          gen.max_new_tokens, kv, min_prompt_tokens=newest_only,
                                           prefill_chunk_tokens=chunk))
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
         encoded = self._encode(fitted.messages, memo, raw_prompt)
         device = self.loaded.device
-        notes = tuple(n for n in (fitted.describe(), plan.message) if n)
-        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, plan_mode, chunk)
+        switched = "" if fast or self.backend.name not in ("fast", "fast-batched") else (
+            f"KV cache {kv} asked for this reply: the plain path serves it, not the fast path (whose cache is "
+            f"{self._fast_kv_cache}).")
+        notes = tuple(n for n in (fitted.describe(), plan.message, switched) if n)
+        fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, kv, chunk)
         allowed = plan.allowed_new_tokens
         resolved = replace(gen, max_new_tokens=allowed, min_new_tokens=min(gen.min_new_tokens, allowed))
         return PreparedPrompt(fitted, encoded["input_ids"].to(device), encoded["attention_mask"].to(device),
-                              resolved, notes, gen.kv_cache, plan.predicted,
+                              resolved, notes, kv, plan.predicted,
                               min(fit_tokens, budget_tokens))
 
-    def _context_fit(self, max_new_tokens: int, kv_mode: str, chunk: int | None) -> int:
+    def _context_fit(self, max_new_tokens: int, kv_cache: str, chunk: int | None) -> int:
         """The context meter's bound (a bisection over the predictor), memoized: it runs before every first token
         and depends only on these and the engine's fixed budget."""
         facts = self.memory_facts  # replaced (not mutated) when the reserve is refitted after an OOM
-        key = (facts, self.memory_budget.budget_bytes, max_new_tokens, kv_mode, chunk)
+        key = (facts, self.memory_budget.budget_bytes, max_new_tokens, kv_cache, chunk)
         with self._fit_lock:
             if key not in self._fit_cache:
                 if len(self._fit_cache) > 256:
                     self._fit_cache.clear()
-                self._fit_cache[key] = max_context_tokens(facts, key[1], max_new_tokens, kv_mode,
+                self._fit_cache[key] = max_context_tokens(facts, key[1], max_new_tokens, kv_cache,
                                                           prefill_chunk_tokens=chunk)
             return self._fit_cache[key]
 
@@ -480,7 +514,7 @@ class ChatEngine(DecodeStartup):
             memory_budget_bytes=self.memory_budget.budget_bytes, context_fit_tokens=prepared.context_fit_tokens,
         )
         if backend is self._plain:  # the kept cache when it serves this reply (run() gives it back), else a new one
-            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "dynamic" \
+            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "bf16" \
                 else None
             cache = claimed if claimed is not None else make_cache(
                 prepared.kv_cache, self.loaded.model, capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)

@@ -28,12 +28,12 @@ from typing import Any
 
 import torch
 
-from ..config import ATTN_IMPLEMENTATIONS, KV_CACHE_MODES, GenerationSettings, Settings
+from ..config import ATTN_IMPLEMENTATIONS, KV_CACHE_MODES, GenerationSettings, Settings, canonical_kv_cache
 from ..errors import InputError, LLMCoreError, ModelLoadError, SettingsError
 from ..history import clean_text
 from ..loading import Progress, estimate_weights_bytes, resolve_device
 from ..memory.device import free_memory
-from ..memory.kv_cache import check_kv_mode
+from ..memory.kv_cache import check_kv_cache
 from ..metrics import ReplyStats, configuration_label, format_bytes
 from .admission import ReplySlots
 from .backend import ChatBackend
@@ -58,7 +58,7 @@ class CompareConfig:
     model_id: str | None = None  # None = the embedded default model
     mode: str = "nf4"
     attn_implementation: str = "sdpa"
-    kv_cache: str = "dynamic"
+    kv_cache: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mode not in MODE_PRESETS and self.mode != REMOTE_MODE:
@@ -66,15 +66,19 @@ class CompareConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise InputError(f"Unknown attention {self.attn_implementation!r}; choose one of "
                              f"{', '.join(ATTN_IMPLEMENTATIONS)}.")
-        if self.kv_cache not in KV_CACHE_MODES:
-            raise InputError(f"Unknown KV cache mode {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_MODES)}.")
+        try:
+            kv = canonical_kv_cache(self.kv_cache, "KV cache")
+        except SettingsError:
+            raise InputError(f"Unknown KV cache mode {self.kv_cache!r}; choose one of {', '.join(KV_CACHE_MODES)}.") \
+                from None
+        object.__setattr__(self, "kv_cache", kv)  # an old alias (dynamic, quantized) named as its mode
         if self.model_id is not None and (not isinstance(self.model_id, str) or not self.model_id.strip()):
             raise InputError("Choose a model for every side.")
 
     @property
     def engine_key(self) -> CompareConfig:
         """What a loaded engine is: model + quantization + attention. The KV mode is chosen per reply."""
-        return replace(self, kv_cache="dynamic") if self.kv_cache != "dynamic" else self
+        return replace(self, kv_cache="auto") if self.kv_cache != "auto" else self
 
     @property
     def is_remote(self) -> bool:
@@ -86,7 +90,7 @@ class CompareConfig:
             return f"{self.model_id or 'remote model'} · remote"
         model = self.model_id or "embedded"
         parts = [model, self.mode, self.attn_implementation]
-        if self.kv_cache != "dynamic":
+        if self.kv_cache != "auto":
             parts.append(f"{self.kv_cache} KV")
         return " · ".join(parts)
 
@@ -157,7 +161,8 @@ def check_allowed(config: CompareConfig, settings: Settings) -> None:
         raise InputError(f"Model {model_id!r} is not in the configured list (COMPARE_MODELS) or in a model folder "
                          "this demo may load from; the operator can add it to COMPARE_MODELS or MODEL_DIRS.")
     try:
-        check_kv_mode(config.kv_cache, resolve_device(config.apply(settings).model))
+        if config.kv_cache != "auto":  # auto is the engine's choice, made when it loads
+            check_kv_cache(config.kv_cache, resolve_device(config.apply(settings).model))
     except SettingsError as exc:
         raise InputError(f"{config.label}: {exc}") from None
 

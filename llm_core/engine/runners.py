@@ -28,7 +28,7 @@ class PreparedPrompt:
     attention_mask: torch.Tensor  # (1, prompt_tokens)
     gen: GenerationSettings
     notes: tuple[str, ...] = ()
-    kv_cache: str = "dynamic"
+    kv_cache: str = "bf16"
     predicted: Any = None  # memory.PeakPrediction for prompt + max_new_tokens
     context_fit_tokens: int | None = None  # prompt tokens that fit the memory budget with this max_new_tokens
 
@@ -76,7 +76,7 @@ class PlainBackend:
     cache_at_start: bool = True
 
     def make_cache(self) -> Any:
-        return make_cache("dynamic", self.loaded.model)
+        return make_cache("bf16", self.loaded.model)
 
     def run(self, prepared: PreparedPrompt, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
         prefix = self.prefix if self.prefix is not None and self.prefix.owns(cache) else None

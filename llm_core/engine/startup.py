@@ -21,7 +21,7 @@ from ..errors import ContextBudgetError, SettingsError
 from ..loading import Progress
 from ..memory.device import OOMInjector, device_allocated_bytes, free_memory
 from ..memory.kv_cache import cache_kwarg
-from ..memory.model import MemoryBudget, ModelMemoryFacts, human_bytes, resident_extra_bytes
+from ..memory.model import STATIC_KV_LAYOUTS, MemoryBudget, ModelMemoryFacts, human_bytes, resident_extra_bytes
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
@@ -57,7 +57,7 @@ class DecodeStartup:
 
     if TYPE_CHECKING:  # defined by ChatEngine
         @property
-        def _fast_kv_format(self) -> str: ...
+        def _fast_kv_cache(self) -> str: ...
         @property
         def fast_decoder(self) -> Any | None: ...
         @property
@@ -101,7 +101,7 @@ class DecodeStartup:
         self._prefill_graph_tokens = self._resolve_prefill_graph_tokens()
         options = fast.FastDecodeOptions(prefill_graph_tokens=self._prefill_graph_tokens,
                                          prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                         kv_cache=self._fast_kv_format)
+                                         kv_cache=self._fast_kv_cache)
         plain_facts = self.memory_facts
         try:
             cache_tokens = self._fast_cache_tokens()
@@ -113,8 +113,9 @@ class DecodeStartup:
             return
         decoder = fast.FastDecoder(self.loaded, max_cache_len=cache_tokens, options=options,
                                    prefix_cache=PrefixCache() if self._prefix_cache else None)
-        if self._fast_kv_format == "int8":
-            reason += "; KV cache int8 (per token and head scale), read by the decode attention kernel"
+        if self._fast_kv_cache != "bf16":
+            kv = self._fast_kv_cache
+            reason += f"; KV cache {kv} ({STATIC_KV_LAYOUTS[kv]}), read by the decode attention kernel"
         quantization = self.loaded.settings.quantization
         if quantization in ("nf4", "none"):  # which kernel runs, and the start-up timing behind the choice
             nf4 = quantization == "nf4"
@@ -130,7 +131,7 @@ class DecodeStartup:
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=int(decoder.max_cache_len),
-                                    static_kv_format=self._fast_kv_format,
+                                    static_kv_cache=self._fast_kv_cache,
                                     resident_extra_bytes=self._cache_plan.resident_extra_bytes)
 
     def _resolve_prefill_chunk_tokens(self) -> int | None:
@@ -139,7 +140,7 @@ class DecodeStartup:
         return resolve_prefill_chunk_tokens(
             self.settings.memory.prefill_chunk_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            kv_format=self._fast_kv_format)
+            kv_cache=self._fast_kv_cache)
 
     def _resolve_prefill_graph_tokens(self) -> int:
         from ..memory.plan import resolve_prefill_graph_tokens
@@ -147,7 +148,7 @@ class DecodeStartup:
         return resolve_prefill_graph_tokens(
             self.settings.model.prefill_graph_tokens, replace(self.memory_facts, fast_prefill=True),
             self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-            prefill_chunk_tokens=self._prefill_chunk_tokens, kv_format=self._fast_kv_format)
+            prefill_chunk_tokens=self._prefill_chunk_tokens, kv_cache=self._fast_kv_cache)
 
     def _fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
@@ -159,7 +160,7 @@ class DecodeStartup:
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes,
                                  max_new_tokens=self.settings.generation.max_new_tokens,
                                  prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                 kv_format=self._fast_kv_format, resident_extra_bytes=resident_extra_bytes,
+                                 kv_cache=self._fast_kv_cache, resident_extra_bytes=resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
         self._cache_plan = require_cache(plan, self.memory_facts)
         return plan.tokens
@@ -226,7 +227,7 @@ class DecodeStartup:
             plan = static_cache_plan(
                 self.memory_facts, self.memory_budget.budget_bytes,
                 max_new_tokens=min(self.settings.generation.max_new_tokens, tokens - 1),
-                prefill_chunk_tokens=chunk, kv_format=self._fast_kv_format,
+                prefill_chunk_tokens=chunk, kv_cache=self._fast_kv_cache,
                 resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, tokens) + others)
             return plan.tokens >= tokens
 
@@ -248,7 +249,7 @@ class DecodeStartup:
         if slot_tokens < min(MIN_FAST_CACHE_TOKENS, context):
             raise ContextBudgetError(
                 f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
-                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=quantized or a "
+                "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=int8 or a "
                 "larger VRAM_BUDGET.")
         decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
@@ -259,7 +260,7 @@ class DecodeStartup:
                                                                                    slot_tokens))
         self.fast_scheduler = scheduler
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots * slot_tokens,
-                                    static_kv_format=self._fast_kv_format,
+                                    static_kv_cache=self._fast_kv_cache,
                                     resident_extra_bytes=fast_resident_estimate(self.memory_facts, 0, slot_tokens))
         self._lock = ReplySlots(slots, session_max_waiting=self.settings.server.session_max_waiting)
         self._workers.grow(slots)
@@ -476,7 +477,7 @@ class DecodeStartup:
 
         plan = static_cache_plan(self.memory_facts, self.memory_budget.budget_bytes, max_new_tokens=max_new_tokens,
                                  prefill_chunk_tokens=self._prefill_chunk_tokens,
-                                 kv_format=self._fast_kv_format,
+                                 kv_cache=self._fast_kv_cache,
                                  resident_extra_bytes=self.memory_facts.resident_extra_bytes,
                                  prefill_graph_tokens=self._prefill_graph_tokens)
         tokens = max(plan.tokens, min(decoder.cache_len, 2 * max_new_tokens + 16))  # keep room for a short reply

@@ -223,10 +223,8 @@ class SlotDecoder:
     def allocate(self) -> None:
         """The slot cache: (layers, slots, slot_tokens, Hkv, row) for K and for V, zeroed."""
         a = self.fast._arch
-        int8 = self.fast.options.kv_cache == "int8"
-        row = kvquant.row_bytes(a.head_dim) if int8 else a.head_dim
+        row, dtype = kvquant.cache_layout(self.fast.options.kv_cache, a.head_dim, self.fast.dtype)
         shape = (len(a.layers), self.slots, self.slot_tokens, a.n_kv_heads, row)
-        dtype = torch.int8 if int8 else self.fast.dtype
         self._graphs.clear()
         self.k = self.v = None
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)

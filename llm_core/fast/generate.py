@@ -291,9 +291,8 @@ class FastDecoder(DecoderWarmup):
 
     def kv_bytes_per_token(self) -> int:
         a = self._arch
-        if self.options.kv_cache == "int8":
-            return 2 * len(a.layers) * a.n_kv_heads * kvquant.row_bytes(a.head_dim)
-        return 2 * len(a.layers) * a.n_kv_heads * a.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+        row, dtype = kvquant.cache_layout(self.options.kv_cache, a.head_dim, self.dtype)
+        return 2 * len(a.layers) * a.n_kv_heads * row * dtype.itemsize
 
     @property
     def cache(self) -> KVCacheView | None:
@@ -398,12 +397,10 @@ class FastDecoder(DecoderWarmup):
             self.capture_s = round(time.perf_counter() - t0, 3)
 
     def _cache_tensors(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V blocks (layers, tokens, KV heads, row): row = head_dim values, or int8 rows (kvquant)."""
+        """K and V blocks (layers, tokens, KV heads, row): row = head_dim values, or int8 / int4 rows (kvquant)."""
         a = self._arch
-        int8 = self.options.kv_cache == "int8"
-        row = kvquant.row_bytes(a.head_dim) if int8 else a.head_dim
+        row, dtype = kvquant.cache_layout(self.options.kv_cache, a.head_dim, self.dtype)
         shape = (len(a.layers), tokens, a.n_kv_heads, row)
-        dtype = torch.int8 if int8 else self.dtype
         return (torch.zeros(shape, dtype=dtype, device=self.device),
                 torch.zeros(shape, dtype=dtype, device=self.device))
 

@@ -56,7 +56,7 @@ class FastDecodeOptions:
     # (bench/results/2026-11-30-h200-ttft-probe.json); "flash" keeps it so whatever a later version prefers.
     prefill_attention: str = "flash"
     # The static KV cache: bf16 (the compute dtype) | int8 (per token and KV head, llm_core.fast.kvquant; 1.78x the
-    # tokens per byte at head_dim 128), read by the decode attention kernel
+    # tokens per byte at head_dim 128) | int4 (rotated, per group of 32; 3.2x), read by the decode attention kernel
     kv_cache: str = "bf16"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
@@ -67,8 +67,11 @@ class FastDecodeOptions:
                                   f"{', '.join(DENSE_GEMV_KERNELS)}.")
         if self.prefill_attention not in ("flash", "auto"):
             raise GenerationError(f"Unknown prefill attention {self.prefill_attention!r}; choose flash or auto.")
-        if self.kv_cache not in ("bf16", "int8"):
-            raise GenerationError(f"Unknown fast-path KV cache {self.kv_cache!r}; choose bf16 or int8.")
+        if self.kv_cache not in ("bf16", "int8", "int4"):
+            raise GenerationError(f"Unknown fast-path KV cache {self.kv_cache!r}; choose bf16, int8 or int4.")
+        if self.kv_cache == "int4" and (head_dim < 32 or head_dim & (head_dim - 1)):
+            raise GenerationError(f"KV_CACHE=int4 needs a head_dim that is a power of two of at least 32 (its "
+                                  f"Hadamard rotation and groups of 32), not {head_dim}; use KV_CACHE=int8.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())

@@ -1,13 +1,14 @@
-"""KV caches: build the cache object one reply runs with (dynamic, quantized, offload), prefill it in chunks, and
-count the bytes it holds; knows no chat, no tokenizer and no decoding loop.
+"""KV caches: build the cache object one reply runs with (KV_CACHE: bf16, int8, int4, offload), prefill it in chunks,
+and count the bytes it holds; knows no chat, no tokenizer and no decoding loop.
 
-Modes
-- dynamic: transformers' DynamicCache (bf16/fp16 K and V, grows by concatenation).
-- quantized: the builtin KIVI-style cache below (no extra package): keys quantized per channel over groups of
-  `group_size` tokens, values per token over groups of channels, at 2/4/8 bits; the newest tokens of an incomplete
-  group stay in full precision. Storage is preallocated for the reply (`capacity_tokens`), so it never fragments.
-  Each step dequantizes a layer into one scratch buffer shared by all layers (attention then runs as usual).
-  transformers' own QuantizedCache backends ("hqq", "quanto") can be chosen when their packages are installed.
+Modes (the plain path's; the fast path keeps its own static block, llm_core.fast.kvquant)
+- bf16: transformers' DynamicCache (bf16/fp16 K and V, grows by concatenation).
+- int8 / int4: the builtin KIVI-style cache below at 8 / 4 bits (no extra package): keys quantized per channel over
+  groups of `group_size` tokens, values per token over groups of channels (2/4/8 bits possible); the newest tokens
+  of an incomplete group stay in full precision. Storage is preallocated for the reply (`capacity_tokens`), so it
+  never fragments. Each step dequantizes a layer into one scratch buffer shared by all layers (attention then runs
+  as usual). transformers' own QuantizedCache backends ("hqq", "quanto") can be chosen when their packages are
+  installed.
 - offload: DynamicCache(offloading=True): every layer but the one in use (and the next, prefetched) lives in CPU
   memory; CUDA only, and slow: each step moves the whole cache over PCIe.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import SettingsError
-from .model import DEQUANT_CHUNK_TOKENS, KV_MODES, QuantizedKVSpec, layer_windows
+from .model import DEQUANT_CHUNK_TOKENS, QuantizedKVSpec, check_kv_cache_name, layer_windows, plain_quant_spec
 
 QUANT_BACKENDS = ("builtin", "hqq", "quanto")
 QUANTIZE_CHUNK_TOKENS = 2048  # quantize at most this many tokens per batch (bounds fp32 temporaries)
@@ -309,13 +310,13 @@ class QuantizedKVCache(_Cache):  # type: ignore[misc, valid-type]
 # --- public API ------------------------------------------------------------------------------------------------
 
 
-def check_kv_mode(mode: str, device: torch.device) -> None:
-    """Whether `device` can run KV mode `mode`, before anything is loaded or allocated (SettingsError if not)."""
-    if mode not in KV_MODES:
-        raise SettingsError(f"KV_CACHE={mode!r} is not supported; choose one of: {', '.join(KV_MODES)}.")
+def check_kv_cache(mode: str, device: torch.device) -> None:
+    """Whether `device` can run KV cache mode `mode`, before anything is loaded or allocated (SettingsError if
+    not)."""
+    check_kv_cache_name(mode)
     if mode == "offload" and torch.device(device).type != "cuda":
         raise SettingsError("KV_CACHE=offload moves the cache from the GPU to CPU memory; it needs a CUDA "
-                            "device. On CPU the dynamic cache already lives in RAM: use KV_CACHE=dynamic.")
+                            "device. On CPU the bf16 cache already lives in RAM: use KV_CACHE=bf16.")
 
 
 def make_cache(
@@ -329,15 +330,15 @@ def make_cache(
     """A fresh cache for one reply. `capacity_tokens` (prompt + max_new_tokens) lets the quantized cache allocate
     its storage once. Raises SettingsError for an unknown mode/backend, a missing backend package, or offload
     without CUDA."""
-    check_kv_mode(mode, getattr(model, "device", torch.device("cpu")))
+    check_kv_cache(mode, getattr(model, "device", torch.device("cpu")))
     from transformers import DynamicCache
 
     config = model.config
-    if mode == "dynamic":
+    if mode == "bf16":
         return DynamicCache(config=config)
     if mode == "offload":
         return DynamicCache(config=config, offloading=True)
-    spec = (quant or QuantizedKVSpec()).validate()
+    spec = (quant or plain_quant_spec(mode)).validate()
     if backend == "builtin":
         return QuantizedKVCache(config, spec, capacity_tokens)
     if backend not in _BACKEND_PACKAGES:

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
+from ..config import KV_CACHE_MODES
 from ..errors import ContextBudgetError, SettingsError
-
-KV_MODES = ("dynamic", "quantized", "offload")
 
 MiB = 2**20
 GiB = 2**30
@@ -51,8 +50,26 @@ DEFAULT_CUDA_MARGIN_BYTES = 512 * MiB  # other processes, CUDA graphs, a second 
 DEFAULT_CPU_MARGIN_BYTES = 1 * GiB
 BNB_4BIT_BLOCK = 64  # bitsandbytes NF4/FP4 block size: one absmax per 64 weights
 DEQUANT_CHUNK_TOKENS = 8192  # the quantized KV cache dequantizes at most this many tokens per kernel batch
-STATIC_KV_FORMATS = ("bf16", "int8")
+PLAIN_QUANTIZED = ("int8", "int4")  # KV_CACHE modes the plain path serves with its quantized cache (kv_cache.py)
 STATIC_INT8_ROW_PAD = 16  # bytes after each int8 row of head_dim codes: its scale byte, padded to 16-byte rows
+STATIC_INT4_GROUP = 16  # int4 rows: one scale and zero point per this many (rotated) values
+
+
+STATIC_KV_LAYOUTS = {"int8": "per token and head scale",
+                     "int4": "Hadamard-rotated, a scale and zero point per 16 values"}
+
+
+def static_row_bytes(kv_cache: str, head_dim: int, cache_element_bytes: int = 2) -> int:
+    """Bytes of one (token, KV head) row of the fast path's static cache: head_dim values of the cache dtype (bf16),
+    head_dim int8 codes + STATIC_INT8_ROW_PAD (int8), head_dim / 2 packed bytes + two bytes per STATIC_INT4_GROUP
+    values (scale exponent, zero point) padded to 16 (int4)."""
+    if kv_cache == "int8":
+        return head_dim + STATIC_INT8_ROW_PAD
+    if kv_cache == "int4":
+        return head_dim // 2 + -(-2 * head_dim // STATIC_INT4_GROUP // 16) * 16
+    if kv_cache == "bf16":
+        return head_dim * cache_element_bytes
+    raise SettingsError(f"The fast path's KV cache cannot be {kv_cache!r}; choose bf16, int8 or int4.")
 
 
 def dtype_bytes(dtype: torch.dtype | str) -> int:
@@ -124,7 +141,7 @@ class ModelMemoryFacts:
     static_kv_tokens: int = 0
     # How the fast path stores that block: "bf16" = the cache dtype; "int8" = int8 codes per (token, KV head) row of
     # head_dim plus STATIC_INT8_ROW_PAD bytes that hold the row's scale (llm_core.fast.kvquant).
-    static_kv_format: str = "bf16"
+    static_kv_cache: str = "bf16"
     # Measured after the decode path's warm-up: device memory it holds beyond the weights and that KV block (the
     # fast path's buffers and its CUDA graphs' memory pool). Held through every reply, so part of every peak.
     resident_extra_bytes: int = 0
@@ -296,23 +313,24 @@ def model_weights_bytes(model: Any, device: torch.device | str | None = None) ->
 def kv_bytes_per_token(
     config: Any,
     cache_dtype: torch.dtype | str,
-    kv_mode: str = "dynamic",
+    kv_cache: str = "bf16",
     quant: QuantizedKVSpec | None = None,
 ) -> int:
     """KV-cache bytes one more token of history costs, summed over layers (a sliding layer counts until its
     window is full): 2 (K and V) x layers x KV heads x head_dim x bytes per element.
 
-    quantized: bytes per element = nbits/8 + 2 x scale bytes / group (one scale and one zero point per group), e.g.
-    4-bit, group 64, bf16 scales: 0.5 + 4/64 = 0.5625 B, 3.56x less than bf16. Rounded up to whole bytes.
-    offload: the same bytes as dynamic, held in CPU memory instead of on the device.
+    int8 / int4 (the plain path's quantized cache, 8 / 4 bits unless `quant` says otherwise): bytes per element =
+    nbits/8 + 2 x scale bytes / group (one scale and one zero point per group), e.g. 4-bit, group 64, bf16 scales:
+    0.5 + 4/64 = 0.5625 B, 3.56x less than bf16. Rounded up to whole bytes.
+    offload: the same bytes as bf16, held in CPU memory instead of on the device.
     """
     facts = _facts_of(config, cache_dtype)
-    _check_mode(kv_mode)
+    check_kv_cache_name(kv_cache)
     elems = 2 * facts.num_layers * facts.kv_dim
     b = facts.cache_bytes_per_element
-    if kv_mode != "quantized":
+    if kv_cache not in PLAIN_QUANTIZED:
         return elems * b
-    spec = (quant or QuantizedKVSpec()).validate()
+    spec = (quant or plain_quant_spec(kv_cache)).validate()
     per_element = spec.nbits / 8 + 2 * b / spec.group_size
     return math.ceil(elems * per_element)
 
@@ -321,32 +339,32 @@ def kv_bytes(
     config: Any,
     tokens: int,
     cache_dtype: torch.dtype | str,
-    kv_mode: str = "dynamic",
+    kv_cache: str = "bf16",
     quant: QuantizedKVSpec | None = None,
 ) -> int:
     """Exact bytes a cache holding `tokens` tokens of history keeps (all layers, K and V).
 
-    dynamic/offload: a full-attention layer holds every token; a sliding layer holds at most `window` tokens
+    bf16/offload: a full-attention layer holds every token; a sliding layer holds at most `window` tokens
     (transformers keeps a view of the last window - 1 of the window it just attended to, so the storage of the whole
     window stays alive; right after a prefill it is the whole prompt: see `predict_peak_bytes`). offload holds the
     same bytes, in CPU memory.
-    quantized (builtin backend, preallocated for `tokens`): per full-attention layer, floor(tokens / G) * G tokens
-    packed at nbits with key scales per (group of G tokens, channel) and value scales per (token, group of channels),
-    plus a full-precision residual buffer of G tokens; sliding layers stay full precision within their window.
+    int8 (the builtin quantized backend, preallocated for `tokens`): per full-attention layer, floor(tokens / G) * G
+    tokens packed at nbits with key scales per (group of G tokens, channel) and value scales per (token, group of
+    channels), plus a full-precision residual buffer of G tokens; sliding layers stay full precision in their window.
     The dequantization scratch (one layer, shared) is not part of it: see `kv_workspace_bytes`.
     """
     facts = _facts_of(config, cache_dtype)
-    _check_mode(kv_mode)
+    check_kv_cache_name(kv_cache)
     tokens = max(0, int(tokens))
     b = facts.cache_bytes_per_element
     total = 0
     for window in facts.layer_windows:
         if window is not None:
             total += 2 * min(tokens, window) * facts.kv_dim * b
-        elif kv_mode != "quantized":
+        elif kv_cache not in PLAIN_QUANTIZED:
             total += 2 * tokens * facts.kv_dim * b
         else:
-            total += _quantized_layer_bytes(facts, tokens, (quant or QuantizedKVSpec()).validate())
+            total += _quantized_layer_bytes(facts, tokens, (quant or plain_quant_spec(kv_cache)).validate())
     return total
 
 
@@ -362,37 +380,51 @@ def _quantized_layer_bytes(facts: ModelMemoryFacts, tokens: int, spec: Quantized
     return packed + key_scales + value_scales + residual
 
 
-def kv_workspace_bytes(config: Any, tokens: int, cache_dtype: torch.dtype | str, kv_mode: str) -> int:
+def kv_workspace_bytes(config: Any, tokens: int, cache_dtype: torch.dtype | str, kv_cache: str) -> int:
     """Device bytes a cache needs besides what it stores, at `tokens` of history.
 
-    quantized: the shared scratch that one layer's K and V are dequantized into (2 x tokens x kv_dim x b, allocated
+    int8: the shared scratch that one layer's K and V are dequantized into (2 x tokens x kv_dim x b, allocated
     once for the reply's capacity) plus the unpacking temporaries of one dequantization batch (bounded by
     batch x kv_dim x (2 + b): the codes are unpacked to uint8 and multiplied straight into the scratch).
     offload: the two layers resident on the device (the one being used and the one prefetched).
-    dynamic: 0 (its transient is counted with the decode step).
+    bf16: 0 (its transient is counted with the decode step).
     """
     facts = _facts_of(config, cache_dtype)
     b = facts.cache_bytes_per_element
-    if kv_mode == "quantized":
+    if kv_cache in PLAIN_QUANTIZED:
         batch = min(tokens, DEQUANT_CHUNK_TOKENS)
         return 2 * tokens * facts.kv_dim * b + batch * facts.kv_dim * (2 + b)
-    if kv_mode == "offload":
+    if kv_cache == "offload":
         return 2 * 2 * tokens * facts.kv_dim * b
     return 0
 
 
-def _check_mode(kv_mode: str) -> None:
-    if kv_mode not in KV_MODES:
-        raise SettingsError(f"KV_CACHE={kv_mode!r} is not supported; choose one of: {', '.join(KV_MODES)}.")
+def check_kv_cache_name(kv_cache: str) -> None:
+    """SettingsError unless `kv_cache` names a cache (a mode of KV_CACHE_MODES other than auto)."""
+    if kv_cache not in KV_CACHE_MODES:
+        raise SettingsError(f"KV_CACHE={kv_cache!r} is not supported; choose one of: {', '.join(KV_CACHE_MODES)}.")
+    if kv_cache == "auto":
+        raise SettingsError("KV_CACHE=auto names no cache: the engine resolves it at start-up (choose_kv_cache).")
 
 
-def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_mode: str, quant: QuantizedKVSpec | None,
+def plain_quant_spec(kv_cache: str) -> QuantizedKVSpec:
+    """The plain path's quantized cache for KV_CACHE=int8 / int4: the builtin KIVI-style cache at 8 / 4 bits."""
+    return QuantizedKVSpec(nbits=8 if kv_cache == "int8" else 4)
+
+
+def is_fast_reply(facts: ModelMemoryFacts, kv_cache: str) -> bool:
+    """Whether a reply with this KV cache runs on the fast path's static block (allocated, and of that mode); a
+    reply with another mode runs on the plain path beside it."""
+    return bool(facts.static_kv_tokens) and kv_cache == facts.static_kv_cache
+
+
+def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_cache: str, quant: QuantizedKVSpec | None,
                      pass_tokens: int = 1) -> int:
     """KV bytes resident on the device (offload keeps all layers but two on the CPU: see kv_workspace_bytes).
     Right after a pass of `pass_tokens` a sliding layer still holds window - 1 + pass_tokens tokens."""
-    if kv_mode == "offload":
+    if kv_cache == "offload":
         return 0
-    total = kv_bytes(facts, tokens, facts.cache_dtype, kv_mode, quant)
+    total = kv_bytes(facts, tokens, facts.cache_dtype, kv_cache, quant)
     for window in facts.layer_windows:
         if window is not None:
             extra = min(tokens, window - 1 + pass_tokens) - min(tokens, window)
@@ -400,15 +432,12 @@ def _kv_device_bytes(facts: ModelMemoryFacts, tokens: int, kv_mode: str, quant: 
     return total
 
 
-def static_kv_bytes(facts: ModelMemoryFacts, tokens: int | None = None, kv_format: str | None = None) -> int:
+def static_kv_bytes(facts: ModelMemoryFacts, tokens: int | None = None, kv_cache: str | None = None) -> int:
     """Bytes of the fast path's static KV block for `tokens` (default facts.static_kv_tokens): K and V tensors of
-    (layers, tokens, KV heads, row) where a row is head_dim elements of the cache dtype (bf16 format) or head_dim int8
-    codes + STATIC_INT8_ROW_PAD bytes (int8 format)."""
-    fmt = facts.static_kv_format if kv_format is None else kv_format
-    if fmt not in STATIC_KV_FORMATS:
-        raise SettingsError(f"Unknown static KV format {fmt!r}; choose one of {', '.join(STATIC_KV_FORMATS)}.")
+    (layers, tokens, KV heads, row), a row as `static_row_bytes` lays it out."""
+    fmt = facts.static_kv_cache if kv_cache is None else kv_cache
     t = facts.static_kv_tokens if tokens is None else int(tokens)
-    row = facts.head_dim + STATIC_INT8_ROW_PAD if fmt == "int8" else facts.head_dim * facts.cache_bytes_per_element
+    row = static_row_bytes(fmt, facts.head_dim, facts.cache_bytes_per_element)
     return 2 * facts.num_layers * max(0, t) * facts.num_kv_heads * row
 
 
@@ -416,7 +445,7 @@ def static_kv_bytes(facts: ModelMemoryFacts, tokens: int | None = None, kv_forma
 
 
 def forward_activation_bytes(facts: ModelMemoryFacts, new_tokens: int, cached_tokens: int = 0,
-                             kv_mode: str = "dynamic") -> int:
+                             kv_cache: str = "bf16") -> int:
     """Peak bytes of temporaries in one forward pass over `new_tokens` tokens after `cached_tokens` of history.
 
     The largest of three moments, each with the per-pass rotary tables and position ids:
@@ -437,22 +466,22 @@ def forward_activation_bytes(facts: ModelMemoryFacts, new_tokens: int, cached_to
         attn += q * kv_len * (1 + 2 * b)  # bool mask + additive mask in the compute dtype (+ alignment copy)
         if facts.num_kv_heads < facts.num_attention_heads:
             attn += 2 * kv_len * facts.q_dim * b  # repeat_kv: SDPA gets full-head K and V when a mask is passed
-        if facts.static_kv_tokens and kv_mode == "dynamic":  # the fast path writes its static block in place
-            if facts.static_kv_format == "int8":  # ... and dequantizes the history it attends to (K and V)
+        if is_fast_reply(facts, kv_cache):  # the fast path writes its static block in place
+            if facts.static_kv_cache in ("int8", "int4"):  # ... and dequantizes the history it attends to (K and V)
                 attn += 2 * kv_len * facts.kv_dim * b
-        elif kv_mode in ("dynamic", "offload"):
+        elif kv_cache in ("bf16", "offload"):
             attn += cached_tokens * facts.kv_dim * facts.cache_bytes_per_element  # torch.cat keeps old + new
     per_pass = q * (2 * facts.head_dim * b + 8)  # cos/sin tables + int64 position ids
     return max(mlp, mlp_dq, attn) + per_pass
 
 
-def decode_transient_bytes(facts: ModelMemoryFacts, context_tokens: int, kv_mode: str = "dynamic") -> int:
+def decode_transient_bytes(facts: ModelMemoryFacts, context_tokens: int, kv_cache: str = "bf16") -> int:
     """Temporaries of one decode step at `context_tokens` of history: the cache's own transient plus, for GQA,
     the K/V repeat some SDPA kernels make (counted to stay on the safe side)."""
     b = facts.cache_bytes_per_element
     t = int(context_tokens)
     transient = 0
-    if kv_mode in ("dynamic", "offload") and not (facts.static_kv_tokens and kv_mode == "dynamic"):
+    if kv_cache in ("bf16", "offload") and not is_fast_reply(facts, kv_cache):
         transient = t * facts.kv_dim * b  # torch.cat: one layer's old K (or V) and the new one coexist
     step = 16 * facts.hidden_size * facts.compute_bytes + facts.intermediate_size * 3 * facts.compute_bytes
     if facts.num_kv_heads < facts.num_attention_heads:
@@ -489,7 +518,7 @@ class PeakPrediction:
     phase: str = "prefill"  # where the peak falls: "prefill" or "decode"
     prompt_tokens: int = 0
     new_tokens: int = 0
-    kv_mode: str = "dynamic"
+    kv_cache: str = "bf16"
     prefill_chunk_tokens: int | None = None
     reserve_base_bytes: int = 0  # what reserve_fraction multiplies (KV that grows per reply, activations, scratch)
 
@@ -517,7 +546,7 @@ def predict_peak_bytes(
     model_facts: ModelMemoryFacts,
     prompt_tokens: int,
     max_new_tokens: int,
-    kv_mode: str = "dynamic",
+    kv_cache: str = "bf16",
     *,
     prefill_chunk_tokens: int | None = None,
     quant: QuantizedKVSpec | None = None,
@@ -528,7 +557,7 @@ def predict_peak_bytes(
     None = one pass over the whole prompt (plain generate). The cache is counted for prompt + new tokens.
     """
     f = model_facts
-    _check_mode(kv_mode)
+    check_kv_cache_name(kv_cache)
     p, n = max(0, int(prompt_tokens)), max(0, int(max_new_tokens))
     end = p + n
     chunk = p if not prefill_chunk_tokens or prefill_chunk_tokens >= p else int(prefill_chunk_tokens)
@@ -536,18 +565,20 @@ def predict_peak_bytes(
     # The last pass is at most `chunk` tokens over p - last_pass cached ones; a full chunk just before it has less
     # history, so the last full-size chunk bounds every pass.
     cached_before = max(0, p - chunk)
-    prefill_act = forward_activation_bytes(f, chunk, cached_before, kv_mode) if p else 0
+    prefill_act = forward_activation_bytes(f, chunk, cached_before, kv_cache) if p else 0
     if last_pass != chunk and p > chunk:
-        prefill_act = max(prefill_act, forward_activation_bytes(f, last_pass, p - last_pass, kv_mode))
+        prefill_act = max(prefill_act, forward_activation_bytes(f, last_pass, p - last_pass, kv_cache))
     # The quantized cache is preallocated for the whole reply; the others grow to `p` during the prefill.
-    kv_at_prefill = _kv_device_bytes(f, end if kv_mode == "quantized" else p, kv_mode, quant, chunk)
-    kv_at_end = _kv_device_bytes(f, end, kv_mode, quant)
+    kv_at_prefill = _kv_device_bytes(f, end if kv_cache in PLAIN_QUANTIZED else p, kv_cache, quant, chunk)
+    kv_at_end = _kv_device_bytes(f, end, kv_cache, quant)
     static = static_kv_bytes(f) if f.static_kv_tokens else 0
-    if kv_mode == "dynamic" and static:  # the fast path: one preallocated block, held throughout
+    fast = is_fast_reply(f, kv_cache)
+    if fast:  # the fast path: one preallocated block, held throughout
         kv_at_prefill = kv_at_end = static
-    ws_prefill = kv_workspace_bytes(f, end if kv_mode == "quantized" else p, f.cache_dtype, kv_mode)
-    ws_end = kv_workspace_bytes(f, end, f.cache_dtype, kv_mode)
-    decode_t = decode_transient_bytes(f, end, kv_mode) if n else 0
+    plain = "bf16" if fast else kv_cache  # the static block needs no dequantization scratch
+    ws_prefill = kv_workspace_bytes(f, end if plain in PLAIN_QUANTIZED else p, f.cache_dtype, plain)
+    ws_end = kv_workspace_bytes(f, end, f.cache_dtype, plain)
+    decode_t = decode_transient_bytes(f, end, kv_cache) if n else 0
     prefill_total = kv_at_prefill + ws_prefill + prefill_act
     decode_total = kv_at_end + ws_end + decode_t
     if prefill_total >= decode_total:
@@ -557,11 +588,11 @@ def predict_peak_bytes(
     logits = logits_bytes(f, 1 if f.logits_to_keep else max(chunk, 1))
     # The allocator's reserve grows with what is allocated and freed per reply; the static block is one allocation
     # made at start-up (no fragmentation around it), so it is not part of the base.
-    reserve_base = (kv_peak - (static if kv_mode == "dynamic" else 0)) + ws_peak + act_peak
+    reserve_base = (kv_peak - (static if fast else 0)) + ws_peak + act_peak
     reserve = int(f.reserve_fraction * reserve_base) + f.reserve_fixed_bytes
     workspace = f.workspace_bytes + ws_peak
-    # A plain-path reply (quantized/offloaded cache) runs beside the fast path's static block, which stays resident.
-    resident = f.resident_extra_bytes + (static if kv_mode != "dynamic" else 0)
+    # A plain-path reply (another KV cache mode) runs beside the fast path's static block, which stays resident.
+    resident = f.resident_extra_bytes + (static if not fast else 0)
     total = f.weights_bytes + resident + workspace + kv_peak + act_peak + logits + reserve
     return PeakPrediction(
         weights_bytes=f.weights_bytes,
@@ -575,11 +606,11 @@ def predict_peak_bytes(
         workspace_bytes=workspace,
         activation_bytes=act_peak,
         decode_transient_bytes=decode_t,
-        kv_end_bytes=kv_bytes(f, end, f.cache_dtype, kv_mode, quant),
+        kv_end_bytes=kv_bytes(f, end, f.cache_dtype, plain, quant),
         phase=phase,
         prompt_tokens=p,
         new_tokens=n,
-        kv_mode=kv_mode,
+        kv_cache=kv_cache,
         prefill_chunk_tokens=prefill_chunk_tokens,
     )
 
@@ -633,7 +664,7 @@ def max_context_tokens(
     facts: ModelMemoryFacts,
     budget_bytes: int,
     max_new_tokens: int,
-    kv_mode: str = "dynamic",
+    kv_cache: str = "bf16",
     *,
     prefill_chunk_tokens: int | None = None,
     quant: QuantizedKVSpec | None = None,
@@ -642,7 +673,7 @@ def max_context_tokens(
     model's context length; 0 when not even a one-token prompt fits. Non-decreasing in the budget."""
 
     def fits(p: int) -> bool:
-        pred = predict_peak_bytes(facts, p, max_new_tokens, kv_mode, prefill_chunk_tokens=prefill_chunk_tokens,
+        pred = predict_peak_bytes(facts, p, max_new_tokens, kv_cache, prefill_chunk_tokens=prefill_chunk_tokens,
                                   quant=quant)
         return pred.total_bytes <= budget_bytes
 
@@ -687,7 +718,7 @@ def plan_reply(
     budget_bytes: int,
     prompt_tokens: int,
     max_new_tokens: int,
-    kv_mode: str = "dynamic",
+    kv_cache: str = "bf16",
     *,
     min_prompt_tokens: int | None = None,
     min_new_tokens: int = 1,
@@ -703,13 +734,13 @@ def plan_reply(
     common = dict(budget_bytes=int(budget_bytes), requested_prompt_tokens=p, requested_new_tokens=n)
     budget_text = human_bytes(budget_bytes)
 
-    asked = predict_peak_bytes(facts, p, n, kv_mode, **kw)
+    asked = predict_peak_bytes(facts, p, n, kv_cache, **kw)
     if asked.total_bytes <= budget_bytes:
         return ReplyPlan(True, p, n, asked, "", **common)
 
-    fit_p = max_context_tokens(facts, budget_bytes, n, kv_mode, **kw)
+    fit_p = max_context_tokens(facts, budget_bytes, n, kv_cache, **kw)
     if fit_p >= floor_p and fit_p > 0:
-        pred = predict_peak_bytes(facts, fit_p, n, kv_mode, **kw)
+        pred = predict_peak_bytes(facts, fit_p, n, kv_cache, **kw)
         msg = (f"Older turns were dropped to fit the memory budget ({budget_text}): the prompt may use at most "
                f"{fit_p:,} of its {p:,} tokens with a reply of up to {n:,} tokens "
                f"(predicted peak {human_bytes(asked.total_bytes)} as asked).")
@@ -719,23 +750,23 @@ def plan_reply(
     lo, hi = 0, n - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if predict_peak_bytes(facts, floor_p, mid, kv_mode, **kw).total_bytes <= budget_bytes:
+        if predict_peak_bytes(facts, floor_p, mid, kv_cache, **kw).total_bytes <= budget_bytes:
             lo = mid
         else:
             hi = mid - 1
     if lo >= max(1, min_new_tokens):
-        pred = predict_peak_bytes(facts, floor_p, lo, kv_mode, **kw)
+        pred = predict_peak_bytes(facts, floor_p, lo, kv_cache, **kw)
         dropped = "All older turns were dropped and the reply was shortened" if floor_p < p else \
             "The reply was shortened"
         msg = f"{dropped}: max_new_tokens was lowered from {n:,} to {lo:,} to fit the memory budget ({budget_text})."
         return ReplyPlan(True, floor_p, lo, pred, msg, **common)
 
-    pred = predict_peak_bytes(facts, floor_p, max(1, min_new_tokens), kv_mode, **kw)
-    most = max_context_tokens(facts, budget_bytes, max(1, min_new_tokens), kv_mode, **kw)
-    hint = " Try KV cache mode 'quantized'." if kv_mode == "dynamic" else ""
+    pred = predict_peak_bytes(facts, floor_p, max(1, min_new_tokens), kv_cache, **kw)
+    most = max_context_tokens(facts, budget_bytes, max(1, min_new_tokens), kv_cache, **kw)
+    hint = " Try KV cache mode 'int8'." if kv_cache == "bf16" else ""
     msg = (f"This message does not fit in memory: it needs {floor_p:,} prompt tokens (system prompt and your "
            f"message), predicted peak {human_bytes(pred.total_bytes)}, but the budget of {budget_text} fits at most "
-           f"{most:,} prompt tokens with kv cache '{kv_mode}'. Shorten the message or raise the memory budget."
+           f"{most:,} prompt tokens with kv cache '{kv_cache}'. Shorten the message or raise the memory budget."
            + hint + " The conversation is kept.")
     return ReplyPlan(False, 0, 0, pred, msg, **common)
 

@@ -41,8 +41,10 @@ FAST_FIXED_RESIDENT_BYTES = 64 * MiB
 CUDA_HELD_FREE_BYTES = 1280 * MiB
 # Kept free below the budget when the cache is sized by measurement: a real reply may peak a little above the profile.
 MEASURED_SAFETY_BYTES = 128 * MiB
+# KV_CACHE=auto keeps bf16 where the card holds the model's context up to this many tokens in bf16, else int8
+AUTO_KV_BF16_TOKENS = 32768
 # What a user can change when the fast path's cache does not fit (said by every error that says so)
-FAST_CACHE_ADVICE = ("Use KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
+FAST_CACHE_ADVICE = ("Use KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
                      "or DECODE_PATH=plain.")
 
 
@@ -74,14 +76,14 @@ class CachePlan:
 
 
 def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tokens: int,
-                      prefill_chunk_tokens: int | None, kv_format: str = "bf16",
+                      prefill_chunk_tokens: int | None, kv_cache: str = "bf16",
                       resident_extra_bytes: int | None = None, prefill_graph_tokens: int = 0) -> CachePlan:
     """The largest static cache (multiple of 16 tokens, at most the model's context) whose fullest reply fits.
 
     `resident_extra_bytes`: what the fast path holds besides weights and cache (measured after warm-up); None =
     `fast_resident_estimate` for `prefill_graph_tokens`. tokens = 0 when not even MIN_FAST_CACHE_TOKENS fit."""
     n = max(1, int(max_new_tokens))
-    base = replace(facts, static_kv_format=kv_format)
+    base = replace(facts, static_kv_cache=kv_cache)
 
     def facts_for(t: int) -> ModelMemoryFacts:
         extra = resident_extra_bytes if resident_extra_bytes is not None else fast_resident_estimate(
@@ -90,7 +92,7 @@ def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tok
 
     def peak(t: int) -> int:
         reply_new = min(n, t - 1)
-        return predict_peak_bytes(facts_for(t), t - reply_new, reply_new, "dynamic",
+        return predict_peak_bytes(facts_for(t), t - reply_new, reply_new, kv_cache,
                                   prefill_chunk_tokens=prefill_chunk_tokens).total_bytes
 
     r = CACHE_ROUND_TOKENS
@@ -116,7 +118,7 @@ def static_cache_plan(facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tok
 
 
 def resolve_prefill_graph_tokens(setting: int | None, facts: ModelMemoryFacts, budget_bytes: int, *,
-                                 max_new_tokens: int, prefill_chunk_tokens: int | None, kv_format: str = "bf16"
+                                 max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str = "bf16"
                                  ) -> int:
     """PREFILL_GRAPH_TOKENS as the fast path uses it: the setting when given; auto (None) = the default
     (DEFAULT_PREFILL_GRAPH_TOKENS) where the model's whole context fits beside the graphs, else the small-card
@@ -128,13 +130,13 @@ def resolve_prefill_graph_tokens(setting: int | None, facts: ModelMemoryFacts, b
     if setting is not None:
         return int(setting)
     plan = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens,
-                             prefill_chunk_tokens=prefill_chunk_tokens, kv_format=kv_format,
+                             prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
                              prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS)
     return DEFAULT_PREFILL_GRAPH_TOKENS if plan.capped_by_context else SMALL_CARD_PREFILL_GRAPH_TOKENS
 
 
 def resolve_prefill_chunk_tokens(setting: int | None, facts: ModelMemoryFacts, budget_bytes: int, *,
-                                 max_new_tokens: int, kv_format: str = "bf16") -> int | None:
+                                 max_new_tokens: int, kv_cache: str = "bf16") -> int | None:
     """PREFILL_CHUNK_TOKENS as the engine uses it (None = one pass): the setting when given (0 = off); auto (None) =
     DEFAULT_PREFILL_CHUNK_TOKENS where the model's whole context fits the fast path's cache with the default
     prefill chunks and graphs, else SMALL_CARD_PREFILL_CHUNK_TOKENS. The last chunk of a long prompt is every
@@ -151,9 +153,39 @@ def resolve_prefill_chunk_tokens(setting: int | None, facts: ModelMemoryFacts, b
     if setting is not None:
         return int(setting) or None
     plan = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens,
-                             prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS, kv_format=kv_format,
+                             prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS, kv_cache=kv_cache,
                              prefill_graph_tokens=DEFAULT_PREFILL_GRAPH_TOKENS)
     return DEFAULT_PREFILL_CHUNK_TOKENS if plan.capped_by_context else SMALL_CARD_PREFILL_CHUNK_TOKENS
+
+
+AUTO_ON_PLAIN = ("KV cache bf16 (KV_CACHE=auto): the plain path's cache grows with the reply, and auto quantizes "
+                 "only the CUDA fast path's (int8 and int4 can be asked for, decoding slower there).")
+
+
+def choose_kv_cache(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *, max_new_tokens: int,
+                    prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
+                    fast_path: bool = True) -> tuple[str, str]:
+    """(the KV cache, one sentence saying why) for KV_CACHE=`setting`. auto on the CUDA fast path: bf16 where its
+    static cache planned in bf16 (with the prefill chunks and graphs auto would pick for it) holds the model's whole
+    context or AUTO_KV_BF16_TOKENS, whichever is less; else int8 (about 1.8x the tokens per byte); never int4 (that
+    is asked for). auto elsewhere (`fast_path` False: the plain or CPU path): bf16. Other settings are kept as they
+    are. `prefill_*`: the settings (None = auto)."""
+    if setting != "auto":
+        return setting, f"KV cache {setting} (KV_CACHE={setting})."
+    if not fast_path:
+        return "bf16", AUTO_ON_PLAIN
+    want = min(int(facts.context_length), AUTO_KV_BF16_TOKENS)
+    chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, facts, budget_bytes, max_new_tokens=max_new_tokens,
+                                         kv_cache="bf16")
+    graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, facts, budget_bytes, max_new_tokens=max_new_tokens,
+                                          prefill_chunk_tokens=chunk, kv_cache="bf16")
+    held = static_cache_plan(facts, budget_bytes, max_new_tokens=max_new_tokens, prefill_chunk_tokens=chunk,
+                             kv_cache="bf16", prefill_graph_tokens=graphs).tokens
+    whole = "the model's whole context" if want == int(facts.context_length) else f"{want:,} tokens"
+    if held >= want:
+        return "bf16", f"KV cache bf16 (KV_CACHE=auto): the budget holds {whole} ({want:,} tokens) in bf16."
+    return "int8", (f"KV cache int8 (KV_CACHE=auto): in bf16 the budget would hold {held:,} of the {want:,} tokens "
+                    f"auto asks for ({whole}), and int8 holds about 1.8x more per byte.")
 
 
 def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
@@ -164,7 +196,7 @@ def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
         f"The model's weights ({human_bytes(facts.weights_bytes)}) leave no room in the memory budget "
         f"({human_bytes(plan.budget_bytes)}) for a KV cache of {MIN_FAST_CACHE_TOKENS} tokens with the fast path's "
         f"prefill and graphs ({human_bytes(plan.resident_extra_bytes)}). Use a smaller model, QUANTIZATION=nf4, "
-        "KV_CACHE=quantized, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
+        "KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or a larger VRAM_BUDGET.")
 
 
 def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int, bytes_per_token: int,

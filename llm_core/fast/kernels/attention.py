@@ -7,6 +7,9 @@ from typing import Any
 import torch
 
 from ...errors import GenerationError
+from ...memory.model import STATIC_INT4_GROUP as INT4_GROUP
+
+QUANTIZED_DTYPES = (torch.int8, torch.uint8)  # the int8 and int4 rows of llm_core.fast.kvquant
 
 try:  # the decode attention kernel needs Triton (shipped with CUDA builds of PyTorch); CPU-only installs skip it
     import triton
@@ -15,6 +18,45 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 if triton is not None:
+
+    @triton.jit
+    def _quantized_rows(ptr, row, d, lmask, D: tl.constexpr, INT4: tl.constexpr, GROUP4: tl.constexpr):
+        """Cache rows at element offsets `row` (BLOCK_L,) dequantized to fp32 (BLOCK_L, D) (llm_core.fast.kvquant):
+        int8 = D codes and the exponent of a 2^(e/8) scale at byte D; INT4 = D/2 bytes of nibbles (element 2j low),
+        then per GROUP4 values a biased exponent, then per GROUP4 values a zero point (the values Hadamard-rotated)."""
+        if INT4:
+            byte = tl.load(ptr + row[:, None] + d[None, :] // 2, mask=lmask[:, None], other=0).to(tl.int32)
+            code = (byte >> ((d[None, :] % 2) * 4)) & 15
+            meta = ptr + row[:, None] + D // 2 + d[None, :] // GROUP4
+            e = tl.load(meta, mask=lmask[:, None], other=128).to(tl.float32)
+            z = tl.load(meta + D // GROUP4, mask=lmask[:, None], other=0).to(tl.int32)
+            x = (code - z).to(tl.float32) * tl.exp2((e - 128.0) * 0.125)
+        else:
+            codes = tl.load(ptr + row[:, None] + d[None, :], mask=lmask[:, None], other=0)
+            scale = tl.exp2(tl.load(ptr + row + D, mask=lmask, other=0).to(tl.float32) * 0.125)
+            x = codes.to(tl.float32) * scale[:, None]
+        return x
+
+    @triton.jit
+    def _hadamard(x, D: tl.constexpr, IEEE: tl.constexpr):
+        """x (M, D) fp32 -> x @ H (fp32), H the normalized Walsh-Hadamard matrix (H[i, j] = (-1)^popcount(i & j) /
+        sqrt(D), built in registers). Off IEEE the product runs in bf16 on the exact +-1 signs, x split into a bf16
+        high and low part (about 16 mantissa bits)."""
+        i = tl.arange(0, D)
+        bits = i[:, None] & i[None, :]
+        bits = bits ^ (bits >> 8)
+        bits = bits ^ (bits >> 4)
+        bits = bits ^ (bits >> 2)
+        bits = bits ^ (bits >> 1)
+        sign = (1 - 2 * (bits & 1)).to(tl.float32)
+        if IEEE:
+            y = tl.dot(x, sign, input_precision="ieee")
+        else:
+            hi = x.to(tl.bfloat16)
+            lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
+            sign16 = sign.to(tl.bfloat16)
+            y = tl.dot(hi, sign16) + tl.dot(lo, sign16)
+        return y * (1.0 / tl.sqrt(D * 1.0))
 
     @triton.jit
     def _attn_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, nsplit, HQ: tl.constexpr, D: tl.constexpr,
@@ -34,13 +76,15 @@ if triton is not None:
     @triton.jit
     def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
                                 stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr):
+                                BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
+                                INT4: tl.constexpr, GROUP4: tl.constexpr):
         """Flash-decoding, step 1: program (row b, kv head h, split s) attends row b's G query heads to cache rows
         [s*chunk, min((s+1)*chunk, pos[b]+1)) of row b's own cache slot; writes unnormalized output, running max
         and sum. Rows after pos are never read, whatever the captured bucket length; a split past a row's length
         reads nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes
         and, at byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers.
-        One decode (the single-row path) is this kernel with B = 1."""
+        INT4: rows of rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated
+        back. One decode (the single-row path) is this kernel with B = 1."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -50,6 +94,8 @@ if triton is not None:
         d = tl.arange(0, D)
         qmask = gi < G
         q = tl.load(q_ptr + (b * hq + h * G + gi)[:, None] * D + d[None, :], mask=qmask[:, None], other=0.0)
+        if INT4:
+            q = _hadamard(q.to(tl.float32), D, IEEE).to(q.dtype)
         m_i = tl.full((GP,), float("-inf"), tl.float32)
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
@@ -59,12 +105,11 @@ if triton is not None:
         for off in range(start, end, BLOCK_L):
             li = off + tl.arange(0, BLOCK_L)
             lmask = li < end
-            kv = base + li[:, None] * stride_l + h * stride_h + d[None, :]
-            k = tl.load(k_ptr + kv, mask=lmask[:, None], other=0.0)
-            if INT8:
-                srow = base + li * stride_l + h * stride_h + D
-                k_scale = tl.exp2(tl.load(k_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
-                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            rows = base + li * stride_l + h * stride_h
+            if INT8 or INT4:
+                k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
+            else:
+                k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
@@ -74,16 +119,18 @@ if triton is not None:
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv, mask=lmask[:, None], other=0.0)
-            if INT8:
-                v_scale = tl.exp2(tl.load(v_ptr + srow, mask=lmask, other=0).to(tl.float32) * 0.125)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if INT8 or INT4:
+                v = _quantized_rows(v_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
+            else:
+                v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
                 pv = tl.dot(p.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        if INT4:
+            acc = _hadamard(acc, D, IEEE)
         row = (sp * B + b) * hq + h * G + gi  # partials laid out (split, row, query head)
         tl.store(o_ptr + row[:, None] * D + d[None, :], acc, mask=qmask[:, None])
         tl.store(m_ptr + row, m_i, mask=qmask)
@@ -93,7 +140,7 @@ if triton is not None:
                      scale: float) -> torch.Tensor:
         """q (B, Hq, D); k/v (B, T, Hkv, row): each row's own cache slot; pos (B,) int64 -> (B, Hq, D)."""
         rows, length, hkv, dim = k.shape
-        if k.dtype == torch.int8:  # rows of head_dim codes + the scale byte + padding (llm_core.fast.kvquant)
+        if k.dtype in QUANTIZED_DTYPES:  # rows of codes + their scales + padding (llm_core.fast.kvquant)
             dim = q.shape[2]
         hq = q.shape[1]
         chunk, nsplit = _attention_splits(length, rows * hkv, k.device)
@@ -106,7 +153,7 @@ if triton is not None:
         _attn_rows_split_kernel[(rows, hkv, nsplit)](
             q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2), rows,
             HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
-            IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8)
+            IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8, GROUP4=INT4_GROUP)
         out = torch.empty(rows * hq, dim, dtype=q.dtype, device=q.device)
         _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
                                            SP=triton.next_power_of_2(nsplit))
