@@ -328,7 +328,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the seed recipe with expandable segments too (default: the allocator as published)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny random llama on the CPU: checks the harness")
     parser.add_argument("--extra", action="store_true", help="also the earlier ablations (EXTRA)")
+    parser.add_argument("--words-per-turn", type=int, default=SCALE.words_per_turn,
+                        help="tokens each turn adds (fewer turns reach a long history: less device time)")
     args = parser.parse_args(argv)
+    SCALE.words_per_turn = int(args.words_per_turn)
     plan = PLAN + (EXTRA if args.extra else [])
     SCALE.seed_expandable = bool(args.seed_expandable)
     if not args.cpu_smoke:
