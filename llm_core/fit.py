@@ -244,8 +244,11 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     kv_format = "int8" if kv_cache == "quantized" else "bf16"
     fused = replace(facts, fast_prefill=True)
     chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_format=kv_format)
-    # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
-    seed = max_context_tokens(facts, int(card_bytes), n, "dynamic")
+    # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin, its tables
+    # as loaded.
+    seed_facts = facts if weights_bytes is not None or not int8_tables else replace(
+        facts, weights_bytes=estimate_weights_bytes(config, quantization, compute_dtype))
+    seed = max_context_tokens(seed_facts, int(card_bytes), n, "dynamic")
     common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
                                   quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
