@@ -11,7 +11,23 @@ engine answers two of its turns again: `repeat` records give the TTFT of a secon
 first at a new length is the turn itself). The JSON file is rewritten after every record, so a run cut short keeps
 what it measured.
 
-    python -m bench.cards --out "$OUT/cards.json" [--budget-s 500] [--only SUBSTRING]
+    python -m bench.cards --out "$OUT/cards.json" [--budget-s 500] [--only SUBSTRING] [--extra]
+
+The plan is the issue's: Llama-2-7B (32k positions) and Llama-3-8B (128k) on 8, 12 and 16 GiB, ours with DEFAULT
+settings (no KV_CACHE, no INT8_TOKEN_TABLE: what the demo does out of the box) beside the seed recipe on the same
+card. A fresh device machine per call writes each checkpoint once, so split by model, one call each:
+
+    python -m bench.cards --out "$OUT/cards-llama2.json" --budget-s 290 --words-per-turn 3000 --only llama-2-7b
+    python -m bench.cards --out "$OUT/cards-llama3.json" --budget-s 290 --words-per-turn 3000 --only llama-3-8b
+
+(H200: one ours case of Llama-3-8B at 8 GiB took 105 s on a fresh machine, checkpoint 27 s and start-up 62 s
+included; later start-ups reuse the compile cache. A case not started before --budget-s minus 60 s is recorded as
+skipped, and the turn loop stops at --budget-s, so leave the call ~60 s beyond it.)
+
+`--extra` adds the earlier ablations (KV_CACHE=quantized, 24 GiB, a 4k-position Llama-2-7B). The summary (in the
+JSON's "summary") has per card and model: ours' longest prompt kept and decode tok/s there, the seed's longest that
+ran and the one that crashed, their ratio, crashes and refusals of ours (and refusals the seed answered), and the
+largest |predicted - measured| / measured peak over ours' answered turns.
 """
 
 from __future__ import annotations
@@ -55,7 +71,7 @@ class Case:
     positions: int
     card_gib: int
     recipe: str  # ours | seed
-    kv_cache: str = "bf16"  # ours: KV_CACHE (bf16 | int8 static cache)
+    kv_cache: str = "default"  # ours: default (KV_CACHE not set) | bf16 | int8 | int4 (the static cache)
     quantization: str = "nf4"
 
     @property
@@ -64,19 +80,14 @@ class Case:
 
 
 # In order of importance: the run stops starting cases when --budget-s is spent. Seed cases replay the
-# conversation of the ours case before them with the same model and positions.
-PLAN = [
-    Case("llama-2-7b", 32768, 8, "ours", "bf16"),
-    Case("llama-2-7b", 32768, 8, "seed"),
+# conversation of the ours case before them with the same model and positions (each card its own conversation:
+# ours' trimming differs by card).
+PLAN = [Case(model, positions, card, recipe) for model, positions in (("llama-2-7b", 32768), ("llama-3-8b", 131072))
+        for card in (8, 12, 16) for recipe in ("ours", "seed")]
+EXTRA = [
     Case("llama-2-7b", 32768, 8, "ours", "int8"),
     Case("llama-2-7b", 32768, 24, "ours", "bf16"),
     Case("llama-3-8b", 131072, 8, "ours", "int8"),
-    Case("llama-3-8b", 131072, 8, "seed"),
-    Case("llama-2-7b", 32768, 12, "ours", "bf16"),
-    Case("llama-2-7b", 32768, 12, "seed"),
-    Case("llama-2-7b", 32768, 16, "ours", "bf16"),
-    Case("llama-2-7b", 32768, 16, "seed"),
-    Case("llama-3-8b", 131072, 8, "ours", "bf16"),
     Case("llama-2-7b", 4096, 8, "ours", "bf16"),
 ]
 
@@ -135,8 +146,9 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     base["alloc_conf"] = set_allocator(True)
     cap_card(case.card_gib)
     env = {"MODEL_ID": str(folder), "QUANTIZATION": case.quantization, "VRAM_BUDGET": f"{case.card_gib - 0.5}GiB",
-           "KV_CACHE": case.kv_cache, "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens),
-           "CACHE_DIR": "/tmp/llm_core_cache"}
+           "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens), "CACHE_DIR": "/tmp/llm_core_cache"}
+    if case.kv_cache != "default":
+        env["KV_CACHE"] = case.kv_cache
     if SCALE.device != "cuda":  # smoke: the same engine path on the CPU (fast path eager, fp32)
         env.update(DEVICE="cpu", DECODE_PATH="fast", COMPUTE_DTYPE="float32", PREFILL_CHUNK_TOKENS="64",
                    PREFILL_GRAPH_TOKENS="64")
@@ -158,7 +170,8 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             fast_memory_profile=engine.fast_memory_profile,
             prefill_graph_tokens=decoder.options.prefill_graph_tokens if decoder else None,
             graph_pool_idle_bytes=decoder.graph_pool_idle_bytes() if decoder else None,
-            memory_budget_bytes=engine.memory_budget.budget_bytes,
+            memory_budget_bytes=engine.memory_budget.budget_bytes, weights_bytes=engine.memory_facts.weights_bytes,
+            token_tables=engine.loaded.extra.get("token_tables"), load_notes=list(engine.loaded.report.notes),
             allocated_after_startup_bytes=torch.cuda.memory_allocated() if SCALE.device == "cuda" else None,
             reserved_after_startup_bytes=torch.cuda.memory_reserved() if SCALE.device == "cuda" else None)
     history: list[Any] = []
@@ -192,7 +205,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             rec.add(**record, outcome="crashed", error=str(exc)[:400])
             history = history + [Turn(text, "ok")]
         turn += 1
-    conversations[(case.model, case.positions)] = [(message(i), sent[i]) for i in range(len(sent))]
+    conversations[(case.model, case.positions, case.card_gib)] = [(message(i), sent[i]) for i in range(len(sent))]
     # A second reply at the length of two turns already answered: TTFT of first vs second at that length.
     for again in sorted({1, turn - 1} & set(replies)):
         if time.perf_counter() > deadline:
@@ -274,7 +287,7 @@ def run_seed(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                                          device_type=SCALE.device)
     rec.add(**base, what="startup", outcome="ok", weights_bytes=facts.weights_bytes)
     system = "You are a helpful assistant."
-    for turn, (text, history) in enumerate(conversations.get((case.model, case.positions), [])):
+    for turn, (text, history) in enumerate(conversations.get((case.model, case.positions, case.card_gib), [])):
         if time.perf_counter() > deadline:
             break
         encoded: Any = tok.apply_chat_template(build_messages(system, history, text), add_generation_prompt=True,
@@ -319,8 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed-expandable", action="store_true",
                         help="run the seed recipe with expandable segments too (default: the allocator as published)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny random llama on the CPU: checks the harness")
+    parser.add_argument("--extra", action="store_true", help="also the earlier ablations (EXTRA)")
+    parser.add_argument("--words-per-turn", type=int, default=SCALE.words_per_turn,
+                        help="tokens each turn adds (fewer turns reach a long history: less device time)")
     args = parser.parse_args(argv)
-    plan = PLAN
+    SCALE.words_per_turn = int(args.words_per_turn)
+    plan = PLAN + (EXTRA if args.extra else [])
     SCALE.seed_expandable = bool(args.seed_expandable)
     if not args.cpu_smoke:
         from llm_core.loading import configure_cuda_allocator
@@ -328,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_cuda_allocator()  # as the app does, before anything touches CUDA (the cap would initialise it)
     if args.cpu_smoke:
         SCALE.words_per_turn, SCALE.new_tokens, SCALE.history_limit_tokens, SCALE.device = 100, 8, 700, "cpu"
-        plan = [Case("tiny", 512, 8, "ours", "bf16"), Case("tiny", 512, 8, "seed"),
-                Case("tiny", 512, 8, "ours", "int8")]
+        plan = [Case("tiny", 512, 8, "ours"), Case("tiny", 512, 8, "seed"), Case("tiny", 512, 8, "ours", "int8")]
 
     # Several engines (models, KV formats) in one process: each FastDecoder's compiled layer shares its code object
     # with the others', and dynamo's default limit of 8 entries per code object would silently leave the later
@@ -366,8 +382,48 @@ def main(argv: list[str] | None = None) -> int:
             rec.add(**base, what="error", outcome="crashed", error=f"{type(exc).__name__}: {exc}"[:600],
                     trace=traceback.format_exc()[-1500:])
         release()  # after the except block, whose traceback holds the case's frames
+    rec.set_summary(cards=summarize(rec.records))
     rec.add(what="done", seconds=round(time.perf_counter() - start, 1))
     return 0
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (model, card): ours (default settings) beside the seed recipe, from the turn records."""
+    out = []
+    pairs = sorted({(r["model"], r["card_gib"]) for r in records if r.get("what") == "turn"})
+    for model, card in pairs:
+        mine = [r for r in records if r.get("what") == "turn" and r.get("model") == model and r.get("card_gib") == card]
+        ours = [r for r in mine if r.get("recipe") == "ours" and r.get("kv_cache") == "default"]
+        seed = [r for r in mine if r.get("recipe") == "seed"]
+        if not ours:
+            continue
+        ok = [r for r in ours if r.get("outcome") == "ok"]
+        longest = max(ok, key=lambda r: r.get("prompt_tokens") or 0, default=None)
+        seed_ok = [r for r in seed if r.get("outcome") == "ok"]
+        seed_longest = max((r.get("prompt_tokens") or 0 for r in seed_ok), default=0)
+        seed_rate = next((r.get("decode_tokens_per_s") for r in seed_ok if r.get("prompt_tokens") == seed_longest),
+                         None)
+        seed_crash = min((r.get("prompt_tokens") or 0 for r in seed if r.get("outcome") == "crashed"), default=None)
+        seed_answered = {r["turn"] for r in seed_ok}
+        errors = [abs(r["predicted_peak_vram_bytes"] - r["peak_vram_bytes"]) / r["peak_vram_bytes"] for r in ok
+                  if r.get("predicted_peak_vram_bytes") and r.get("peak_vram_bytes")]
+        kept = (longest or {}).get("prompt_tokens") or 0
+        rate = (longest or {}).get("decode_tokens_per_s")
+        out.append({
+            "model": model, "card_gib": card, "ours_longest_prompt_tokens": kept, "ours_decode_tokens_per_s": rate,
+            "seed_longest_prompt_tokens": seed_longest, "seed_decode_tokens_per_s": seed_rate,
+            "seed_crashed_at_prompt_tokens": seed_crash, "ratio_to_seed": round(kept / seed_longest, 3)
+            if seed_longest else None, "decode_ratio_to_seed": round(rate / seed_rate, 2) if rate and seed_rate
+            else None, "ours_crashes": sum(r.get("outcome") == "crashed" for r in ours),
+            "ours_refusals": sum(r.get("outcome") == "refused" for r in ours),
+            "refusals_the_seed_answers": sum(r.get("outcome") == "refused" and r["turn"] in seed_answered
+                                             for r in ours),
+            "max_peak_prediction_error": round(max(errors), 4) if errors else None,
+            "peak_prediction_error_at_longest": round(abs(longest["predicted_peak_vram_bytes"] - longest[
+                "peak_vram_bytes"]) / longest["peak_vram_bytes"], 4) if longest and longest.get(
+                "predicted_peak_vram_bytes") and longest.get("peak_vram_bytes") else None,
+        })
+    return out
 
 
 if __name__ == "__main__":

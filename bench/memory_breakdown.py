@@ -78,13 +78,23 @@ def summarize_snapshot(snapshot: dict[str, Any], *, top: int = 20) -> dict[str, 
                                      sorted(sizes.items(), key=lambda kv: -kv[0][0] * kv[1])[:top] if n > 1]}
 
 
+def table_bytes(model: Any) -> dict[str, int]:
+    """Device bytes of the token table and the lm_head modules (a tied table counted under both names)."""
+    out = {}
+    for name, module in (("embedding", model.get_input_embeddings()), ("lm_head", model.get_output_embeddings())):
+        seen = {t.data_ptr(): t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()]}
+        out[name] = sum(seen.values())
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", default="llama-3-8b", choices=["llama-2-7b", "llama-3-8b"])
     parser.add_argument("--positions", type=int, default=131072)
     parser.add_argument("--card-gib", type=float, default=8)
-    parser.add_argument("--kv-cache", default="int8", choices=["bf16", "int8"])
+    parser.add_argument("--kv-cache", default="int8", choices=["default", "bf16", "int8", "int4"],
+                        help="default: KV_CACHE not set (the demo's own choice)")
     parser.add_argument("--prompt-words", type=int, default=2800)
     parser.add_argument("--live-switch", action="store_true")
     args = parser.parse_args(argv)
@@ -109,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.live_switch:
         set_allocator_settings("expandable_segments:True")
     torch.cuda.memory._record_memory_history(max_entries=100_000)
-    env = {"MODEL_ID": str(folder), "VRAM_BUDGET": f"{args.card_gib - 0.5}GiB", "KV_CACHE": args.kv_cache,
+    env = {"MODEL_ID": str(folder), "VRAM_BUDGET": f"{args.card_gib - 0.5}GiB",
            "CACHE_DIR": "/tmp/llm_core_cache", "MAX_NEW_TOKENS": "64"}
+    if args.kv_cache != "default":
+        env["KV_CACHE"] = args.kv_cache
     result: dict[str, Any] = {"bench": "memory_breakdown", "command": "python -m bench.memory_breakdown "
                               + " ".join(argv if argv is not None else sys.argv[1:]), "args": vars(args) | {
                                   "out": str(args.out)},
@@ -138,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                          "static_cache_tokens": decoder.cache_len if decoder else None,
                          "resident_extra_bytes": engine.memory_facts.resident_extra_bytes,
                          "weights_bytes": engine.memory_facts.weights_bytes,
+                         "token_table_bytes": table_bytes(engine.loaded.model),
+                         "token_tables": engine.loaded.extra.get("token_tables"),
                          "fast_memory_profile": engine.fast_memory_profile,
                          "graph_pool_idle_bytes": decoder.graph_pool_idle_bytes() if decoder else None}
     snap("after_startup")

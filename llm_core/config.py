@@ -281,6 +281,10 @@ class ModelSettings:
         "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
         f"the graphs hold ~0.3 GB on a 7B model); 0 = off; auto (default) = {DEFAULT_PREFILL_GRAPH_TOKENS}, "
         f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards)")
+    # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
+    int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
+        "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "
+        "where the CUDA fast path serves nf4/int8 weights; false = as loaded (compute dtype)")
     cache_dir: str | None = setting("CACHE_DIR", None, _parse_opt_str,
         "where converted models live; empty = ~/.cache/llm_core")
     hf_token: str | None = setting("HF_TOKEN", None, _parse_opt_str,

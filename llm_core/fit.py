@@ -51,14 +51,15 @@ OFFLOAD_BYTES_PER_S = 25e9
 
 
 def estimate_weights_bytes(config: Any, quantization: str = "nf4", compute_dtype: str = "bfloat16",
-                           double_quant: bool = True) -> int:
+                           double_quant: bool = True, int8_tables: bool = False) -> int:
     """Device bytes of a llama-family model's weights as bitsandbytes/transformers hold them, from the config.
 
     The decoder's linears (q, k, v, o, gate, up, down) are quantized; embeddings, norms and the lm_head stay in the
     compute dtype (transformers keeps the output layer unquantized). NF4/FP4: half a byte per weight plus one absmax
     per 64 weights (uint8 with double quant, plus one fp32 per 256 of them; fp32 without). int8: a byte per weight
     plus an fp32 scale per row. Checked against the H200 recordings (Llama-2-7B 3.61 GiB, Llama-3-8B 5.35 GiB) and
-    the embedded model loaded on CPU (tests/test_fit.py)."""
+    the embedded model loaded on CPU (tests/test_fit.py). `int8_tables`: the embedding and lm_head as
+    llm_core.fast.tables holds them (INT8_TOKEN_TABLE): a byte per weight plus an fp32 scale per row."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     h = int(text.hidden_size)
     heads = int(text.num_attention_heads)
@@ -82,7 +83,7 @@ def estimate_weights_bytes(config: Any, quantization: str = "nf4", compute_dtype
         quantized = linear * b
     bias = (q_dim + 2 * kv_dim) * layers * b if getattr(text, "attention_bias", False) else 0
     tied = bool(getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)))
-    embeddings = vocab * h * b * (1 if tied else 2)
+    embeddings = (vocab * h + vocab * 4 if int8_tables else vocab * h * b) * (1 if tied else 2)
     norms = (2 * layers + 1) * h * b + (2 * layers * hd * b if getattr(text, "model_type", "") == "qwen3" else 0)
     return quantized + bias + embeddings + norms
 
@@ -226,14 +227,19 @@ def _new_tokens_of(value: Any, context_length: int) -> int:
 def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantization: str = "nf4",
                kv_cache: str = "auto", max_new_tokens: int = 256, margin_bytes: int | None = None,
                prefill_chunk_tokens: int | None = None, prefill_graph_tokens: int | None = None,
-               compute_dtype: str = "bfloat16", weights_bytes: int | None = None) -> FitReport:
+               compute_dtype: str = "bfloat16", weights_bytes: int | None = None,
+               int8_token_table: bool | None = None) -> FitReport:
     """Predict what fits on a CUDA card of `card_bytes` (budget = card - margin, what the demo derives there).
-    `prefill_chunk_tokens` and `prefill_graph_tokens` as the settings of those names: None = auto, 0 = off."""
+    `prefill_chunk_tokens`, `prefill_graph_tokens` and `int8_token_table` as the settings of those names: None =
+    auto, 0 = off."""
     if quantization not in QUANTIZATION_MODES:
         raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
     kv_cache = asked = canonical_kv_cache(kv_cache, "KV cache")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    weights = estimate_weights_bytes(config, quantization, compute_dtype) if weights_bytes is None else weights_bytes
+    fast_ok, reason = config_fast_path_support(text, quantization)
+    int8_tables = fast_ok and quantization in ("nf4", "int8") if int8_token_table is None else int8_token_table
+    weights = estimate_weights_bytes(config, quantization, compute_dtype, int8_tables=int8_tables
+                                     ) if weights_bytes is None else weights_bytes
     if not card_bytes > 0:
         raise InputError(f"Card size must be more than 0 bytes, got {card_bytes!r}.")
     margin = DEFAULT_CUDA_MARGIN_BYTES if margin_bytes is None else int(margin_bytes)
@@ -247,8 +253,11 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
                                           prefill_graph_tokens=prefill_graph_tokens)
     fast_kv = kv_cache if kv_cache != "offload" else "bf16"  # offload replies run on the plain path
     chunk = resolve_prefill_chunk_tokens(prefill_chunk_tokens, fused, budget, max_new_tokens=n, kv_cache=fast_kv)
-    # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin.
-    seed = max_context_tokens(facts, int(card_bytes), n, "bf16")
+    # The seed recipe: plain generate with a growing cache, one-pass prefill, the whole card, no margin, its tables
+    # as loaded.
+    seed_facts = facts if weights_bytes is not None or not int8_tables else replace(
+        facts, weights_bytes=estimate_weights_bytes(config, quantization, compute_dtype))
+    seed = max_context_tokens(seed_facts, int(card_bytes), n, "bf16")
     common: dict[str, Any] = dict(model=model, card_bytes=int(card_bytes), budget_bytes=budget,
                                   quantization=quantization, kv_cache=kv_cache, weights_bytes=weights,
                                   context_length=facts.context_length, max_new_tokens=n, seed_prompt_tokens=seed,
@@ -261,6 +270,8 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
         return FitReport(kv_bytes_per_token=kv_bytes_per_token(facts, compute_dtype), decode_path="none",
                          decode_path_reason="the weights alone exceed the budget", longest_prompt_tokens=0,
                          static_cache_tokens=0, offload_note=note, **common)
+    if int8_tables:
+        reason += "; token table and lm_head int8 (a scale per row)"
     if fast_ok and kv_cache != "offload":
         graphs = resolve_prefill_graph_tokens(prefill_graph_tokens, fused, budget, max_new_tokens=n,
                                               prefill_chunk_tokens=chunk, kv_cache=fast_kv)
@@ -292,8 +303,11 @@ def check_weights_fit(settings: Any) -> None:
         config = load_config(model, cache_dir=settings.model.cache_dir,
                              trust_remote_code=settings.model.trust_remote_code)
         dtype = settings.model.compute_dtype if settings.model.compute_dtype != "auto" else "bfloat16"
+        from .loading import resolve_device, wants_int8_token_tables
+
+        tables = wants_int8_token_tables(settings.model, resolve_device(settings.model), config)
         weights = estimate_weights_bytes(config, settings.model.quantization, dtype,
-                                         double_quant=settings.model.double_quant is not False)
+                                         double_quant=settings.model.double_quant is not False, int8_tables=tables)
     except (LLMCoreError, AttributeError, KeyError, TypeError):  # not llama-shaped or unreadable: load decides
         return
     if weights > budget:

@@ -213,6 +213,16 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
         say(f"Quantizing {source.display_name} for the CPU path ({cpu_format})…")
         extra["cpu_weights"] = quantize_for_cpu(model, cpu_format)
         free_memory(device)  # the float weights' heap pages back to the OS: RSS is what the CPU path holds
+    elif wants_int8_token_tables(settings, device, model.config):
+        from .fast.tables import quantize_token_tables
+
+        say(f"Quantizing the token table and lm_head of {source.display_name} to int8…")
+        extra["token_tables"] = tables = quantize_token_tables(model)
+        if "skipped" not in tables:
+            kind = "one tied table" if tables["tied"] else "two tables"
+            notes.append(f"Token table and lm_head in int8 with a scale per row ({kind}): "
+                         f"{tables['bytes_before'] / 2**30:.2f} -> {tables['bytes_after'] / 2**30:.2f} GiB "
+                         "(INT8_TOKEN_TABLE=false keeps them as loaded).")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     load_s = time.perf_counter() - t0
@@ -273,6 +283,20 @@ def _cpu_path_format(settings: ModelSettings, device: torch.device, source: Mode
                  "times slower on CPU (docs/cpu.md).")
 
 
+def wants_int8_token_tables(settings: ModelSettings, device: torch.device, config: Any) -> bool:
+    """INT8_TOKEN_TABLE: as set (true: any device), else on where the CUDA fast path will serve nf4/int8 weights
+    (not with DECODE_PATH=plain); never with MAX_MEMORY offload."""
+    if settings.max_memory is not None:  # offloaded layers: accelerate's hooks own where the weights live
+        return False
+    if settings.int8_token_table is not None:
+        return settings.int8_token_table
+    if device.type != "cuda" or settings.quantization not in ("nf4", "int8") or settings.decode_path == "plain":
+        return False
+    from .fit import config_fast_path_support
+
+    return config_fast_path_support(config, settings.quantization)[0]
+
+
 def estimate_weights_bytes(settings: ModelSettings) -> int:
     """Bytes the weights will take once loaded with `settings`, computed from the config alone (meta tensors).
 
@@ -304,6 +328,13 @@ def estimate_weights_bytes(settings: ModelSettings) -> int:
         if input_embeddings is not None and head.weight is not input_embeddings.weight:
             total -= head.weight.numel()  # meta init may leave the tie undone; loading ties them
     rest = total - quantizable
+    tables = 0
+    if head is not None and wants_int8_token_tables(settings, device, config):  # int8 rows + an fp32 scale each
+        embed = model.get_input_embeddings()
+        shared = bool(getattr(config, "tie_word_embeddings", False))
+        for table in [head] if shared or embed is None else [head, embed]:
+            rest -= table.weight.numel()
+            tables += table.weight.numel() + table.weight.shape[0] * 4
     if settings.quantization in ("nf4", "fp4"):
         absmax = quantizable / 64 * (1 if settings.use_double_quant else 4)
         quantized = quantizable * 0.5 + absmax
@@ -311,7 +342,7 @@ def estimate_weights_bytes(settings: ModelSettings) -> int:
         quantized = quantizable * 1.0 + quantizable / 4096 * 4  # row-wise fp32 scales (approximate)
     else:
         quantized = quantizable * dtype_bytes
-    return int(quantized + rest * dtype_bytes)
+    return int(quantized + rest * dtype_bytes + tables)
 
 
 def _load_failure_message(source: ModelSource, what: str, exc: Exception) -> str:

@@ -63,7 +63,7 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
     report = fit_config(config, card_gib * GiB, model=name, kv_cache=kv_cache)
     assert report.fits and report.decode_path == "fast"
     assert report.kv_bytes_per_token == per_token[name]
-    facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4"), "bfloat16")
+    facts = ModelMemoryFacts.from_config(config, estimate_weights_bytes(config, "nf4", int8_tables=True), "bfloat16")
     fused, budget = replace(facts, fast_prefill=True), card_gib * GiB - 512 * 2**20
     chunk = resolve_prefill_chunk_tokens(None, fused, budget, max_new_tokens=256, kv_cache=kv_cache)
     assert report.prefill_chunk_tokens == chunk in (1024, 2048)
@@ -72,7 +72,8 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
     plan = static_cache_plan(fused, budget, max_new_tokens=256, prefill_chunk_tokens=chunk, kv_cache=kv_cache,
                              prefill_graph_tokens=graphs)
     assert report.static_cache_tokens == plan.tokens and report.longest_prompt_tokens == plan.max_prompt_tokens
-    assert report.seed_prompt_tokens == max_context_tokens(facts, card_gib * GiB, 256)
+    seed_facts = replace(facts, weights_bytes=estimate_weights_bytes(config, "nf4"))  # bf16 tables, as loaded
+    assert report.seed_prompt_tokens == max_context_tokens(seed_facts, card_gib * GiB, 256)
     if card_gib >= 12:
         assert report.longest_prompt_tokens >= report.seed_prompt_tokens
         assert not report.tradeoff_note
@@ -84,7 +85,7 @@ def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str,
 def test_weights_that_do_not_fit_are_said_before_loading() -> None:
     report = fit_config(LLAMA3_8B, 4 * GiB, model="llama-3-8b")
     assert not report.fits and report.decode_path == "none" and report.longest_prompt_tokens == 0
-    assert "the weights alone need 5.31 GiB of the 3.50 GiB budget" in report.summary()
+    assert "the weights alone need 4.33 GiB of the 3.50 GiB budget" in report.summary()  # int8 tables
     assert "tokens/s" in report.offload_note
 
 
@@ -108,7 +109,7 @@ def test_fit_cli_on_the_embedded_models_config(capsys: pytest.CaptureFixture[str
     report = json.loads(capsys.readouterr().out)
     config = load_config("", cache_dir=str(MODEL_CACHE))
     assert report["fits"] and report["decode_path"] == "fast"
-    assert report["weights_bytes"] == estimate_weights_bytes(config, "nf4")
+    assert report["weights_bytes"] == estimate_weights_bytes(config, "nf4", int8_tables=True)
     assert report["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2 == 23_040
     assert report["static_cache_tokens"] == config.max_position_embeddings  # a 135M model fills no 8 GiB card
     assert main(["--gpu", "banana", "--cache-dir", str(MODEL_CACHE)]) == 2

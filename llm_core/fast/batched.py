@@ -53,6 +53,7 @@ from .layer import (
 )
 from .pack import LinSpec, bias_of
 from .rows import ROWS_KERNELS, RowsPlan, kernel_for, nf4_rows_linear, pick_rows_plan
+from .tables import embed_rows
 from .timing import time_in_cuda_graph
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,10 @@ def head_rows(spec: HeadSpec, hn: torch.Tensor, lm: Sequence[torch.Tensor], seen
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.head_logits per row: hn (B, H), seen (B, V) bool, penalty (B, 1), eos_bias (B, V) ->
     scores (B, V) fp32 and the greedy tokens (B,)."""
-    logits = linear_rows(spec.lm, hn, lm, rows_max).float()
+    if spec.lm.fmt == "int8" and hn.shape[0] > 1:  # the int8 lm_head: weight-only, no half-precision copy of it
+        logits = torch.ops.llm_core.int8_mm(hn, lm[0], lm[1]).float()
+    else:
+        logits = linear_rows(spec.lm, hn, lm, rows_max).float()
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     scores = torch.where(seen, penalized, logits) + eos_bias
     return scores, scores.argmax(-1)
@@ -391,7 +395,7 @@ class SlotDecoder:
         f, rows_max = self.fast, self.rows_max
         head_spec, rotary = f._head_spec, f._arch.rotary
 
-        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor, norm0: torch.Tensor) -> Any:
+        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: list[torch.Tensor], norm0: torch.Tensor) -> Any:
             return embed_prologue(head_spec, rotary, tok, pos, embed, norm0)
 
         def head(hn: torch.Tensor, lm: list[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
@@ -492,7 +496,7 @@ class SlotDecoder:
         assert self.k is not None and self.v is not None
         f = self.fast
         self.seen[slot].index_fill_(0, ids, True)
-        h = F.embedding(ids, f._embed)[None]
+        h = embed_rows(ids, f._embed, f._norm0.dtype)[None]
         pos = torch.arange(start, start + ids.numel(), device=self.device)
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)
@@ -520,7 +524,7 @@ class SlotDecoder:
         for b, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
             ids[b, :lengths[b]] = prompt
             self.seen[slot].index_fill_(0, prompt, True)
-        h = F.embedding(ids, f._embed)
+        h = embed_rows(ids, f._embed, f._norm0.dtype)
         pos = torch.arange(ids.shape[1], device=self.device)
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)

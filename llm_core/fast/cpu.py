@@ -411,7 +411,7 @@ def layer_groups(n_layers: int, per: int) -> list[tuple[int, int]]:
     return list(zip(starts, sizes, strict=True))
 
 
-def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
     """fn with a code object of its own. Dynamo keeps compiled graphs on the code object, and these graphs run with
     their guards dropped: two decoders compiling the same function would otherwise share (and run) each other's
     graphs, whatever their model's shapes."""
@@ -502,10 +502,10 @@ class CPUDecoder:
             opts: dict[str, str | int | bool | Callable[..., Any]] = {"guard_filter_fn": _no_guards, **GRAPH_OPTIONS}
             for _, count in self._groups:
                 if count not in self._graphs:  # every group of this size shares one graph (weights are inputs)
-                    fn = _own_code(lambda h, pos, ct, st, ks, vs, length, norms, ws, fn_: layers_graph(
+                    fn = own_code(lambda h, pos, ct, st, ks, vs, length, norms, ws, fn_: layers_graph(
                         spec, h, pos, ct, st, ks, vs, length, norms, ws, fn_), f"cpu_layers_x{count}_{id(self):x}")
                     self._graphs[count] = torch.compile(fn, fullgraph=True, dynamic=False, options=opts)
-            head = _own_code(lambda last, w, seen, penalty, bias: select_scores(
+            head = own_code(lambda last, w, seen, penalty, bias: select_scores(
                 head_logits(spec, last, w), seen, penalty, bias), f"cpu_head_{id(self):x}")
             self._head_c = torch.compile(head, fullgraph=True, dynamic=False, options=opts)
             self._step = self._graph_step

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
 from . import kvquant
+from .cpu import own_code
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .layer import (
@@ -40,6 +40,7 @@ from .layer import (
 from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOptions
 from .pack import PackedLinear, pack_linears
 from .support import Arch, fast_path_support, is_dense_linear
+from .tables import embed_rows, table_tensors
 from .timing import time_in_cuda_graph
 from .warmup import DecoderWarmup, _load_compile_artifacts, _save_compile_artifacts
 
@@ -178,7 +179,9 @@ class FastDecoder(DecoderWarmup):
         or on the lm_head where the layers are quantized; the faster is kept (cuBLAS if the Triton kernel fails). Only
         reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
         groups = [g for g in self._layer_groups(self._arch.layers[0]) if all(is_dense_linear(m) for m in g)]
-        groups = groups or [[self._arch.lm_head]]
+        groups = groups or [[h] for h in [self._arch.lm_head] if is_dense_linear(h)]
+        if not groups:  # quantized layers and an int8 lm_head: no dense weight left to run
+            return "cublas"
         self.dense_gemv_timings_us = self._time_linears(
             groups, {cand: (replace(self.options, dense_gemv=cand), self.options.gemv)
                      for cand in DENSE_GEMV_KERNELS[:2]})  # cublas, triton
@@ -231,7 +234,7 @@ class FastDecoder(DecoderWarmup):
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
         self._head_spec = HeadSpec(lm.spec, float(_eps(a.layers[0].input_layernorm)))
         self._lm_tensors = lm.tensors
-        self._embed = a.embed.weight.detach()
+        self._embed = table_tensors(a.embed)  # [weight], or [int8 rows, row scales] (llm_core.fast.tables)
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
         self.notes = sorted(notes)
         self._make_functions()
@@ -240,7 +243,7 @@ class FastDecoder(DecoderWarmup):
         """Closures over static specs; compiled once each (all layers share one spec, hence one graph)."""
         head_spec, rotary = self._head_spec, self._arch.rotary
 
-        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor, norm0: torch.Tensor) -> Any:
+        def prologue(tok: torch.Tensor, pos: torch.Tensor, embed: list[torch.Tensor], norm0: torch.Tensor) -> Any:
             return embed_prologue(head_spec, rotary, tok, pos, embed, norm0)
 
         def head(hn: torch.Tensor, lm: list[torch.Tensor], seen: torch.Tensor, penalty: torch.Tensor,
@@ -271,6 +274,9 @@ class FastDecoder(DecoderWarmup):
                 self._prefill_compiled_ok = True
 
     def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        # Dynamo keeps its graphs (at most recompile_limit, 8) on the code object: every decoder of the process
+        # compiling the one shared closure code ran into the limit, and fullgraph then failed the prefill graphs
+        fn = own_code(fn, fn.__name__)
         backend = self.options.compile_backend
         if backend == "inductor":
             # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
@@ -287,7 +293,7 @@ class FastDecoder(DecoderWarmup):
                 if t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     total += t.numel() * t.element_size()
-        return total + self._arch.hidden * self._embed.element_size()
+        return total + self._arch.hidden * self._embed[0].element_size()
 
     def kv_bytes_per_token(self) -> int:
         a = self._arch
@@ -526,7 +532,7 @@ class FastDecoder(DecoderWarmup):
         """Every layer over ids (S,) at positions pos (S,) = start..start+S-1: cache rows written; returns the
         last layer's hn (1, S, H) (un-normed h where the layers fuse their norms)."""
         assert self._k is not None and self._v is not None
-        h = F.embedding(ids, self._embed)[None]
+        h = embed_rows(ids, self._embed, self._norm0.dtype)[None]
         cos, sin = self._arch.rotary(h, pos[None])
         hn = rms_norm(h, self._norm0, self._head_spec.eps0)
         fns = self._prefill_fns if self._prefill_compiled_ok and ids.numel() > 1 else self._prefill_eager_fns

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from .kvquant import from_cache, is_quantized, to_cache
 from .pack import LinSpec, absmax_2d, bias_of, code_of
+from .tables import embed_rows
 
 
 def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
@@ -320,10 +321,11 @@ class HeadSpec:
     eps0: float
 
 
-def embed_prologue(spec: HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: torch.Tensor,
+def embed_prologue(spec: HeadSpec, rotary: Any, tok: torch.Tensor, pos: torch.Tensor, embed: Sequence[torch.Tensor],
               norm0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tok, pos (1,) -> residual h (1, H), first layer's normed input, cos/sin (1, D) from the model's own RoPE."""
-    h = F.embedding(tok, embed)
+    """tok, pos (1,) -> residual h (1, H), first layer's normed input, cos/sin (1, D) from the model's own RoPE.
+    embed: the token table as llm_core.fast.tables.embed_rows takes it (rows come out in the norms' dtype)."""
+    h = embed_rows(tok, embed, norm0.dtype)
     cos, sin = rotary(h[None], pos[None])
     return h, rms_norm(h, norm0, spec.eps0), cos[0], sin[0]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .options import FastDecodeOptions
-from .support import Unsupported, int8_row_scale, is_dense_linear, is_int8_linear, is_nf4_linear
+from .support import Unsupported, int8_row_scale, is_dense_linear, is_int8_linear, is_int8_table, is_nf4_linear
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,12 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> 
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
     the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales."""
     splits = tuple(int(m.out_features) for m in modules)
+    if any(is_int8_table(m) for m in modules):  # the int8 lm_head: its table's tensors, read in place
+        if len(modules) != 1:
+            raise Unsupported("an int8 token table is not fused with other linears")
+        q, scale = modules[0].table.q, modules[0].table.scale
+        return PackedLinear(LinSpec("int8", "none", int(q.shape[0]), int(q.shape[1]), 0, splits, False, "int8",
+                                    False), [q, scale])
     dense, int8 = all(is_dense_linear(m) for m in modules), all(is_int8_linear(m) for m in modules)
     if dense or int8:
         weights = [m.weight.data for m in modules]

@@ -100,8 +100,8 @@ class Arch:
             raise Unsupported("the model has no output projection (lm_head)")
         _check_linear(lm_head)
         return cls(model, inner.embed_tokens, layers, inner.norm, inner.rotary_emb, lm_head, n_heads, n_kv, head_dim,
-                   int(cfg.hidden_size), int(lm_head.weight.shape[0]) if not is_nf4_linear(lm_head) else
-                   int(lm_head.out_features), qk_norm)
+                   int(cfg.hidden_size), int(lm_head.out_features) if is_nf4_linear(lm_head) or is_int8_table(lm_head)
+                   else int(lm_head.weight.shape[0]), qk_norm)
 
 
 def is_nf4_linear(module: Any) -> bool:
@@ -113,8 +113,13 @@ def is_int8_linear(module: Any) -> bool:
     return type(module).__name__ == "Linear8bitLt" and module.weight.dtype == torch.int8
 
 
+def is_int8_table(module: Any) -> bool:
+    """The int8 lm_head of llm_core.fast.tables (int8 rows, an fp32 scale per row)."""
+    return type(module).__name__ == "TableHead" and hasattr(module, "table")
+
+
 def is_dense_linear(module: Any) -> bool:
-    return not (is_nf4_linear(module) or is_int8_linear(module))
+    return not (is_nf4_linear(module) or is_int8_linear(module) or is_int8_table(module))
 
 
 def int8_scb(module: Any) -> torch.Tensor | None:
@@ -138,6 +143,8 @@ def int8_weight_fp32(module: Any) -> torch.Tensor:
 
 
 def _check_linear(module: Any) -> None:
+    if is_int8_table(module):
+        return
     if is_nf4_linear(module):
         qs = module.weight.quant_state
         if qs is None or qs.quant_type != "nf4":
