@@ -24,6 +24,7 @@ from llm_core.history import check_history_size
 from tests.conftest import drain, make_settings, run_threads
 from tests.test_app import free_port, text
 from ui import build_demo
+from ui.page import COMPARE_WIDTH
 
 SYSTEM = "You are a helpful assistant."
 JOB_TIMEOUT_S = 240.0
@@ -385,15 +386,16 @@ def test_stop_or_disconnect_in_one_session_leaves_the_others_running(batched_url
 
 def test_chat_events_share_one_queue_as_wide_as_the_batch(batched_fp32: ChatEngine) -> None:
     """Gradio lets as many chat replies run as the engine batches; the rest wait in one shared queue, which shows
-    each waiting user its position (show_progress="full"); a comparison (it loads models) stays one at a time."""
+    each waiting user its position (show_progress="full"); comparisons share one queue of their own."""
     demo = build_demo(batched_fp32, batched_fp32.settings)
     chat_fns = [fn for fn in demo.fns.values() if fn.name in ("respond", "regenerate")]
     assert len(chat_fns) == 5  # send, Enter and regenerate in the page; the /chat and /regenerate API endpoints
     assert {fn.concurrency_id for fn in chat_fns} == {"chat"} and all(fn.show_progress == "full" for fn in chat_fns)
     assert demo._queue.default_concurrency_limit == batched_fp32.max_concurrent_replies == 4
     compare_fns = [fn for fn in demo.fns.values() if fn.name == "compare"]  # the page's button and the API's
-    assert len(compare_fns) == 2 and all(fn.concurrency_limit == 1 for fn in compare_fns)
-    assert {fn.concurrency_id for fn in compare_fns} == {"compare"}  # one comparison at a time, page and API
+    # Several reach Comparison's per-person turns (one runs at a time there), page and API in one queue.
+    assert len(compare_fns) == 2 and all(fn.concurrency_limit == COMPARE_WIDTH for fn in compare_fns)
+    assert {fn.concurrency_id for fn in compare_fns} == {"compare"}
 
 
 # --- hostile input through the API -------------------------------------------------------------------------------

@@ -112,7 +112,6 @@ def test_kv_cache_has_one_tuple_of_modes_and_old_names_stay_accepted() -> None:
     """KV_CACHE takes the modes of config.KV_CACHE_MODES; dynamic and quantized (older .env files) parse to bf16 and
     int8, in any case; anything else is refused naming the modes."""
     from llm_core.config import KV_CACHE_ALIASES, KV_CACHE_MODES
-    from llm_core.memory import kv_cache as kv_module
     from llm_core.memory import model as memory_model
 
     for mode in KV_CACHE_MODES:
@@ -120,7 +119,7 @@ def test_kv_cache_has_one_tuple_of_modes_and_old_names_stay_accepted() -> None:
     for old, new in (("dynamic", "bf16"), ("Quantized", "int8")):
         assert Settings.from_env(environ={"KV_CACHE": old}, env_file=None).generation.kv_cache == new
     assert set(KV_CACHE_ALIASES.values()) <= set(KV_CACHE_MODES)
-    assert memory_model.KV_CACHE_MODES is KV_CACHE_MODES and kv_module.KV_CACHE_MODES is KV_CACHE_MODES
+    assert memory_model.KV_CACHE_MODES is KV_CACHE_MODES  # the memory model and kv_cache.py check against it
     with pytest.raises(SettingsError, match="KV_CACHE='fp8' is not supported; choose one of: " +
                        ", ".join(KV_CACHE_MODES)):
         Settings.from_env(environ={"KV_CACHE": "fp8"}, env_file=None)

@@ -110,7 +110,7 @@ def test_kv_bytes_per_token_embedded_model_in_its_compute_dtype(loaded: LoadedMo
 def test_kv_bytes_per_token_quantized_is_nbits_plus_scale_and_zero_per_group() -> None:
     # 4 bits + (bf16 scale + bf16 zero) / 64 elements = 0.5625 bytes per element
     elements = 2 * 32 * 32 * 128
-    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "int8") == elements * 9 // 16 == 147456
+    assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "int4") == elements * 9 // 16 == 147456
     spec8 = QuantizedKVSpec(nbits=8, group_size=32)
     assert kv_bytes_per_token(LlamaConfig(**LLAMA2_7B), torch.bfloat16, "int8", spec8) == elements * 9 // 8
 
