@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.probes import forced_scores
 from llm_core.fast import FastDecodeOptions, FastDecoder
 from llm_core.fast.kernels import int8_mm as mm
 from llm_core.fast.tables import (
@@ -137,7 +138,7 @@ def test_fast_path_reads_the_int8_tables_on_cpu(tmp_path: Any) -> None:
     assert dec._embed[0] is loaded.model.model.embed_tokens.table.q
     ids = torch.randint(3, 4000, (1, 40), generator=torch.Generator().manual_seed(0))
     forced = torch.randint(3, 4000, (6,), generator=torch.Generator().manual_seed(1)).tolist()
-    got = dec.forced_scores(ids, forced)
+    got = forced_scores(dec, ids, forced)
     torch.testing.assert_close(got, _plain_scores(loaded.model, ids, forced), atol=1e-4, rtol=1e-4)
 
 
@@ -156,7 +157,7 @@ def test_each_decoder_compiles_its_own_code(tmp_path: Any) -> None:
         for o in (opts, replace(opts, fuse=False), replace(opts, kv_cache="int8")):
             dec = FastDecoder(loaded, compile=True, max_cache_len=256, options=o)
             dec.warmup()
-            dec.forced_scores(ids, [5, 6])
+            forced_scores(dec, ids, [5, 6])
             assert dec._prefill_compiled_ok and not any("prefill eager" in n for n in dec.notes), dec.notes
 
 
@@ -221,7 +222,7 @@ def test_gpu_fast_path_with_int8_tables_matches_the_plain_forward(tmp_path: Any)
     assert dec._head_spec.lm.fmt == "int8" and dec.describe()["prefill_graphs"] == [64, 128]
     ids = torch.randint(3, 4000, (1, 100), generator=torch.Generator().manual_seed(0)).cuda()
     forced = torch.randint(3, 4000, (12,), generator=torch.Generator().manual_seed(1)).tolist()
-    got = dec.forced_scores(ids, forced)
+    got = forced_scores(dec, ids, forced)
     want = _plain_scores(loaded.model, ids, forced)
     assert ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item() <= 2e-2
     hn = torch.randn(4, TINY["hidden_size"], device="cuda", dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from bench.probes import forced_scores
 from llm_core.fast import kvquant, layer
 
 try:
@@ -156,24 +157,21 @@ def test_the_interpreter_tests_pass_in_their_own_process() -> None:
 
 
 @pytest.mark.skipif(attention is None or attention.triton is None, reason="needs the triton package")
-@pytest.mark.parametrize("rows", [False, True])
-def test_int4_kernels_compile_for_hopper(rows: bool) -> None:
-    """Compile (not run) both split kernels' int4 form for sm_90 on CPU, bf16 query, uint8 rows."""
+def test_int4_kernel_compiles_for_hopper() -> None:
+    """Compile (not run) the split kernel's int4 form for sm_90 on CPU, bf16 query, uint8 rows (one kernel serves
+    the single decode as B = 1 and the batched rows)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if INTERPRETED:
         pytest.skip("compiles in the suite's own process")
     signature = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "pos_ptr": "*i64", "o_ptr": "*fp32",
-                 "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "chunk": "i32"}
-    signature.update({"stride_b": "i32"} if rows else {})
-    signature.update({"stride_l": "i32", "stride_h": "i32"})
-    signature.update({"B": "i32"} if rows else {})
+                 "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "chunk": "i32", "stride_b": "i32",
+                 "stride_l": "i32", "stride_h": "i32", "B": "i32"}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16)
     signature.update({name: "constexpr" for name in constexprs})
-    fn = attention._attn_rows_split_kernel if rows else attention._attn_split_kernel
-    attention.triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                             target=GPUTarget("cuda", 90, 32))
+    attention.triton.compile(ASTSource(fn=attention._attn_rows_split_kernel, signature=signature,
+                                       constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
 
 # --- accounting and KV_CACHE=auto (pure arithmetic) -----------------------------------------------------------
@@ -283,7 +281,7 @@ def test_int4_fast_path_on_the_embedded_model_agrees_with_bf16() -> None:
                                                    return_dict=True, return_tensors="pt")["input_ids"]
         out = ref.generate(ids, None, GenerationSettings(repetition_penalty=1.0), None, threading.Event(), 24)
         reply = out[0, ids.shape[1]:].tolist()
-        want, got = ref.forced_scores(ids, reply[:-1]), q4.forced_scores(ids, reply[:-1])
+        want, got = forced_scores(ref, ids, reply[:-1]), forced_scores(q4, ids, reply[:-1])
         agree.append((got.argmax(-1) == want.argmax(-1)).float().mean().item())
         kls.append(torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                               reduction="batchmean").item())
@@ -328,7 +326,7 @@ def test_gpu_int4_fast_path_decodes_within_bounds_of_bf16_graphs_and_slots_inclu
     ids = torch.randint(3, 1000, (1, 300), generator=torch.Generator().manual_seed(0)).to("cuda")
     out = ref.generate(ids, None, GenerationSettings(repetition_penalty=1.0), None, threading.Event(), 48)
     reply = out[0, ids.shape[1]:].tolist()
-    want, got = ref.forced_scores(ids, reply[:-1]), q4.forced_scores(ids, reply[:-1])
+    want, got = forced_scores(ref, ids, reply[:-1]), forced_scores(q4, ids, reply[:-1])
     rel = ((got - want).norm(dim=-1) / want.norm(dim=-1))
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     print(f"int4 vs bf16 on the GPU: relative L2 of scores max {rel.max().item():.4f} mean {rel.mean().item():.4f}, "
