@@ -415,10 +415,10 @@ def test_max_context_tokens_is_monotonic_in_the_budget_and_maximal(facts_7b: Mod
     assert max_context_tokens(facts_7b, 1 * GiB, 128) == 0  # the weights alone do not fit
 
 
-def test_quantized_kv_fits_at_least_two_and_a_half_times_the_context(facts_7b: ModelMemoryFacts) -> None:
+def test_int4_kv_fits_at_least_two_and_a_half_times_the_context(facts_7b: ModelMemoryFacts) -> None:
     budget = 8 * GiB - 256 * MiB
     dynamic = max_context_tokens(facts_7b, budget, 128)
-    quantized = max_context_tokens(facts_7b, budget, 128, "int8", prefill_chunk_tokens=2048)
+    quantized = max_context_tokens(facts_7b, budget, 128, "int4", prefill_chunk_tokens=2048)
     assert quantized >= 2.5 * dynamic
 
 
