@@ -110,7 +110,7 @@ def gradio_event(http: httpx.Client, session: str, fn: int, data: list[Any]) -> 
 def chat_inputs(message: str, max_new_tokens: int, history: list[Any] | None = None,
                 system_prompt: str = "") -> list[Any]:
     """The chat event's inputs in the order the page sends them (greedy, dynamic KV cache)."""
-    return [message, history or [], system_prompt, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "bf16", None]
+    return [message, history or [], system_prompt, max_new_tokens, 8, False, 0.7, 0.95, 50, 1.05, "bf16", "", None]
 
 
 def order_facts(events: list[Event], person: str) -> dict[str, Any]:

@@ -169,7 +169,9 @@ def test_logprobs_come_back_per_token_streamed_and_not(client: Any, api: dict[st
                                                                  reverse=True)
     _, chunks = _streamed(ask(client, api, max_tokens=8, logprobs=True, top_logprobs=3, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t.token, round(t.logprob, 4)) for t in content]
+    # two replies: the second reuses the first's prompt KV (prefix cache), so its logits come from another chunking
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(streamed, content, strict=True)) <= 2e-3
     with pytest.raises(openai.BadRequestError):
         ask(client, api, logprobs=True, top_logprobs=21)
 
