@@ -228,14 +228,8 @@ def test_the_interpreter_tests_pass_in_their_own_process() -> None:
         pytest.skip("Triton is not installed")
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("already the interpreter's process")
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.triton_interp import run_interpreted_tests
 
-    repo = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted",
-                          str(Path(__file__))], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    run = run_interpreted_tests(__file__)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]

@@ -6,6 +6,10 @@ test: dot operands in bf16 are widened to fp32 (exact), the cast rounds as torch
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,3 +47,13 @@ def exact_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(builder, "cast_impl", cast_impl)
     monkeypatch.setattr(builder, "create_fp_trunc", cast_impl)
     monkeypatch.setattr(builder, "create_dot", create_dot)
+
+
+def run_interpreted_tests(test_file: str) -> subprocess.CompletedProcess[str]:
+    """The tests of `test_file` whose names contain "interpreted", in a child pytest with TRITON_INTERPRET=1 (read
+    when Triton is imported, so the suite's own process cannot switch it on)."""
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted",
+                           str(Path(test_file))], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
