@@ -16,8 +16,10 @@ from ..errors import BusyError
 class _Ticket:
     """One request's place among a ReplySlots' waiting requests."""
 
-    def __init__(self, slots: ReplySlots, session_id: str, arrival: int, cancel: threading.Event | None) -> None:
+    def __init__(self, slots: ReplySlots, session_id: str, arrival: int, cancel: threading.Event | None,
+                 group: str | None = None) -> None:
         self.slots, self.session_id, self.arrival, self.cancel = slots, session_id, arrival, cancel
+        self.group = group  # replies of one group (the n choices of one API request) count as one request
         self.ready = False  # waiting for a slot (False while the request is still being tokenized)
         self.running = False
 
@@ -62,7 +64,10 @@ class ReplySlots:
     llm_core.security.person_of gives: a login, or an address without AUTH; more are refused at once with
     BusyError); `t.wait()` takes a slot when it is this request's turn: the waiting request of the person served
     least recently goes first, so a person who floods the engine, from any number of tabs or clients, delays
-    another by at most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped."""
+    another by at most one reply per slot. A set `cancel` event (Stop) ends the wait with ReplyStopped.
+    `slots.ticket(person, cancel, group)`: the tickets of one group are one request of the person (counted once
+    against the limit); once one of them runs, the others run beside it as slots free up, ahead of other waiting
+    requests, each in a slot of its own (so a group larger than the free slots never waits for itself)."""
 
     def __init__(self, n: int = 1, *, session_max_waiting: int = 1) -> None:
         self.n = int(n)
@@ -71,6 +76,8 @@ class ReplySlots:
         self._free = self.n
         self._exclusive_waiting = 0
         self._running: collections.Counter[str] = collections.Counter()  # running replies per session
+        self._running_groups: collections.Counter[tuple[str, str]] = collections.Counter()  # per (session, group)
+        self._held_requests: collections.Counter[tuple[str, object]] = collections.Counter()  # tickets per request
         self._waiting: list[_Ticket] = []
         self._last_start: dict[str, int] = {}  # session -> number of its latest start (sessions with tickets only)
         self._starts = itertools.count()
@@ -129,21 +136,27 @@ class ReplySlots:
             return sum(1 for t in self._waiting if session_id is None or t.session_id == session_id)
 
     @contextlib.contextmanager
-    def ticket(self, session_id: str, cancel: threading.Event | None = None) -> Iterator[_Ticket]:
+    def ticket(self, session_id: str, cancel: threading.Event | None = None, group: str | None = None
+               ) -> Iterator[_Ticket]:
         with self._cond:
-            held = self._running[session_id] + sum(1 for t in self._waiting if t.session_id == session_id)
-            if held >= 1 + self.session_max_waiting:
+            ticket = _Ticket(self, session_id, next(self._arrivals), cancel, group)
+            request = (session_id, group if group is not None else ticket)
+            held = sum(1 for key in self._held_requests if key[0] == session_id)
+            if not self._held_requests[request] and held >= 1 + self.session_max_waiting:
                 raise BusyError(
                     "This user already has a reply being written" + (
                         f" and {held - 1} waiting" if held > 1 else "") + " (the limit per user is "
                     f"{1 + self.session_max_waiting}, across tabs and API clients). Wait for it to finish or press "
                     "Stop, then send again.", retry_after_s=1)
-            ticket = _Ticket(self, session_id, next(self._arrivals), cancel)
+            self._held_requests[request] += 1
             self._waiting.append(ticket)
         try:
             yield ticket
         finally:
             with self._cond:
+                self._held_requests[request] -= 1
+                if self._held_requests[request] <= 0:
+                    del self._held_requests[request]
                 if ticket in self._waiting:
                     self._waiting.remove(ticket)
                 if ticket.running:
@@ -151,6 +164,10 @@ class ReplySlots:
                     self._running[session_id] -= 1
                     if self._running[session_id] <= 0:
                         del self._running[session_id]
+                    if group is not None:
+                        self._running_groups[(session_id, group)] -= 1
+                        if self._running_groups[(session_id, group)] <= 0:
+                            del self._running_groups[(session_id, group)]
                 if not self._running[session_id] and not any(t.session_id == session_id for t in self._waiting):
                     self._running.pop(session_id, None)
                     self._last_start.pop(session_id, None)
@@ -176,23 +193,33 @@ class ReplySlots:
             ticket.running = True
             self._free -= 1
             self._running[ticket.session_id] += 1
+            if ticket.group is not None:
+                self._running_groups[(ticket.session_id, ticket.group)] += 1
             self._last_start[ticket.session_id] = next(self._starts)
             self._cond.notify_all()
+
+    def _joins_running_group(self, t: _Ticket) -> bool:
+        """Whether `t` belongs to a group of which a reply runs, and everything its person runs is of that group."""
+        running = self._running_groups[(t.session_id, t.group)] if t.group is not None else 0
+        return running > 0 and running == self._running[t.session_id]
+
+    def _key(self, t: _Ticket) -> tuple[int, int]:
+        """Turn order: the person served least recently first; a running group's other replies before anyone."""
+        return (-2 if self._joins_running_group(t) else self._last_start.get(t.session_id, -1)), t.arrival
 
     def _ahead(self, ticket: _Ticket) -> int:
         """Requests that will take a slot before `ticket`: the replies running now count as one ahead per slot
         when all slots are busy, then waiting requests that go first."""
-        def key(t: _Ticket) -> tuple[int, int]:
-            return self._last_start.get(t.session_id, -1), t.arrival
-
-        mine = key(ticket)
-        before = sum(1 for t in self._waiting if t is not ticket and t.ready and key(t) < mine)
-        return before + (1 if self._free <= 0 or self._running[ticket.session_id] else 0)
+        mine = self._key(ticket)
+        before = sum(1 for t in self._waiting if t is not ticket and t.ready and self._key(t) < mine)
+        busy = self._running[ticket.session_id] and not self._joins_running_group(ticket)
+        return before + (1 if self._free <= 0 or busy else 0)
 
     def _is_next(self, ticket: _Ticket) -> bool:
         if self._free <= 0 or self._exclusive_waiting:
             return False
-        eligible = [t for t in self._waiting if t.ready and not self._running[t.session_id]]
+        eligible = [t for t in self._waiting if t.ready and (not self._running[t.session_id]
+                                                              or self._joins_running_group(t))]
         if not eligible:
             return False
-        return min(eligible, key=lambda t: (self._last_start.get(t.session_id, -1), t.arrival)) is ticket
+        return min(eligible, key=self._key) is ticket

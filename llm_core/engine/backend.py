@@ -32,11 +32,14 @@ class ChatBackend(Protocol):
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
-                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False) -> Iterator[ReplyUpdate]:
+                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
+                    render_prompt: Callable[[list[dict[str, str]]], Any] | None = None,
+                    group: str | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply (raw_prompt: continue `message` as plain text, no chat template); the last update has
         done=True and the reply's final numbers. `on_wait(ahead)` is told how many requests go first while this one
         waits for its turn (engines that queue). Stop names `request_id`; limits and fair turns count `person`
-        (llm_core.security.person_of), or `request_id` when unset."""
+        (llm_core.security.person_of), or `request_id` when unset. `render_prompt` (local engines) renders the
+        prompt instead of the chat template; replies of one `group` count as one request of the person."""
 
     def wait_estimate_s(self, ahead: int) -> float | None:
         """About how many seconds a request with `ahead` requests before it waits; None when unknown."""

@@ -58,6 +58,8 @@ from .startup import DecodeStartup, _cached_free_bytes
 
 log = logging.getLogger(__name__)
 
+# A request's own prompt rendering: the message list history fitting built -> {"input_ids", "attention_mask"}.
+RenderPrompt = Callable[[list[dict[str, str]]], Any]
 # How long the caller waits for the worker to wind down after a stop or an error.
 _JOIN_TIMEOUT_S = 30.0
 
@@ -344,25 +346,31 @@ class ChatEngine(DecodeStartup):
         """The chat template applied and tokenized, as a reply's prompt is (input_ids, attention_mask)."""
         return self._encode(messages)
 
-    def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None, raw: bool = False) -> Any:
-        """The chat template applied and tokenized. `memo` is one request's: fitting the history counts the same
-        lists that the prompt is then encoded from (one tokenization each, not two). Nothing outlives the request,
-        so a refused prompt's encoding is never kept."""
+    def _encode(self, messages: list[dict[str, str]], memo: dict[Any, Any] | None = None, raw: bool = False,
+                render: RenderPrompt | None = None) -> Any:
+        """The chat template applied and tokenized (`render`: the request's own rendering of these messages).
+        `memo` is one request's: fitting the history counts the same lists that the prompt is then encoded from (one
+        tokenization each, not two). Nothing outlives the request, so a refused prompt's encoding is never kept."""
         key = (raw, *((m["role"], m["content"]) for m in messages))
         encoded = memo.get(key) if memo is not None else None
         if encoded is None:
             with self._tokenizer_lock:  # concurrent requests share one tokenizer (not thread-safe)
-                encoded = self.loaded.tokenizer(messages[-1]["content"], return_tensors="pt") if raw else (
-                    self.loaded.tokenizer.apply_chat_template(
-                        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"))
+                if render is not None:
+                    encoded = render(messages)
+                elif raw:
+                    encoded = self.loaded.tokenizer(messages[-1]["content"], return_tensors="pt")
+                else:
+                    encoded = self.loaded.tokenizer.apply_chat_template(
+                        messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
             if memo is not None:
                 memo[key] = encoded
         return encoded
 
     def prepare(self, message: str, turns: list[Turn], *, gen: GenerationSettings, history_turns: int,
-                system_prompt: str | None, raw_prompt: bool = False) -> PreparedPrompt:
+                system_prompt: str | None, raw_prompt: bool = False,
+                render_prompt: RenderPrompt | None = None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget (raw_prompt: the
-        message as text to continue, no chat template, no history)."""
+        message as text to continue, no chat template, no history; render_prompt: see stream_chat)."""
         kv = self.kv_cache if gen.kv_cache == "auto" else gen.kv_cache
         fast = self._fast_serves(kv)
         measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
@@ -376,7 +384,7 @@ class ChatEngine(DecodeStartup):
         memo: dict[Any, Any] = {}
 
         def count(messages: list[dict[str, str]]) -> int:
-            return int(self._encode(messages, memo, raw_prompt)["input_ids"].shape[-1])
+            return int(self._encode(messages, memo, raw_prompt, render_prompt)["input_ids"].shape[-1])
 
         step = self.settings.chat.history_trim_step
         steps = {"turn_step": max(1, round(history_turns * step)), "token_step": int(budget_tokens * step)}
@@ -403,7 +411,7 @@ class ChatEngine(DecodeStartup):
         if plan.trims_prompt:
             fitted = fit_history(system_prompt, turns, message, max_turns=history_turns,
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
-        encoded = self._encode(fitted.messages, memo, raw_prompt)
+        encoded = self._encode(fitted.messages, memo, raw_prompt, render_prompt)
         device = self.loaded.device
         switched = "" if fast or self.backend.name not in ("fast", "fast-batched") else (
             f"KV cache {kv} asked for this reply: the plain path serves it, not the fast path (whose cache is "
@@ -447,11 +455,15 @@ class ChatEngine(DecodeStartup):
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
-                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False) -> Iterator[ReplyUpdate]:
+                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
+                    render_prompt: RenderPrompt | None = None, group: str | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply to `message` after `history` (raw_prompt: a continuation of `message` as plain text, no
         chat template, system prompt or history). Yields ReplyUpdate; the last one has done=True.
         `request_id` is what Stop names (a browser session); `person` is whom admission and fair turns count the
-        request for (llm_core.security.person_of; unset: the request_id).
+        request for (llm_core.security.person_of; unset: the request_id). `render_prompt` replaces the chat template
+        for this request: it gets each message list the history fitting tries (system prompt, kept turns, newest
+        message) and returns its encoding (input_ids, attention_mask), e.g. with tools. Replies of one `group` (the
+        n choices of one API request) count as one request of the person and may run at once.
 
         Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
         of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn
@@ -473,11 +485,11 @@ class ChatEngine(DecodeStartup):
         with self._stops_lock:
             self._stops.setdefault(request_id, []).append(stop_event)
         try:
-            with self._lock.ticket(person or request_id, stop_event) as ticket:  # refused when the person is full
+            with self._lock.ticket(person or request_id, stop_event, group) as ticket:  # refused: the person is full
                 try:
                     prepared = self.prepare(text, [] if raw_prompt else history, gen=gen, raw_prompt=raw_prompt,
                                             history_turns=history_turns, system_prompt=None if raw_prompt else
-                                            system_prompt)
+                                            system_prompt, render_prompt=render_prompt)
                 except Exception as exc:  # OOM while tokenizing/planning: same recovery as in the worker
                     if not is_oom_error(exc):
                         raise

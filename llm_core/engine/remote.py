@@ -153,10 +153,13 @@ class RemoteEngine:
     def stream_chat(self, message: Any, history: list[Turn], *, gen: GenerationSettings | None = None,
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
-                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False) -> Iterator[ReplyUpdate]:
+                    on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
+                    render_prompt: Callable[[list[dict[str, str]]], Any] | None = None,
+                    group: str | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply from the server. History is cut to `history_turns` whole turns here; the token budget is
-        the engine's (a prompt it cannot fit comes back as ContextBudgetError with its message)."""
-        if raw_prompt or (gen is not None and gen.control is not None):
+        the engine's (a prompt it cannot fit comes back as ContextBudgetError with its message). One reply per
+        person at a time, `group` or not."""
+        if raw_prompt or render_prompt is not None or (gen is not None and gen.control is not None):
             raise InputError("Text completions, structured output, logprobs and presence/frequency penalties run on "
                              "a local engine only, not on a remote one.")
         start_s = time.perf_counter()  # request received: the clock TTFT and end-to-end are measured from

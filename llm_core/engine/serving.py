@@ -136,7 +136,8 @@ class RowKV:
     def __init__(self) -> None:
         self.nbytes: int | None = None
         # Filled by the batched fast path on CUDA, where replies overlap and no reply may reset the device's peak:
-        # the batch's allocation peak during this reply, and the rows decoding at that moment.
+        # the batch's allocation peak during this reply, and the rows decoding at that moment (the eager batch
+        # fills peak_batch_rows alone: the most rows of a decode step this reply was in).
         self.peak_allocated_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
         self.peak_batch_rows: int | None = None
@@ -499,6 +500,10 @@ class BatchScheduler(TokenStreams):
         self.stats.decode_steps += 1
         self.stats.rows_decoded += len(rows)
         self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, len(rows))
+        for row in rows:  # each reply's most rows decoded beside it: whether replies really shared steps
+            record = row.request.kv_record
+            if record is not None:
+                record.peak_batch_rows = max(record.peak_batch_rows or 0, len(rows))
         keep: list[int] = []
         for i, row in enumerate(rows):
             row.length += 1
