@@ -19,8 +19,9 @@ from transformers import LogitsProcessor
 
 from .errors import GenerationError, InputError
 
-# Compact JSON: with flexible whitespace a small model can spend its whole reply on indentation tokens.
-_JSON_DEFAULTS: Any = {"whitespace_flexible": False}
+# Fixed whitespace: with flexible whitespace a small model can spend its whole reply on indentation tokens. One space
+# after ':' and ',' (json.dumps' layout): the reply's text streams at spaces, so compact JSON came in one piece.
+_JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # Wrap-up: in the last quarter of the reply's token budget (at least this many tokens) the mask keeps, of the allowed
 # tokens, those that close a value first, so a model looping inside a string or a number still ends valid JSON.

@@ -73,7 +73,7 @@ def test_the_mask_allows_only_tokens_that_continue_the_schema(fp32_engine: ChatE
     allowed = constraint.allowed()
     assert allowed.shape == (grammar.vocab_size,)
     for token in torch.nonzero(allowed).flatten().tolist()[:200]:
-        assert '{"color":"'.startswith(tokenizer.decode([token])), tokenizer.decode([token])
+        assert '{"color": "'.startswith(tokenizer.decode([token])), tokenizer.decode([token])
     scores = torch.zeros(1, grammar.vocab_size)
     constraint.mask_(scores)
     assert torch.equal(torch.isfinite(scores[0]), allowed)

@@ -14,7 +14,7 @@ import torch
 from llm_core.constraints import OutputSpec, RowControl
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import InputError
-from llm_core.web.openai_tools import parse_tool_calls
+from llm_core.web.openai_calls import parse_tool_calls
 from tests import test_openai_api as served
 from tests.conftest import make_settings
 from tests.test_openai_api import KEY, ask
@@ -98,14 +98,19 @@ def test_forced_tool_call_round_trip_call_tool_message_answer(client: Any, api: 
 
 
 def test_streamed_tool_call_arrives_as_deltas_equal_to_the_whole_reply(client: Any, api: dict[str, Any]) -> None:
+    """As OpenAI streams calls: the name (with id and type) in the first delta, then the arguments in pieces as they
+    are generated; accumulated, the call of the same reply not streamed; no call markup in content."""
     whole = ask(client, api, messages=WEATHER_Q, max_tokens=40, tools=[WEATHER], tool_choice="required")
-    _, chunks = _streamed(ask(client, api, messages=WEATHER_Q, max_tokens=40, tools=[WEATHER], tool_choice="required",
-                              stream=True))
-    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls]
-    assert len(deltas) == 1 and deltas[0][0].index == 0
-    assert deltas[0][0].function.name == whole.choices[0].message.tool_calls[0].function.name
-    assert deltas[0][0].function.arguments == whole.choices[0].message.tool_calls[0].function.arguments
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    texts, chunks = _streamed(ask(client, api, messages=WEATHER_Q, max_tokens=40, tools=[WEATHER],
+                                  tool_choice="required", stream=True))
+    deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls for d in c.choices[0].delta.tool_calls]
+    first, rest = deltas[0], deltas[1:]
+    assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == whole.choices[0].message.tool_calls[0].function.name
+    assert len(rest) >= 2 and all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    streamed_args = "".join(d.function.arguments or "" for d in deltas)
+    assert streamed_args == whole.choices[0].message.tool_calls[0].function.arguments
+    assert texts[0] == "" and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_tool_calls_are_parsed_from_each_template_familys_format() -> None:
@@ -123,7 +128,7 @@ def test_tool_calls_are_parsed_from_each_template_familys_format() -> None:
 
 
 def test_tools_on_a_template_without_a_tool_format_are_a_clear_400(api: dict[str, Any]) -> None:
-    from llm_core.web.openai_jobs import tool_messages
+    from llm_core.web.openai_jobs import tool_use
 
     class Req:
         messages = WEATHER_Q
@@ -136,7 +141,7 @@ def test_tools_on_a_template_without_a_tool_format_are_a_clear_400(api: dict[str
                 chat_template = "{% for m in messages %}[INST] {{ m.content }} [/INST]{% endfor %}"
 
     with pytest.raises(InputError, match="ChatML"):
-        tool_messages(Engine(), Req())  # type: ignore[arg-type]
+        tool_use(Engine(), Req())  # type: ignore[arg-type]
 
 
 # --- n, logprobs, penalties -----------------------------------------------------------------------------------

@@ -10,25 +10,23 @@ caller supplies (app.py: the one place where library errors are translated).
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import hmac
-import json
 import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from ..config import HISTORY_TURNS_RANGE, Settings, parse_auth
+from ..config import Settings, parse_auth
 from ..constraints import OutputSpec
 from ..engine.backend import ChatBackend
 from ..engine.chat import ReplyUpdate
@@ -41,25 +39,25 @@ from .openai_jobs import (
     CompletionRequest,
     Job,
     Plan,
+    Prompt,
+    SamplingRequest,
+    ToolUse,
     base_options,
-    chat_choice,
     chat_spec,
     make_jobs,
-    text_choice,
-    tool_messages,
+    tool_use,
     usage,
     with_tool_prompt,
 )
-from .openai_tools import chat_logprobs, completion_logprobs
+from .openai_reply import Reply, Rows, StopScanner, error_body, row_width
+from .openai_tools import OpenedPrompt, flatten_tool_messages, native_prompt
 
 # (HTTP status, OpenAI error type, OpenAI error code) for a library error.
 ErrorInfo = tuple[int, str, str | None]
 DescribeError = Callable[[LLMCoreError], ErrorInfo]
 GetEngine = Callable[[], ChatBackend]
 
-FINISH_REASONS = {"eos": "stop", "length": "length", "stopped": "stop"}  # ReplyStats.finish_reason -> OpenAI's
 MAX_STOP_SEQUENCES = 4  # as OpenAI's API
-MAX_CHOICES = 4  # n: each choice is a reply of its own, run one after another
 
 
 def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> str:
@@ -76,29 +74,15 @@ def served_model_id(settings: Settings, engine: ChatBackend | None = None) -> st
     return settings.model.model_id or EMBEDDED_NAME
 
 
-class ChatCompletionRequest(BaseModel):
-    """The request body of POST /v1/chat/completions. Fields outside OpenAI's API (and our two extensions) are
-    refused; OpenAI fields this server cannot honour are accepted only at their neutral values."""
+class ChatCompletionRequest(SamplingRequest):
+    """The request body of POST /v1/chat/completions. OpenAI fields this server cannot honour are accepted only at
+    their neutral values."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a 64-bit seed, as OpenAI's API
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int | None = None
-    user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    logit_bias: dict[str, float] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
@@ -106,18 +90,14 @@ class ChatCompletionRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
-    # Extensions, as vLLM and llama.cpp's server accept them.
-    top_k: int | None = None
-    repetition_penalty: float | None = None
 
     def unsupported(self) -> str | None:
         """What this server cannot do of what the request asks, in words; None if it can do all of it."""
-        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
-            return f"n must be 1 to {MAX_CHOICES}: each choice is a reply of its own."
+        shared = self.shared_unsupported()
+        if shared:
+            return shared
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true."
-        if self.logit_bias:
-            return "logit_bias is not supported by this server."
         kind = (self.response_format or {}).get("type", "text")
         if kind not in ("text", "json_object", "json_schema"):
             return "response_format.type must be text, json_object or json_schema."
@@ -138,11 +118,6 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.code, self.param)
-
-
-def error_body(message: str, type_: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -170,23 +145,6 @@ def split_messages(messages: list[dict[str, Any]]) -> Conversation:
     if not rest or rest[-1]["role"] != "user":
         raise InputError("The last message must come from the user.")
     return Conversation("\n\n".join(s for s in system if s.strip()), rest[:-1], content_to_text(rest[-1]["content"]))
-
-
-class StopScanner:
-    """Cuts streamed text at the first stop sequence; holds back the tail that could still become one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-
-    def cut(self, text: str) -> int | None:
-        """Index where the first stop sequence starts in `text`, or None."""
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def safe_length(self, text: str) -> int:
-        """How much of `text` may be sent now: nothing that could be the start of a stop sequence."""
-        return max(0, len(text) - self.hold) if self.stops else len(text)
 
 
 class OpenAIServer:
@@ -312,29 +270,42 @@ class OpenAIServer:
     def plan_chat(self, req: ChatCompletionRequest) -> tuple[ChatBackend, str, Plan]:
         """The request's replies, validated against the engine (runs in a worker thread)."""
         engine, model_id = self._engine_for(req)
-        messages, functions, forced = tool_messages(engine, req)
-        conversation = split_messages(messages)
-        chat = self.settings.chat
-        check_history_size(conversation.history, max_messages=chat.max_history_messages,
-                           max_chars=chat.max_history_chars)
-        turns = turns_from_messages(conversation.history)
-        system = conversation.system_prompt
-        if functions:
-            system = with_tool_prompt(system, chat.system_prompt, functions, forced is not None)
+        tools = tool_use(engine, req)
         options = base_options(req, req.max_completion_tokens if req.max_completion_tokens is not None
                                else req.max_tokens)
-        jobs = make_jobs(engine, req, chat_spec(req, forced), options, [(conversation.message, turns, system)],
-                         raw=False)
-        return engine, model_id, self._plan(engine, jobs, [f["name"] for f in functions], forced is not None,
-                                            bool(req.logprobs))
+        jobs = make_jobs(engine, req, chat_spec(req, tools.forced_schema if tools else None), options,
+                         [self._chat_prompt(engine, req, tools)], raw=False)
+        plan = self._plan(engine, jobs, [f["name"] for f in tools.functions] if tools else [],
+                          tools is not None and tools.forced_schema is not None, bool(req.logprobs))
+        if tools is not None:
+            plan.call_format = tools.format
+        return engine, model_id, plan
+
+    def _chat_prompt(self, engine: ChatBackend, req: ChatCompletionRequest, tools: ToolUse | None) -> Prompt:
+        """(newest message, earlier turns, system prompt, rendering) of a chat request."""
+        chat = self.settings.chat
+        tokenizer = getattr(getattr(engine, "loaded", None), "tokenizer", None)
+        if tools is not None and tools.native:  # the model's own template renders tools and tool turns
+            native = native_prompt(tokenizer, req.messages, tools.tools, tools.opener)
+            check_history_size([m for ex in native.exchanges for m in ex] + list(native.tail[1:]),
+                               max_messages=chat.max_history_messages, max_chars=chat.max_history_chars)
+            return native.message, native.turns, native.system_prompt, native
+        conversation = split_messages(flatten_tool_messages(req.messages) if tools else req.messages)
+        check_history_size(conversation.history, max_messages=chat.max_history_messages,
+                           max_chars=chat.max_history_chars)
+        system = conversation.system_prompt
+        if tools is not None and tools.functions:
+            system = with_tool_prompt(system, chat.system_prompt, tools.functions, tools.forced_schema is not None)
+        render = OpenedPrompt(tokenizer, tools.opener) if tools is not None and tools.opener else None
+        return conversation.message, turns_from_messages(conversation.history), system, render
 
     def plan_completion(self, req: CompletionRequest) -> tuple[ChatBackend, str, Plan]:
         engine, model_id = self._engine_for(req)
         spec = OutputSpec(presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                           top_logprobs=req.logprobs)
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
-        jobs = make_jobs(engine, req, spec, base_options(req, req.max_tokens), [(p, [], None) for p in prompts],
-                         raw=True)
+        jobs = make_jobs(engine, req, spec, base_options(req, req.max_tokens),
+                         [(p, [], None, None) for p in prompts], raw=True)
         return engine, model_id, self._plan(engine, jobs, [], False, req.logprobs is not None)
 
     @staticmethod
@@ -342,16 +313,6 @@ class OpenAIServer:
         loaded = getattr(engine, "loaded", None)
         return Plan(jobs, names, forced, logprobs, getattr(loaded, "tokenizer", None),
                     frozenset(getattr(loaded, "eos_token_ids", ()) or ()))
-
-    def begin(self, engine: ChatBackend, job: Job, session: str, person: str
-              ) -> tuple[Iterator[ReplyUpdate], ReplyUpdate]:
-        """Start one reply and wait for its first update (in a worker thread: errors before the first token still
-        get their own HTTP status). `session` names the request for Stop; `person` is whom admission counts."""
-        # The client sends what it wants in context: keep every turn the budget allows (dropped ones are noted).
-        stream = engine.stream_chat(job.message, job.turns, gen=job.gen, history_turns=HISTORY_TURNS_RANGE[1],
-                                    system_prompt=job.system_prompt, request_id=session, person=person,
-                                    raw_prompt=job.raw)
-        return stream, next(stream)
 
 
 def _usage(update: ReplyUpdate) -> dict[str, Any]:
@@ -432,16 +393,21 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
             session = f"openai-api:{uuid.uuid4().hex}"
             engine, model_id, plan = await run_in_threadpool(server.plan_completion if text else server.plan_chat,
                                                              req)
-            stream, first = await run_in_threadpool(server.begin, engine, plan.jobs[0], session, person)
+            rows = Rows(engine, plan.jobs, session, person, row_width(engine, len(plan.jobs)))
+            try:
+                first = await run_in_threadpool(rows.get)  # errors before the first token get their own status
+            except BaseException:
+                rows.cancel()
+                raise
             stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
-            reply = _Reply(server, engine, plan, stops, session, person, model_id, text,
-                           f"{'cmpl' if text else 'chatcmpl'}-{first.stats.reply_id}", int(time.time()))
+            reply = Reply(rows, plan, stops, describe_error, model_id, text,
+                          f"{'cmpl' if text else 'chatcmpl'}-{first[1].stats.reply_id}", int(time.time()))
             if req.stream:
                 include_usage = bool((req.stream_options or {}).get("include_usage"))
                 left = True  # the stream leaves when it ends
-                return StreamingResponse(reply.events(stream, first, include_usage), media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache"})
-            return JSONResponse(await run_in_threadpool(reply.whole, stream, first))
+                return StreamingResponse(reply.events(first, include_usage, lambda: server.leave(person)),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return JSONResponse(await run_in_threadpool(reply.whole, first))
         finally:
             if not left:
                 server.leave(person)
@@ -455,154 +421,3 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
         return await serve(request, text=True)
 
     return api
-
-
-def _final_text(final: ReplyUpdate, stops: StopScanner) -> tuple[str, str]:
-    cut = stops.cut(final.text)
-    if cut is not None:
-        return final.text[:cut], "stop"
-    return final.text, FINISH_REASONS.get(final.stats.finish_reason, "stop")
-
-
-def _drain(engine: ChatBackend, stream: Iterator[ReplyUpdate], update: ReplyUpdate, stops: StopScanner,
-           session: str) -> ReplyUpdate:
-    """Run the reply to its end (stopping the engine at a stop sequence); the final update."""
-    stopped = False
-    try:
-        while not update.done:
-            if not stopped and stops.cut(update.text) is not None:
-                engine.stop(session)  # halts the decode loop; the engine still yields its final numbers
-                stopped = True
-            update = next(stream)
-        return update
-    finally:
-        _close(stream)  # runs the engine's clean-up now: the session is free for its next request
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-@dataclass
-class _Reply:
-    """One request's choices, run one after another, as a whole response or as server-sent events."""
-
-    server: OpenAIServer
-    engine: ChatBackend
-    plan: Plan
-    stops: StopScanner
-    session: str
-    person: str
-    model_id: str
-    text: bool  # /v1/completions (else chat)
-    id: str
-    created: int
-
-    def _choice(self, job: Job, final: ReplyUpdate) -> dict[str, Any]:
-        text, reason = _final_text(final, self.stops)
-        build = text_choice if self.text else chat_choice
-        return build(self.plan, job, text, reason)
-
-    def whole(self, stream: Iterator[ReplyUpdate], first: ReplyUpdate) -> dict[str, Any]:
-        choices, finals = [], []
-        for i, job in enumerate(self.plan.jobs):
-            if i:
-                stream, first = self.server.begin(self.engine, job, self.session, self.person)
-            final = _drain(self.engine, stream, first, self.stops, self.session)
-            choice = self._choice(job, final)
-            if len(self.plan.jobs) > 1:
-                choice["stats"] = _stats_field(final.stats)
-            choices.append(choice)
-            finals.append(final)
-        return {"id": self.id, "object": "text_completion" if self.text else "chat.completion",
-                "created": self.created, "model": self.model_id, "choices": choices, "usage": usage(finals),
-                "stats": _stats_field(finals[0].stats)}
-
-    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None,
-               **extra: Any) -> bytes:
-        if self.text:
-            choice: dict[str, Any] = {"index": index, "text": delta.get("content", ""), "finish_reason": finish,
-                                      "logprobs": logprobs}
-        else:
-            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return _sse({"id": self.id, "object": "text_completion" if self.text else "chat.completion.chunk",
-                     "created": self.created, "model": self.model_id, "choices": [choice], **extra})
-
-    def _logprobs(self, job: Job, sent: int) -> tuple[Any, int]:
-        """The logprobs of the tokens made since `sent`, for the next chunk."""
-        if not self.plan.logprobs or job.control is None:
-            return None, sent
-        entries = job.control.logprobs[sent:]
-        build = completion_logprobs if self.text else chat_logprobs
-        return build(entries, self.plan.tokenizer, self.plan.eos_ids), sent + len(entries)
-
-    async def events(self, stream: Iterator[ReplyUpdate], first: ReplyUpdate, include_usage: bool
-                     ) -> AsyncIterator[bytes]:
-        """Server-sent events in OpenAI's chunk format, choice after choice; each choice's last chunk carries its
-        finish_reason and `stats`. With tools, a choice's text is held to its end, then sent as content or as
-        tool_calls deltas."""
-        finals: list[ReplyUpdate] = []
-        current = stream
-        try:
-            for i, job in enumerate(self.plan.jobs):
-                if i:
-                    current, first = await run_in_threadpool(self.server.begin, self.engine, job, self.session,
-                                                             self.person)
-                async for item in self._one(job, current, first):
-                    if isinstance(item, ReplyUpdate):
-                        finals.append(item)
-                    else:
-                        yield item
-                await run_in_threadpool(_close, current)
-            if include_usage:
-                yield _sse({"id": self.id, "object": "text_completion" if self.text else "chat.completion.chunk",
-                            "created": self.created, "model": self.model_id, "choices": [], "usage": usage(finals)})
-            yield b"data: [DONE]\n\n"
-        except LLMCoreError as exc:  # after the first token the status is sent: the error travels as an event
-            status, type_, code = self.server.describe_error(exc)
-            yield _sse(error_body(str(exc), type_, code) | {"status": status})
-        finally:
-            # Client gone, error or done: closing the generator halts this request's decode loop and releases its
-            # slot (the engine's own clean-up, which waits for its worker: off the event loop).
-            asyncio.get_running_loop().run_in_executor(None, _close, current)
-            self.server.leave(self.person)
-
-    async def _one(self, job: Job, stream: Iterator[ReplyUpdate], update: ReplyUpdate
-                   ) -> AsyncIterator[bytes | ReplyUpdate]:
-        """One choice's chunks, then its final update."""
-        hold = bool(self.plan.tool_names)
-        if not self.text:
-            yield self._chunk(job.index, {"role": "assistant", "content": ""})
-        sent = logged = 0
-        cut: int | None = None
-        while True:
-            if cut is None:
-                cut = self.stops.cut(update.text)
-                if cut is not None:
-                    self.engine.stop(self.session)
-            end = cut if cut is not None else (len(update.text) if update.done else
-                                               self.stops.safe_length(update.text))
-            if end > sent and not hold:
-                logprobs, logged = self._logprobs(job, logged)
-                yield self._chunk(job.index, {"content": update.text[sent:end]}, logprobs=logprobs)
-                sent = end
-            if update.done:
-                break
-            update = await run_in_threadpool(next, stream)
-        reason = "stop" if cut is not None else FINISH_REASONS.get(update.stats.finish_reason, "stop")
-        if hold:
-            choice = self._choice(job, update)
-            message, reason = choice["message"], choice["finish_reason"]
-            calls = [{"index": k, **call} for k, call in enumerate(message.get("tool_calls") or [])]
-            logprobs, logged = self._logprobs(job, logged)
-            yield self._chunk(job.index, {"tool_calls": calls} if calls else {"content": message["content"]},
-                              logprobs=logprobs)
-        yield self._chunk(job.index, {}, reason, stats=_stats_field(update.stats))
-        yield update
-
-
-def _close(stream: Iterator[ReplyUpdate]) -> None:
-    close = getattr(stream, "close", None)
-    if close is not None:
-        close()
-

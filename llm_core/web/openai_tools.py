@@ -1,25 +1,25 @@
-"""Tool calls and logprobs for the /v1 API, in OpenAI's shapes. No FastAPI here: plain data in, plain data out.
+"""Tools and logprobs for the /v1 API, in OpenAI's shapes. No FastAPI here: plain data in, plain data out.
 
-Tools reach the model as a Hermes-style system prompt (`<tools>...</tools>`; replies `<tool_call>{"name": ...,
-"arguments": ...}</tool_call>`) on ChatML templates, the format Hermes and Qwen models are trained on; `tool` messages
-go back as `<tool_response>` user turns, so history trimming sees ordinary turns. Replies are parsed for the call
-formats of the three template families that define one: Hermes/Qwen `<tool_call>` JSON, Llama 3.1 JSON
-(`{"name": ..., "parameters": ...}`), Mistral `[TOOL_CALLS] [...]`.
+Two ways to the model. A chat template that renders tools itself (its Jinja source uses `tools`: Qwen, Hermes, Llama
+3.1, Mistral) gets them through `apply_chat_template(messages, tools=...)`, with assistant `tool_calls` and `tool`
+results in the shape transformers' templates take (`NativePrompt`). A ChatML template without a tools section (the
+embedded model's) gets a Hermes-style system prompt (`<tools>...</tools>`; replies `<tool_call>{"name": ...,
+"arguments": ...}</tool_call>`), and `tool` messages go back as `<tool_response>` user turns. Any other template
+without tools is refused. Calls are read from replies by llm_core.web.openai_calls.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InputError
-from ..history import content_to_text
+from ..history import Turn, content_to_text, scrub
+from .openai_calls import CallFormat
 
 MAX_TOOLS = 64
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
 def check_tools(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any]]:
@@ -48,17 +48,20 @@ def check_tools(tools: list[Any] | None, tool_choice: Any) -> list[dict[str, Any
     return functions
 
 
-def forced_call_schema(functions: list[dict[str, Any]], tool_choice: Any) -> dict[str, Any] | None:
-    """With tool_choice "required" or a named function: the JSON schema of the one call the reply must be."""
+def forced_call_schema(functions: list[dict[str, Any]], tool_choice: Any, fmt: CallFormat
+                       ) -> dict[str, Any] | None:
+    """With tool_choice "required" or a named function: the JSON schema of the one call the reply must be, in the
+    format's shape (its arguments key; Mistral: an array of one call)."""
     if tool_choice == "required":
         chosen = functions
     elif isinstance(tool_choice, dict):
         chosen = [f for f in functions if f["name"] == tool_choice["function"]["name"]]
     else:
         return None
-    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in chosen]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+    options = [{"type": "object", "properties": {"name": {"const": f["name"]}, fmt.args_key: f["parameters"]},
+                "required": ["name", fmt.args_key], "additionalProperties": False} for f in chosen]
+    call = options[0] if len(options) == 1 else {"anyOf": options}
+    return {"type": "array", "items": call, "minItems": 1, "maxItems": 1} if fmt.array else call
 
 
 def tool_system_prompt(functions: list[dict[str, Any]], forced: bool) -> str:
@@ -78,25 +81,34 @@ def supports_tool_prompt(chat_template: Any) -> bool:
     return isinstance(chat_template, str) and "<|im_start|>" in chat_template
 
 
+def _assistant_calls(i: int, msg: dict[str, Any]) -> list[tuple[Any, Any, dict[str, Any]]]:
+    """(id, name, arguments as a dict) of each call of assistant message `i`."""
+    if not isinstance(msg["tool_calls"], list):
+        raise InputError(f"messages[{i}].tool_calls must be a list of tool calls.")
+    calls = []
+    for call in msg["tool_calls"]:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict):
+            raise InputError(f"messages[{i}].tool_calls: each call needs a function with name and arguments.")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            args = None
+        if not isinstance(args, dict):
+            raise InputError(f"messages[{i}].tool_calls: arguments must be a JSON object as a string.")
+        calls.append((call.get("id"), fn.get("name"), args))
+    return calls
+
+
 def flatten_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Assistant tool calls -> `<tool_call>` text; `tool` results -> one `<tool_response>` user turn per run of them."""
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role == "assistant" and msg.get("tool_calls"):
-            if not isinstance(msg["tool_calls"], list):
-                raise InputError(f"messages[{i}].tool_calls must be a list of tool calls.")
             parts = [content_to_text(msg.get("content"))] if msg.get("content") else []
-            for call in msg["tool_calls"]:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict):
-                    raise InputError(f"messages[{i}].tool_calls: each call needs a function with name and arguments.")
-                try:
-                    args = json.loads(fn.get("arguments") or "{}")
-                except (TypeError, ValueError):
-                    raise InputError(f"messages[{i}].tool_calls: arguments must be a JSON string.") from None
-                parts.append("<tool_call>\n" + json.dumps({"name": fn.get("name"), "arguments": args},
-                                                          ensure_ascii=False) + "\n</tool_call>")
+            parts += ["<tool_call>\n" + json.dumps({"name": name, "arguments": args}, ensure_ascii=False) +
+                      "\n</tool_call>" for _id, name, args in _assistant_calls(i, msg)]
             out.append({"role": "assistant", "content": "\n".join(parts)})
         elif role == "tool":
             text = f"<tool_response>\n{content_to_text(msg.get('content'))}\n</tool_response>"
@@ -109,49 +121,112 @@ def flatten_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]
     return [{k: v for k, v in m.items() if k != "tool_results"} if isinstance(m, dict) else m for m in out]
 
 
-def parse_tool_calls(text: str, names: Sequence[str], forced: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content left, OpenAI tool_calls) from a reply; no calls: (text, []). `forced`: the reply is the call's JSON."""
-    calls: list[tuple[str, Any]] = []
-    content: str | None = text
-    stripped = text.strip()
-    if forced:
-        calls = _calls_from_json(stripped)
-        content = None
-    elif "<tool_call>" in text:  # Hermes / Qwen
-        for body in _HERMES_CALL.findall(text):
-            calls += _calls_from_json(body)
-        content = text[:text.index("<tool_call>")].strip() or None
-    elif stripped.startswith("[TOOL_CALLS]"):  # Mistral
-        calls = _calls_from_json(stripped[len("[TOOL_CALLS]"):])
-        content = None
-    elif stripped.startswith(("{", "<|python_tag|>")):  # Llama 3.1: the whole reply is the call
-        calls = _calls_from_json(stripped.removeprefix("<|python_tag|>"))
-        content = None if calls else text
-    known = [(n, a) for n, a in calls if n in names]
-    if not known:
-        return text, []
-    return content, [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
-                     for name, args in known]
+def native_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages in the shape transformers' chat templates take: developer -> system, text content, assistant
+    `tool_calls` as [{"id", "type": "function", "function": {"name", "arguments": dict}}], `tool` results with
+    `tool_call_id` and the called function's `name` (Llama's and Mistral's templates use them)."""
+    out: list[dict[str, Any]] = []
+    called: dict[Any, Any] = {}  # call id -> function name
+    for i, msg in enumerate(messages):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise InputError(f"messages[{i}] has role {role!r}; this server takes system, developer, user, "
+                             "assistant and tool messages.")
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": scrub(content_to_text(msg.get("content")))}
+        if role == "assistant" and msg.get("tool_calls"):
+            entry["tool_calls"] = []
+            for call_id, name, args in _assistant_calls(i, msg):
+                called[call_id] = name
+                entry["tool_calls"].append({"id": call_id, "type": "function",
+                                            "function": {"name": name, "arguments": args}})
+        elif role == "tool":
+            call_id = msg.get("tool_call_id")
+            entry.update(tool_call_id=call_id, name=called.get(call_id) or msg.get("name") or "")
+        out.append(entry)
+    return out
 
 
-def _calls_from_json(text: str) -> list[tuple[str, Any]]:
+@dataclass(frozen=True)
+class NativePrompt:
+    """A conversation for a template that renders tools itself, split the way the engine trims: the system prompt,
+    whole exchanges (a user message and all that answered it: calls, results, replies) as `turns`, and the newest
+    user message with what followed it (calls and results still being answered). As a RenderPrompt for the engine,
+    it renders the exchanges the engine kept, natively."""
+
+    tokenizer: Any
+    tools: list[dict[str, Any]] | None  # OpenAI tool objects, as apply_chat_template takes them
+    system_prompt: str
+    exchanges: tuple[tuple[dict[str, Any], ...], ...]
+    tail: tuple[dict[str, Any], ...]  # starts with the newest user message
+    opener: str = ""  # put after the generation prompt (a forced call's opening)
+
+    @property
+    def turns(self) -> list[Turn]:
+        """One Turn per exchange (its user text, the rest as text): what the engine counts and trims."""
+        return [Turn(ex[0]["content"] if ex[0]["role"] == "user" else "",
+                     "\n".join(_message_text(m) for m in ex[1:] if m["role"] != "user")) for ex in self.exchanges]
+
+    @property
+    def message(self) -> str:
+        return str(self.tail[0]["content"])
+
+    def __call__(self, messages: list[dict[str, str]]) -> Any:
+        """The engine's message list (system prompt, one user/assistant pair per kept turn, newest message) ->
+        the encoded prompt: the same system prompt and the newest exchanges, rendered by the model's template."""
+        kept = sum(1 for m in messages if m["role"] == "assistant")
+        system = [{"role": "system", "content": messages[0]["content"]}] if messages[0]["role"] == "system" else []
+        exchanges = self.exchanges[len(self.exchanges) - kept:] if kept else ()
+        return encode_prompt(self.tokenizer, system + [m for ex in exchanges for m in ex] + list(self.tail),
+                             self.tools, self.opener)
+
+
+@dataclass(frozen=True)
+class OpenedPrompt:
+    """A RenderPrompt for the Hermes tool prompt's forced call: the engine's messages through the chat template,
+    then the call's opening, so that the grammar constrains only the JSON after it."""
+
+    tokenizer: Any
+    opener: str
+
+    def __call__(self, messages: list[dict[str, str]]) -> Any:
+        return encode_prompt(self.tokenizer, list(messages), None, self.opener)
+
+
+def _message_text(msg: dict[str, Any]) -> str:
+    calls = [json.dumps(c["function"], ensure_ascii=False) for c in msg.get("tool_calls") or []]
+    return "\n".join([msg["content"], *calls]).strip()
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  opener: str = "") -> Any:
+    """The chat template applied with the generation prompt, `opener` after it, tokenized as apply_chat_template
+    tokenizes (no special tokens added). A template that refuses the messages (its own `raise_exception`, e.g.
+    roles out of order) is the request's fault, said as InputError."""
+    from jinja2 import TemplateError
+
     try:
-        value = json.loads(text)
-    except ValueError:
-        return []
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if isinstance(item, dict) and isinstance(item.get("name"), str):
-            args = item.get("arguments", item.get("parameters", {}))
-            if isinstance(args, str):
-                try:
-                    args = json.loads(args)
-                except ValueError:
-                    continue
-            calls.append((item["name"], args))
-    return calls
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:
+        raise InputError(f"The model's chat template refused these messages: {exc}") from None
+    return tokenizer(str(text) + opener, add_special_tokens=False, return_tensors="pt")
+
+
+def native_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                  opener: str = "") -> NativePrompt:
+    """Split an OpenAI conversation for NativePrompt. The newest user message may be followed by assistant calls
+    and tool results only; the conversation must end with a user message or a tool result."""
+    native = native_messages(messages)
+    system = "\n\n".join(m["content"] for m in native if m["role"] == "system" and m["content"].strip())
+    rest = [m for m in native if m["role"] != "system"]
+    users = [i for i, m in enumerate(rest) if m["role"] == "user"]
+    if not users or rest[-1]["role"] not in ("user", "tool"):
+        raise InputError("The last message must come from the user or be a tool result.")
+    if any(m["role"] == "assistant" and not m.get("tool_calls") for m in rest[users[-1]:]):
+        raise InputError("After the newest user message only tool calls and their results may follow.")
+    bounds = sorted({0, *users})  # messages before the first user message open the first exchange
+    exchanges = tuple(tuple(rest[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+    return NativePrompt(tokenizer, tools, system, exchanges, tuple(rest[users[-1]:]), opener)
 
 
 def chat_logprobs(entries: Sequence[Any], tokenizer: Any, eos_ids: Any) -> dict[str, Any]:
