@@ -32,7 +32,6 @@ from ..engine.backend import ChatBackend
 from ..engine.chat import ReplyUpdate
 from ..errors import BusyError, InputError, LLMCoreError
 from ..history import check_history_size, content_to_text, turns_from_messages
-from ..metrics import ReplyStats
 from ..models import EMBEDDED_NAME
 from ..security import LoginThrottle, parse_json, person_of
 from .openai_jobs import (
@@ -317,10 +316,6 @@ class OpenAIServer:
 
 def _usage(update: ReplyUpdate) -> dict[str, Any]:
     return usage([update])
-
-
-def _stats_field(stats: ReplyStats) -> dict[str, Any]:
-    return stats.as_dict()
 
 
 def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error: DescribeError, *,
