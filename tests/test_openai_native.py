@@ -25,7 +25,7 @@ from llm_core.engine.admission import ReplySlots
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import BusyError
 from llm_core.history import build_messages
-from llm_core.web.openai_calls import FORMATS, template_family
+from llm_core.web.openai_calls import FORMATS, HERMES_PROMPT, ToolCallStream, parse_tool_calls, template_family
 from llm_core.web.openai_tools import native_prompt
 from tests.conftest import MODEL_CACHE, make_settings, run_threads
 
@@ -185,6 +185,43 @@ def test_template_families_are_read_from_the_template_text(fp32_engine: ChatEngi
         "mistral"
     assert template_family(INST_TEMPLATE) is None
     assert template_family(fp32_engine.loaded.tokenizer.chat_template) is None  # the embedded ChatML: no tools
+
+
+@pytest.mark.parametrize(("family", "reply", "content"), [
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+     "Let me check."),
+    ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}', ""),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Bern"}}]', ""),
+    ("hermes", "It is <b>sunny</b> in Paris, no tool needed.", "It is <b>sunny</b> in Paris, no tool needed."),
+])
+def test_the_call_reader_streams_content_then_the_call_in_pieces_equal_to_the_whole(family: str, reply: str,
+                                                                                 content: str) -> None:
+    """Fed the reply as it grows (a character at a time): content first (never call markup), then the call's name
+    in one delta and its arguments in pieces; added up, what the whole reply parses to."""
+    fmt = FORMATS[family]
+    stream = ToolCallStream(["get_weather"], fmt)
+    deltas = [d for i in range(1, len(reply) + 1) for d in stream.feed(reply[:i])] + stream.feed(reply, done=True)
+    streamed_content = "".join(d.get("content", "") for d in deltas)
+    calls = [d["tool_call"] for d in deltas if "tool_call" in d]
+    whole_content, whole_calls = parse_tool_calls(reply, ["get_weather"], fmt=fmt)
+    assert streamed_content == content == (whole_content or "")
+    assert "<tool_call>" not in streamed_content and "[TOOL_CALLS]" not in streamed_content
+    if not whole_calls:
+        assert calls == [] and not stream.calling
+        return
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""} and "id" in calls[0]
+    assert len(calls) > 3 and all("id" not in c and "name" not in c["function"] for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == whole_calls[0]["function"]["arguments"]
+    assert json.loads(whole_calls[0]["function"]["arguments"])["city"] in ("Oslo", "Rome", "Bern")
+
+
+def test_the_hermes_prompt_also_reads_a_bare_json_call() -> None:
+    """The embedded model is not trained on the Hermes prompt: a call written as bare JSON still counts."""
+    _, calls = parse_tool_calls('{"name": "get_weather", "arguments": {"city": "Oslo"}}', ["get_weather"],
+                                fmt=HERMES_PROMPT)
+    assert calls[0]["function"]["name"] == "get_weather"
+    assert parse_tool_calls('{"name": "get_weather", "arguments": {}}', ["get_weather"], fmt=FORMATS["hermes"]) == (
+        '{"name": "get_weather", "arguments": {}}', [])  # a Qwen-style template's own format is the tagged one
 
 
 def test_the_rendered_prompt_carries_the_tool_schema_and_the_served_prompt_is_it(native: dict[str, Any]) -> None:

@@ -48,6 +48,8 @@ FORMATS = {
     "json": CallFormat("json", "", "arguments", False, frozenset({"tag", "start"})),
 }
 ANY_FORMAT = FORMATS["json"]  # every format looked for: what parse_tool_calls reads without a family
+# The Hermes tool prompt on a ChatML model not trained on it: Hermes calls, and a bare JSON call read as one too.
+HERMES_PROMPT = CallFormat("hermes", TAG_OPEN + "\n", "arguments", False, frozenset({"tag", "start"}))
 
 
 def template_family(chat_template: Any) -> str | None:

@@ -16,7 +16,7 @@ from ..engine.backend import ChatBackend
 from ..engine.chat import RenderPrompt, ReplyUpdate
 from ..errors import InputError
 from ..history import Turn
-from .openai_calls import FORMATS, CallFormat, parse_tool_calls, template_family
+from .openai_calls import FORMATS, HERMES_PROMPT, CallFormat, parse_tool_calls, template_family
 from .openai_tools import (
     chat_logprobs,
     check_tools,
@@ -113,7 +113,7 @@ class Plan:
     logprobs: bool = False
     tokenizer: Any = None
     eos_ids: frozenset[int] = frozenset()
-    call_format: CallFormat = FORMATS["hermes"]  # how the tool calls are written
+    call_format: CallFormat = HERMES_PROMPT  # how the tool calls are written
 
 
 def base_options(req: Any, max_tokens: int | None) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def tool_use(engine: ChatBackend, req: Any) -> ToolUse | None:
         raise InputError("Tool calls need a chat template that renders tools itself (its source uses `tools`) or a "
                          "ChatML one (for the Hermes tool prompt); this model's template is neither, so tools are not "
                          "supported for it.")
-    fmt = FORMATS[family or "hermes"]
+    fmt = FORMATS[family] if family is not None else HERMES_PROMPT
     return ToolUse(functions, forced_call_schema(functions, req.tool_choice, fmt), fmt, family is not None)
 
 
