@@ -1,7 +1,7 @@
 """Will it fit? From a model's config.json alone (no weights), a quantization, a KV cache mode and a card size:
 the weights' bytes, KV bytes per token, the decode path that would run and the longest prompt that fits, with the
 KV cache, the prefill's working memory, the fast path's graphs and the allocator reserve counted (the same
-arithmetic the engine plans every reply with: llm_core.memory.model and llm_core.memory.plan).
+arithmetic the engine plans every reply with: llm_core.memory.model, .budget and .plan).
 
     python -m llm_core.fit MODEL --gpu 8GiB [--quantization nf4] [--kv-cache dynamic] [--max-new-tokens 256]
 
@@ -27,6 +27,7 @@ from .config import (
     parse_bytes,
 )
 from .errors import InputError, LLMCoreError, ModelLoadError
+from .memory.budget import max_context_tokens
 from .memory.model import (
     BNB_4BIT_BLOCK,
     DEFAULT_CUDA_MARGIN_BYTES,
@@ -34,7 +35,6 @@ from .memory.model import (
     ModelMemoryFacts,
     human_bytes,
     kv_bytes_per_token,
-    max_context_tokens,
     static_kv_bytes,
 )
 from .memory.plan import (

@@ -102,13 +102,8 @@ def default_kv_budget_bytes(loaded: Any, max_batch_size: int, budget_bytes: int 
     device had free after loading minus a margin; llm_core.memory), minus what is allocated now (weights), minus the
     activations of the largest prefill (a full-context prompt) or of a full batch's decode step, the logits and the
     workspace, all divided by (1 + the allocator's reserve fraction)."""
-    from ..memory.model import (
-        ModelMemoryFacts,
-        decode_transient_bytes,
-        default_budget_bytes,
-        forward_activation_bytes,
-        logits_bytes,
-    )
+    from ..memory.budget import default_budget_bytes
+    from ..memory.model import ModelMemoryFacts, decode_transient_bytes, forward_activation_bytes, logits_bytes
 
     device = loaded.device
     facts = facts if facts is not None else ModelMemoryFacts.from_loaded(loaded)

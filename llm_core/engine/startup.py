@@ -19,9 +19,10 @@ import torch
 from ..config import Settings
 from ..errors import ContextBudgetError, SettingsError
 from ..loading import Progress
+from ..memory.budget import MemoryBudget
 from ..memory.device import OOMInjector, device_allocated_bytes, free_memory
 from ..memory.kv_cache import cache_kwarg
-from ..memory.model import STATIC_KV_LAYOUTS, MemoryBudget, ModelMemoryFacts, human_bytes, resident_extra_bytes
+from ..memory.model import STATIC_KV_LAYOUTS, ModelMemoryFacts, human_bytes, resident_extra_bytes
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
