@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from ..errors import GenerationError
 from . import kvquant
 from .generate import FastDecoder
-from .kernels.attention import round_up
+from .kernels.attention import gather_blocks, round_up
 from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
 from .layer import (
@@ -101,13 +101,20 @@ def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_
 
 
 def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   pos: torch.Tensor) -> torch.Tensor:
+                   pos: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """Row b's query (B, Hq, D) over its own slot k/v_cache[b] (B, L, Hkv, row), rows after pos[b] masked ->
-    (B, Hq*D). The torch form is the fast path's eager attention (same matmuls) with a leading row dimension."""
+    (B, Hq*D); with a block table (B, max_blocks) int32, k/v_cache are a pool of blocks (num_blocks, block_size,
+    Hkv, row) and row b's positions are its table's blocks in order. The torch form is the fast path's eager
+    attention (same matmuls) with a leading row dimension, over the blocks gathered (the paged kernel's reference)."""
     rows = q.shape[0]
     if spec.attention == "triton":
-        out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale)
+        if table is not None:
+            out = torch.ops.llm_core.decode_attention_paged(q, k_cache, v_cache, table, pos, spec.scale)
+        else:
+            out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale)
         return out.reshape(rows, spec.n_heads * spec.head_dim)
+    if table is not None:
+        k_cache, v_cache = gather_blocks(k_cache, table), gather_blocks(v_cache, table)
     if is_quantized(k_cache):
         k_cache, v_cache = from_cache(k_cache, q.dtype), from_cache(v_cache, q.dtype)
     groups = spec.n_heads // spec.n_kv_heads
@@ -122,12 +129,15 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None
+               w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None,
+               table: torch.Tensor | None = None, dest: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.layer_decode for B rows, one token each: h, hn (B, H); cos/sin (B, D); pos (B,) int64
     where row b's K/V is written; last (B,) the last cache row it attends to (= pos for a live row; 0 for an idle
     slot, which writes to its slot's scratch row and whose output is thrown away); k/v_cache (B, L, Hkv, row): the
-    rows' slots of this layer; span: cache rows the attention reads (None: all; eager torch form only)."""
+    rows' slots of this layer; span: cache rows the attention reads (None: all; eager torch form only). Paged:
+    k/v_cache are this layer's pool (num_blocks, block_size, Hkv, row), table (B, max_blocks) int32 the rows' block
+    tables and dest (B,) the pool row each row writes (SlotDecoder.step computes it once for every layer)."""
     rows = h.shape[0]
     lins = _split_linears(spec, w)
     rest = lins[-1]
@@ -147,12 +157,18 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    index = torch.arange(rows, device=h.device)
-    k_cache.index_put_((index, pos), to_cache(k, k_cache))
-    v_cache.index_put_((index, pos), to_cache(v, v_cache))
-    if span is not None:
-        k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
-    attn = attention_rows(spec, q, k_cache, v_cache, last)
+    if table is not None and dest is not None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dest, to_cache(k, k_cache))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dest, to_cache(v, v_cache))
+        if span is not None:
+            table = table[:, :-(-span // k_cache.shape[1])]
+    else:
+        index = torch.arange(rows, device=h.device)
+        k_cache.index_put_((index, pos), to_cache(k, k_cache))
+        v_cache.index_put_((index, pos), to_cache(v, v_cache))
+        if span is not None:
+            k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
+    attn = attention_rows(spec, q, k_cache, v_cache, last, table)
     h = h + linear(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear, parts)
     return h, rms_norm(h, rest[1], spec.eps_next)
