@@ -140,6 +140,7 @@ class RowKV:
         self.peak_allocated_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
         self.peak_batch_rows: int | None = None
+        self.cached_prompt_tokens = 0  # the batched fast path's paged pool: prompt tokens not prefilled
 
     def record(self, cache: Any, row: int) -> None:
         total = 0
@@ -656,7 +657,9 @@ class FastBatchedBackend:
     def warmup(self) -> None:
         self.scheduler.start()
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
         gen = prepared.gen
+        record = cache if isinstance(cache, RowKV) else None
         self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
-                                cache if isinstance(cache, RowKV) else None)
+                                record)
+        return record.cached_prompt_tokens if record is not None else 0
