@@ -9,14 +9,23 @@ checks are marked."""
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
+from llm_core.engine.chat import ChatEngine
+from llm_core.engine.fast_scheduler import FastBatchScheduler
+from llm_core.errors import ContextBudgetError
 from llm_core.fast import kvquant
-from llm_core.fast.batched import attention_rows
+from llm_core.fast.batched import SlotDecoder, attention_rows
 from llm_core.fast.kernels.attention import gather_blocks
 from llm_core.fast.layer import LayerSpec
+from llm_core.sampling import SamplingOptions
+from tests.conftest import drain, make_settings
+from tests.test_batched_fast import FP32, MAX_NEW, PROMPTS, staggered
 
 try:
     from llm_core.fast.kernels import attention
@@ -28,6 +37,7 @@ needs_interpreter = pytest.mark.skipif(not INTERPRETED or attention is None or a
                                        reason="runs in its own process with TRITON_INTERPRET=1 (see below)")
 HEAD_DIM, KV_HEADS, GROUPS = 32, 2, 2
 # the combinations the interpreter runs: every block size in fp32, every row format at one of them
+GREEDY = SamplingOptions(repetition_penalty=1.0)
 KERNEL_CASES = [("fp32", 16), ("fp32", 32), ("fp32", 64), ("bf16", 16), ("int8", 32), ("int4", 16)]
 
 
@@ -143,3 +153,147 @@ def test_gpu_paged_kernel_equals_the_contiguous_kernel(fmt: str, page: int) -> N
     got = torch.ops.llm_core.decode_attention_paged(q, k, v, table, pos, scale)
     want = torch.ops.llm_core.decode_attention_rows(q, gather_blocks(k, table), gather_blocks(v, table), pos, scale)
     assert torch.equal(got, want)
+
+
+# --- the paged pool in the batched fast path (CPU, embedded model, eager step) ----------------------------------
+
+SYSTEM = "You are a helpful assistant."
+
+
+def _tokens(scheduler: Any, request: Any) -> list[int]:
+    return list(scheduler.stream(request))
+
+
+def _alone(decoder: Any, prompt: list[int], max_new: int) -> list[int]:
+    """The prompt served alone by a slot-layout loop with one slot that holds it whole (the reference)."""
+    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=1, slot_tokens=256), eos_token_ids=[])
+    try:
+        return _tokens(scheduler, scheduler.submit(prompt, GREEDY, max_new, threading.Event()))
+    finally:
+        scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def paged_engine(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
+    """The fp32 model on the batched fast loop with KV_LAYOUT=paged, 4 rows."""
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+                                                          KV_LAYOUT="paged"))
+    assert engine.backend.name == "fast-batched" and engine.fast_scheduler.decoder.paged
+    yield engine
+    engine.fast_scheduler.close()
+
+
+def test_paged_rows_equal_their_reply_alone_while_rows_join_and_leave(fp32_engine: ChatEngine,
+                                                                      paged_engine: ChatEngine) -> None:
+    """5 replies of different lengths on 4 paged rows, arriving 0.3 s apart (rows join a running batch, leave at
+    different steps, the fifth waits for a row): each row's greedy tokens are the plain path's reply alone, token
+    for token; the engine's context limit is the whole pool's, not one slot's (up to the model's context)."""
+    alone = [drain(fp32_engine.stream_chat(p, [], gen=fp32_engine.request_options(max_new_tokens=n),
+                                           system_prompt=SYSTEM)) for p, n in zip(PROMPTS, MAX_NEW, strict=True)]
+    scheduler = paged_engine.fast_scheduler
+    decoder = scheduler.decoder
+    before = scheduler.snapshot()
+    together = staggered(paged_engine, PROMPTS, MAX_NEW, 0.3)
+    for i, reference in enumerate(alone):
+        assert together[i].token_ids == reference.token_ids, f"prompt {i} differs from its reply alone"
+        assert together[i].stats.decode_path == "fast-batched"
+    after = scheduler.snapshot()
+    assert after.max_rows_in_step >= 3 and after.errors == 0 and after.prefills - before.prefills == len(PROMPTS)
+    assert after.kv_layout == "paged" and after.free_blocks == after.pool_blocks  # every block back, unheld
+    assert decoder.reply_tokens == decoder.num_blocks * decoder.block_size == decoder.slots * decoder.slot_tokens
+    # a lone reply may span the pool (here capped by the model's context, which one CPU slot already holds)
+    assert paged_engine.context_limit == min(decoder.reply_tokens, paged_engine.loaded.context_length)
+
+
+def test_paged_rows_equal_slot_rows_token_for_token(paged_engine: ChatEngine) -> None:
+    """The same four prompts arriving together on 2 rows (two wait and take the rows the first two free), once on
+    slots and once on a paged pool of the same bytes: the same tokens for every prompt."""
+    decoder = paged_engine.backend.decoder
+    prompts = [list(range(100 + 37 * i, 100 + 37 * i + n)) for i, n in enumerate((40, 23, 61, 9))]
+    out = {}
+    for layout in ("slots", "paged"):
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout=layout),
+                                       eos_token_ids=[])
+        try:
+            with scheduler._cond:
+                requests = [scheduler.submit(p, GREEDY, n, threading.Event())
+                            for p, n in zip(prompts, (12, 5, 9, 14), strict=True)]
+            out[layout] = [_tokens(scheduler, r) for r in requests]
+        finally:
+            scheduler.close()
+    assert out["paged"] == out["slots"]
+
+
+def test_a_lone_paged_reply_may_outgrow_one_slot(paged_engine: ChatEngine) -> None:
+    """2 rows of 64 tokens' worth: on slots a 60-token prompt + 40 new tokens is refused (more than one slot); on the
+    paged pool of the same bytes (128 tokens) it runs to its length, equal to the prompt served alone."""
+    decoder = paged_engine.backend.decoder
+    prompt = list(range(200, 260))
+    slots = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64), eos_token_ids=[])
+    paged = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[])
+    try:
+        with pytest.raises(ContextBudgetError, match="KV slot"):
+            slots.submit(prompt, GREEDY, 40, threading.Event())
+        got = _tokens(paged, paged.submit(prompt, GREEDY, 40, threading.Event()))
+        with pytest.raises(ContextBudgetError, match="KV pool"):
+            paged.submit(prompt, GREEDY, 69, threading.Event())  # 129 tokens: more than the pool
+    finally:
+        slots.close()
+        paged.close()
+    assert got == _alone(decoder, prompt, 40)
+
+
+def test_a_repeated_prefix_comes_from_the_pool_and_gives_the_same_tokens(paged_engine: ChatEngine) -> None:
+    """On a fresh pool: a 70-token prompt (cold: nothing cached); the same prompt again reuses its 4 full blocks
+    (64 tokens; the last token is always recomputed); a prompt sharing its first 50 tokens reuses 3 (48). Each
+    reply equals its prompt served cold, token for token; with PREFIX_CACHE off nothing is reused."""
+    decoder = paged_engine.backend.decoder
+    first = list(range(300, 370))
+    other = first[:50] + list(range(900, 925))
+    cold = {tuple(p): _alone(decoder, p, 10) for p in (first, other)}
+    for caching, expected in ((True, [0, 64, 48]), (False, [0, 0, 0])):
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged"),
+                                       eos_token_ids=[], prefix_cache=caching)
+        try:
+            requests, outputs = [], []
+            for prompt in (first, first, other):
+                requests.append(scheduler.submit(prompt, GREEDY, 10, threading.Event()))
+                outputs.append(_tokens(scheduler, requests[-1]))
+        finally:
+            scheduler.close()
+        assert [r.cached_prompt_tokens for r in requests] == expected, caching
+        assert outputs == [cold[tuple(first)], cold[tuple(first)], cold[tuple(other)]], caching
+
+
+def test_the_reply_stats_say_how_many_prompt_tokens_came_from_the_pool(paged_engine: ChatEngine) -> None:
+    """Through ChatEngine: asked twice, the second reply's stats count every full block of its prompt but the last
+    token as cached (whatever earlier replies left in the pool), and its tokens equal the first reply's."""
+    gen = paged_engine.request_options(max_new_tokens=6)
+    message = "Say something kind about the sea, in one sentence, please."
+    one = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
+    two = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
+    block = paged_engine.fast_scheduler.decoder.block_size
+    assert two.stats.cached_prompt_tokens == (two.stats.prompt_tokens - 1) // block * block > 0
+    assert two.token_ids == one.token_ids
+
+
+def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
+    """A pool of 8 blocks of 16 tokens, two replies admitted together (60 + 60 and 40 + 30 tokens: 190 > 128). The
+    younger row finds no block for position 48 and sits out steps; when the older one also wants a block, the
+    younger is preempted (its KV released) and waits at the head of the queue for blocks, then resumes from what it
+    streamed. Both complete with the tokens each gives alone, and nothing fails."""
+    decoder = paged_engine.backend.decoder
+    long_prompt, short_prompt = list(range(400, 460)), list(range(600, 640))
+    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[],
+                                   prefix_cache=False)
+    try:
+        with scheduler._cond:
+            older = scheduler.submit(long_prompt, GREEDY, 60, threading.Event())
+            younger = scheduler.submit(short_prompt, GREEDY, 30, threading.Event())
+        got = [_tokens(scheduler, older), _tokens(scheduler, younger)]
+        snap = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert snap.pool_blocks == 8 and snap.paused_rows >= 1 and snap.preempted == 1 and snap.waited_for_blocks == 1
+    assert snap.errors == 0 and snap.free_blocks == 8
+    assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
