@@ -297,3 +297,32 @@ def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
     assert snap.pool_blocks == 8 and snap.paused_rows >= 1 and snap.preempted == 1 and snap.waited_for_blocks == 1
     assert snap.errors == 0 and snap.free_blocks == 8
     assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tmp_path: Any) -> None:
+    """On CUDA with KV_LAYOUT=paged (compiled step, one graph per batch bucket reading the static block table), a
+    random llama with head_dim 64, NF4: the graphs are captured; 4 greedy replies together equal each alone for their
+    first 8 tokens (as the slot test allows); a repeated prompt reports its full blocks as cached and the same
+    first 8 tokens."""
+    from bench.harness import make_random_checkpoint
+
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
+    ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
+    engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
+                                           MAX_BATCH_SIZE="4", QUANTIZATION="nf4", KV_LAYOUT="paged"))
+    slots = engine.fast_scheduler.decoder
+    try:
+        assert slots.paged and slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
+        gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)
+        alone = [drain(engine.stream_chat(p, [], gen=gen, system_prompt=SYSTEM)) for p in PROMPTS[:4]]
+        together = staggered(engine, PROMPTS[:4], [16] * 4, 0.0, min_new_tokens=16, repetition_penalty=1.0)
+        for i, reference in enumerate(alone):
+            assert together[i].token_ids[:8] == reference.token_ids[:8], (i, slots.notes)
+            block = slots.block_size
+            assert together[i].stats.cached_prompt_tokens == (reference.stats.prompt_tokens - 1) // block * block
+        assert engine.fast_scheduler.snapshot().max_rows_in_step == 4
+    finally:
+        engine.fast_scheduler.close()
