@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import queue
 import threading
 import time
 import weakref
@@ -37,38 +36,23 @@ import torch
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
 from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
 from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
-from ..streams import Finished, TokenStreams
+from ..streams import Finished, QueuedReply, TokenStreams
 from .kv_pool import BlockPool, BlockTable, PoolExhausted
 
 
-class FastRequest:
-    """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a Finished on
-    `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the Finished."""
-
-    _ids = itertools.count()
+class FastRequest(QueuedReply):
+    """One reply in the batched fast path (`record`: duck-typed nbytes, peak_*_bytes, peak_batch_rows,
+    cached_prompt_tokens)."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                  stop_event: threading.Event, record: Any = None) -> None:
-        self.id = next(self._ids)
-        self.prompt_ids = prompt_ids
-        self.options = options
-        self.max_new_tokens = int(max_new_tokens)
-        self.stop_event = stop_event
-        self.record = record
-        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
-        self.arrived_s = time.perf_counter()
-        self.counted_wait = False
-        self.finished: Finished | None = None
+        super().__init__(prompt_ids, options, max_new_tokens, stop_event, record)
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.peak_rows = 0
         self.generated: list[int] = []  # the tokens streamed so far (a preempted reply resumes after them)
         self.generator: torch.Generator | None = None
         self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the paged pool's cache
-
-    @property
-    def kv_tokens(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
 
 
 @dataclass
@@ -211,12 +195,7 @@ class FastBatchScheduler(TokenStreams):
                 f"The prompt ({len(prompt_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceed {room} "
                 f"({self.decoder.reply_tokens:,} tokens); shorten the history or lower max new tokens.")
         self.start()
-        with self._cond:
-            if not self.alive:
-                raise GenerationError("The batched decode loop has stopped; restart the demo.")
-            self._waiting.append(request)
-            self._cond.notify_all()
-        return request
+        return self._enqueue(request, "The batched decode loop has stopped; restart the demo.")
 
     def _loop_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
