@@ -299,6 +299,26 @@ def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
     assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
 
 
+def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
+    """The start-up measurement's worst moment on the pool (one row's last prefill chunk at the end of the whole
+    pool, then a step with every row at its end): it reports the pool's length, and afterwards every row is idle with
+    a table naming only the scratch block, and a reply's tokens are what they were before it."""
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged")
+    prompt = list(range(500, 530))
+    scheduler = FastBatchScheduler(rows, eos_token_ids=[])
+    try:
+        before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+        scheduler.close()
+        profile = rows.profile_worst_reply(32)
+        assert profile["tokens"] == 128 and profile["slots"] == 2
+        assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
+        scheduler = FastBatchScheduler(rows, eos_token_ids=[], prefix_cache=False)
+        after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+    finally:
+        scheduler.close()
+    assert after == before
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tmp_path: Any) -> None:
