@@ -36,6 +36,7 @@ COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization prese
 KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 # Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
+KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
@@ -451,6 +452,11 @@ class MemorySettings:
     prefix_cache: bool = setting("PREFIX_CACHE", True, _parse_bool,
         "keep the KV of the last reply's tokens and prefill only what a new prompt adds after the longest "
         "common prefix (next chat turn, Regenerate, a shared system prompt); off = prefill every prompt whole")
+    # the batched fast path's KV: slots = one fixed slot per row; paged = one pool of 16-token blocks
+    kv_layout: str = setting("KV_LAYOUT", "slots", _parse_choice(KV_LAYOUTS),
+        "batched fast path: slots = each of MAX_BATCH_SIZE rows a fixed share of the KV memory; paged = one pool of "
+        "blocks a row takes as it grows (a lone reply may use all of it; full blocks of finished replies stay "
+        "cached for the next prompt with that prefix, with PREFIX_CACHE)")
 
 
 @dataclass(frozen=True)

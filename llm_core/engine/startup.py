@@ -252,10 +252,11 @@ class DecodeStartup:
                 f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
                 "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=int8 or a "
                 "larger VRAM_BUDGET.")
-        decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
-        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
-                                       eos_token_ids=sorted(self.loaded.eos_token_ids))
+        rows = SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens, layout=self.settings.memory.kv_layout)
+        decoder.max_cache_len = rows.reply_tokens  # the engine fits every history to one slot, or the pool
+        scheduler = FastBatchScheduler(rows, eos_token_ids=sorted(self.loaded.eos_token_ids),
+                                       prefix_cache=self._prefix_cache)
         self._fast_batched_reason = (fast.reason, size)
         self.backend = FastBatchedBackend(scheduler, decoder, _fast_batched_reason(fast.reason, size, slots,
                                                                                    slot_tokens))
@@ -342,7 +343,7 @@ class DecodeStartup:
         except ContextBudgetError as exc:
             raise ContextBudgetError(f"{exc} With MAX_BATCH_SIZE={slots.slots} the batch's KV slots share it: lower "
                                      "MAX_BATCH_SIZE.") from None
-        slots.fast.max_cache_len = slots.slot_tokens  # the context one reply may span (FastBatchedBackend.decoder)
+        slots.fast.max_cache_len = slots.reply_tokens  # the context one reply may span (FastBatchedBackend.decoder)
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots.slots * slots.slot_tokens)
         base, size = self._fast_batched_reason
         self.backend.reason = _fast_batched_reason(base, size, slots.slots, slots.slot_tokens, measured=True)
