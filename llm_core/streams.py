@@ -58,6 +58,7 @@ class TokenStreams:
     fatal_error: BaseException | None = None
     _cond: threading.Condition  # guards _waiting, the queue the loop thread admits from
     _waiting: Any
+    stats: Any  # the scheduler's counters (errors among them)
 
     @property
     def alive(self) -> bool:
@@ -69,6 +70,14 @@ class TokenStreams:
 
     def _loop_running(self) -> bool:
         raise NotImplementedError
+
+    def _finish(self, request: Any, reason: str, error: BaseException | None = None) -> None:
+        """End a request once: its Finished goes on its queue (an error counted in the scheduler's `stats`)."""
+        if request.finished is None:
+            request.finished = Finished(reason, error)
+            if error is not None:
+                self.stats.errors += 1
+            request.items.put(request.finished)
 
     def _enqueue(self, request: Any, stopped: str) -> Any:
         """Queue a checked request for the loop thread (the scheduler's `_cond`, `_waiting` and `alive`); raise

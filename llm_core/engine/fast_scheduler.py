@@ -36,7 +36,7 @@ import torch
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
 from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
 from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
-from ..streams import Finished, QueuedReply, TokenStreams
+from ..streams import QueuedReply, TokenStreams
 from .kv_pool import BlockPool, BlockTable, PoolExhausted
 
 
@@ -269,13 +269,6 @@ class FastBatchScheduler(TokenStreams):
             err = GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
         for row in [*self._rows.values(), *self._prefilling]:
             self._end_row(row, "error", err)
-
-    def _finish(self, request: FastRequest, reason: str, error: BaseException | None = None) -> None:
-        if request.finished is None:
-            request.finished = Finished(reason, error)
-            if error is not None:
-                self.stats.errors += 1
-            request.items.put(request.finished)
 
     def _end_row(self, row: _Row, reason: str, error: BaseException | None = None) -> None:
         """The row leaves: its record filled, its slot freed, its request finished."""

@@ -40,7 +40,7 @@ from ..errors import ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
 from ..sampling import SamplingOptions, logits_processors, next_token
-from ..streams import Finished, QueuedReply, TokenStreams
+from ..streams import QueuedReply, TokenStreams
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -311,13 +311,6 @@ class BatchScheduler(TokenStreams):
             self._cache = None
         for request in pending:
             self._finish(request, "error", error)
-
-    def _finish(self, request: BatchRequest, reason: str, error: BaseException | None = None) -> None:
-        if request.finished is None:
-            request.finished = Finished(reason, error)
-            if error is not None:
-                self.stats.errors += 1
-            request.items.put(request.finished)
 
     def _drop_stopped(self) -> None:
         """Stop / disconnect: a waiting request leaves the queue, a running row leaves the batch."""
