@@ -3,6 +3,7 @@ fast step), beside transformers' own batched `generate` on the same loaded model
 
 GPU (one call; the random checkpoint is written once to --ckpt):
     python -m bench.batched --out "$OUT/batched.json" [--chats 1,8,32] [--arch llama-2-7b] [--quantization nf4]
+        [--kv-layout slots|paged]
 CPU smoke (a tiny random llama, fp32, seconds):
     python -m bench.batched --smoke --out /tmp/batched-smoke.json
 
@@ -94,7 +95,7 @@ class Bench:
         a = self.args
         environ = {"MODEL_ID": str(self.ckpt), "QUANTIZATION": a.quantization, "DEVICE": self.device.type,
                    "DECODE_PATH": "fast", "MAX_BATCH_SIZE": str(max(a.chats)), "MAX_NEW_TOKENS": str(a.new_tokens),
-                   "STREAM_TIMEOUT_S": "300", "SESSION_MAX_WAITING": "1"}
+                   "STREAM_TIMEOUT_S": "300", "SESSION_MAX_WAITING": "1", "KV_LAYOUT": a.kv_layout}
         if a.smoke:
             environ["COMPUTE_DTYPE"] = "float32"
         t = time.perf_counter()
@@ -105,6 +106,7 @@ class Bench:
                      load_s=round(time.perf_counter() - t, 1), warmup_s=engine.report.warmup_s,
                      weights_bytes=engine.report.weights_bytes,
                      slots=slots.slots if slots else None, slot_tokens=slots.slot_tokens if slots else None,
+                     kv_layout=a.kv_layout, reply_tokens=slots.reply_tokens if slots else None,
                      slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
                      rows_plan=dict(slots.rows_max.kernels) if slots and isinstance(slots.rows_max, RowsPlan) else None,
                      rows_timings_us=slots.rows_timings_us if slots else None,
@@ -169,7 +171,9 @@ class Bench:
                 "steps_by_bucket": {b: c - before.rows_by_bucket.get(b, 0) for b, c in s.rows_by_bucket.items()
                                     if c - before.rows_by_bucket.get(b, 0)},
                 "prefill_chunks": s.prefill_chunks - before.prefill_chunks,
-                "waited_for_slot": s.waited_for_slot - before.waited_for_slot, "errors": s.errors - before.errors}
+                "waited_for_slot": s.waited_for_slot - before.waited_for_slot, "errors": s.errors - before.errors,
+                "waited_for_blocks": s.waited_for_blocks - before.waited_for_blocks,
+                "paused_rows": s.paused_rows - before.paused_rows, "preempted": s.preempted - before.preempted}
         return out
 
     # --- transformers' batched generate (the reference) -------------------------------------------------------------
@@ -248,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip transformers' batched generate")
     parser.add_argument("--ckpt", default=None, help="random checkpoint folder (written when missing)")
     parser.add_argument("--phase-timeout-s", type=float, default=300.0)
+    parser.add_argument("--kv-layout", default="slots", choices=("slots", "paged"), help="KV_LAYOUT of ours")
     args = parser.parse_args(argv)
     smoke = args.smoke
     if smoke:

@@ -47,8 +47,9 @@ from bench import memory_bench
 from bench.harness import Recorder, make_random_checkpoint, percentile
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
+from llm_core.memory.budget import default_budget_bytes
 from llm_core.memory.device import free_memory
-from llm_core.memory.model import GiB, default_budget_bytes
+from llm_core.memory.model import GiB
 
 # memory_bench's model shapes, with this benchmark's context length
 LLAMA2_7B: dict[str, Any] = dict(memory_bench.LLAMA2_7B, max_position_embeddings=4096)

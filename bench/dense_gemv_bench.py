@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from bench.decode import measure_copy_bandwidth
 from bench.gemv_bench import finish, time_calls
 from llm_core.fast.kernels import dense_gemv as dg
+from llm_core.fast.kernels.tuning import tuned_pick
 from llm_core.loading import library_versions
 
 SHAPES = {  # (name, N, K, the prologue/epilogue it gets in the fused layer)
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                     us = time_calls(calls)
                     rec.update(us_per_call=us, bytes_per_s=nbytes / (us * 1e-6))
                     if kname.startswith("triton") and "cfg" not in kname:
-                        rec["tuned_config"] = dg.best_config(n, k)
+                        rec["tuned_config"] = tuned_pick(dg.AUTOTUNER, n, k, ("BLOCK_N", "BLOCK_K"))
                     key = "triton_fused" if kname.startswith("triton_") and "cfg" not in kname else kname
                     if name != "lm_head" and "cfg" not in kname:
                         per_layer[key] = per_layer.get(key, 0.0) + us

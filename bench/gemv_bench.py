@@ -24,6 +24,7 @@ import torch
 from bench.decode import measure_copy_bandwidth
 from llm_core.fast.generate import time_in_cuda_graph
 from llm_core.fast.kernels import nf4_gemv
+from llm_core.fast.kernels.tuning import tuned_pick
 from llm_core.loading import library_versions
 
 SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["us_per_call"] = us
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
-                        rec["tuned_config"] = nf4_gemv.best_config(n, k // 8)
+                        rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8, ("BLOCK_N", "BLOCK_B"))
                         if args.asm_dir is not None and arch == args.arch[0]:
                             rec["sass_opcodes"] = dump_asm(calls[0], args.asm_dir / f"{kname}-{name}")
                     per_layer[kname] = per_layer.get(kname, 0.0) + us

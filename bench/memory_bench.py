@@ -39,18 +39,10 @@ import torch
 from transformers import StoppingCriteria
 
 from bench.harness import Recorder
+from llm_core.memory.budget import max_context_tokens, plan_reply
 from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
 from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
-from llm_core.memory.model import (
-    GiB,
-    MiB,
-    ModelMemoryFacts,
-    QuantizedKVSpec,
-    max_context_tokens,
-    model_weights_bytes,
-    plan_reply,
-    predict_peak_bytes,
-)
+from llm_core.memory.model import GiB, MiB, ModelMemoryFacts, QuantizedKVSpec, model_weights_bytes, predict_peak_bytes
 
 LLAMA2_7B: dict[str, Any] = dict(
     hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,

@@ -36,6 +36,7 @@ COMPARE_MODES = ("nf4", "nf4-nodq", "fp4", "int8", "none")  # quantization prese
 KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 # Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
+KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
@@ -168,6 +169,7 @@ def _parse_choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
         _check_choice(name, text, choices)
         return text
 
+    parse.choices = choices  # type: ignore[attr-defined]  # what check_declared checks values set in code against
     return parse
 
 
@@ -182,6 +184,9 @@ def canonical_kv_cache(value: Any, name: str = "KV_CACHE") -> str:
 
 def _parse_kv_cache(name: str, value: Any) -> str:
     return canonical_kv_cache(value, name)
+
+
+_parse_kv_cache.choices = KV_CACHE_MODES  # type: ignore[attr-defined]  # as check_declared reads them
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -243,11 +248,30 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return out
 
 
-def setting(name: str, default: Any, parser: Callable[[str, Any], Any], help: str, *, secret: bool = False) -> Any:
-    """A settings field and its one declaration: environment/.env key, parser and help (for .env.example and the
-    CLI). Secrets are kept out of repr."""
-    return field(default=default, repr=not secret,
-                 metadata={"setting": {"name": name, "parser": parser, "help": help, "secret": secret}})
+def setting(name: str, default: Any, parser: Callable[[str, Any], Any], help: str, *,
+            within: tuple[float, float] | None = None, secret: bool = False) -> Any:
+    """A settings field and its one declaration: environment/.env key, parser, help (for .env.example and the CLI)
+    and the range its value must lie in (checked by check_declared, and written at the end of the help). Secrets are
+    kept out of repr."""
+    if within is not None:
+        help = f"{help}; from {within[0]} to {within[1]}"
+    return field(default=default, repr=not secret, metadata={
+        "setting": {"name": name, "parser": parser, "help": help, "secret": secret, "within": within}})
+
+
+def check_declared(section: Any) -> None:
+    """SettingsError for a field of a settings dataclass outside its declared range or choices (a value set in code,
+    not read through the parser); None means unset and passes."""
+    for f in dataclasses.fields(section):
+        spec = f.metadata.get("setting")
+        value = getattr(section, f.name)
+        if spec is None or value is None:
+            continue
+        if spec["within"] is not None:
+            _check_range(spec["name"], value, spec["within"])
+        choices = getattr(spec["parser"], "choices", None)
+        if choices is not None:
+            _check_choice(spec["name"], value, choices)
 
 
 @dataclass(frozen=True)
@@ -302,17 +326,17 @@ class ModelSettings:
 @dataclass(frozen=True)
 class GenerationSettings:
     max_new_tokens: int = setting("MAX_NEW_TOKENS", 256, _parse_int,
-        f"default reply length cap in tokens ({MAX_NEW_TOKENS_RANGE[0]}-{MAX_NEW_TOKENS_RANGE[1]})")
+        "default reply length cap in tokens", within=MAX_NEW_TOKENS_RANGE)
     do_sample: bool = setting("DO_SAMPLE", False, _parse_bool,
         "false = greedy decoding")
     temperature: float = setting("TEMPERATURE", 0.7, _parse_float,
-        "sampling temperature (DO_SAMPLE only)")
+        "sampling temperature (DO_SAMPLE only)", within=TEMPERATURE_RANGE)
     top_p: float = setting("TOP_P", 0.95, _parse_float,
-        "nucleus sampling mass (DO_SAMPLE only)")
+        "nucleus sampling mass (DO_SAMPLE only)", within=TOP_P_RANGE)
     top_k: int = setting("TOP_K", 50, _parse_int,
-        "top-k sampling, 0 = off (DO_SAMPLE only)")
+        "top-k sampling, 0 = off (DO_SAMPLE only)", within=TOP_K_RANGE)
     repetition_penalty: float = setting("REPETITION_PENALTY", 1.05, _parse_float,
-        "1.0 = off; 1.05 discourages loops")
+        "1.0 = off; 1.05 discourages loops", within=REPETITION_PENALTY_RANGE)
     seed: int | None = setting("SEED", None, _parse_opt_int,
         "random seed for sampling; empty = random")
     stream_timeout_s: float = setting("STREAM_TIMEOUT_S", 120.0, _parse_float,
@@ -328,19 +352,14 @@ class GenerationSettings:
     control: Any = field(default=None, compare=False)
 
     def validate(self) -> GenerationSettings:
-        _check_range("MAX_NEW_TOKENS", self.max_new_tokens, MAX_NEW_TOKENS_RANGE)
+        check_declared(self)
         _check_range("min_new_tokens", self.min_new_tokens, (0, MAX_NEW_TOKENS_RANGE[1]))
-        _check_range("TEMPERATURE", self.temperature, TEMPERATURE_RANGE)
-        _check_range("TOP_P", self.top_p, TOP_P_RANGE)
-        _check_range("TOP_K", self.top_k, TOP_K_RANGE)
-        _check_range("REPETITION_PENALTY", self.repetition_penalty, REPETITION_PENALTY_RANGE)
         if self.do_sample and not self.temperature >= MIN_SAMPLING_TEMPERATURE:
             raise SettingsError(f"TEMPERATURE must be at least {MIN_SAMPLING_TEMPERATURE} when DO_SAMPLE is on (a "
                                 "smaller one divides the logits past float range); use 0 or DO_SAMPLE=false for "
                                 "greedy.")
         if self.stream_timeout_s <= 0:
             raise SettingsError("STREAM_TIMEOUT_S must be a positive number of seconds.")
-        _check_choice("KV_CACHE", self.kv_cache, KV_CACHE_MODES)
         return self
 
 
@@ -349,20 +368,20 @@ class ChatSettings:
     system_prompt: str = setting("SYSTEM_PROMPT", "You are a helpful assistant.", _parse_str,
         "system prompt of new conversations")
     history_turns: int = setting("HISTORY_TURNS", 8, _parse_int,
-        f"past exchanges kept in the prompt ({HISTORY_TURNS_RANGE[0]}-{HISTORY_TURNS_RANGE[1]})")
+        "past exchanges kept in the prompt", within=HISTORY_TURNS_RANGE)
     history_trim_step: float = setting("HISTORY_TRIM_STEP", 0.25, _parse_float,
         "when old turns must go, drop them in steps of this share of the history limit and of the token budget, so "
-        f"the next replies reuse the cached prompt; 0 drops the fewest ({HISTORY_TRIM_STEP_RANGE[0]}-"
-        f"{HISTORY_TRIM_STEP_RANGE[1]})")
+        "the next replies reuse the cached prompt; 0 drops the fewest", within=HISTORY_TRIM_STEP_RANGE)
     # also the Compare prompt's limit
     max_message_chars: int = setting("MAX_MESSAGE_CHARS", 16_000, _parse_int,
-        "longest accepted user message")
+        "longest accepted user message", within=MAX_MESSAGE_CHARS_RANGE)
     max_system_prompt_chars: int = setting("MAX_SYSTEM_PROMPT_CHARS", 8_000, _parse_int,
-        "longest accepted system prompt (checked before anything is tokenized)")
+        "longest accepted system prompt (checked before anything is tokenized)", within=MAX_SYSTEM_PROMPT_CHARS_RANGE)
     max_history_messages: int = setting("MAX_HISTORY_MESSAGES", 256, _parse_int,
-        "most messages accepted in a request's history (older turns are trimmed anyway)")
+        "most messages accepted in a request's history (older turns are trimmed anyway)",
+        within=MAX_HISTORY_MESSAGES_RANGE)
     max_history_chars: int = setting("MAX_HISTORY_CHARS", 256_000, _parse_int,
-        "most characters of text accepted in a request's history")
+        "most characters of text accepted in a request's history", within=MAX_HISTORY_CHARS_RANGE)
 
 
 @dataclass(frozen=True)
@@ -381,17 +400,18 @@ class ServerSettings:
         "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
         "GRADIO_MCP_SERVER if set")
     max_batch_size: int | None = setting("MAX_BATCH_SIZE", None, _parse_opt_int,
-        f"replies decoded together in one batch ({MAX_BATCH_SIZE_RANGE[0]}-{MAX_BATCH_SIZE_RANGE[1]}); "
-        "empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), else 1; 1 = one at a time")
+        "replies decoded together in one batch; empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), "
+        "else 1; 1 = one at a time", within=MAX_BATCH_SIZE_RANGE)
     session_max_waiting: int = setting("SESSION_MAX_WAITING", 1, _parse_int,
         "requests one person (a login, its API key, or an address without AUTH; all their tabs and clients "
         "together) may have waiting beside their running reply; more are refused, and a free slot goes "
-        "to the person served least recently")
+        "to the person served least recently", within=SESSION_MAX_WAITING_RANGE)
     allow_open_host: bool = setting("ALLOW_OPEN_HOST", False, _parse_bool,
         "serve a non-loopback HOST or SHARE link without AUTH (refused at start unless true; logged)")
     login_max_failures: int = setting("LOGIN_MAX_FAILURES", 5, _parse_int,
         "failed logins or /v1 API keys one user name, and one client address, may have per LOGIN_WINDOW_S; "
-        "then that user (from any address) or that address waits, even with the right password")
+        "then that user (from any address) or that address waits, even with the right password",
+        within=LOGIN_MAX_FAILURES_RANGE)
     login_window_s: float = setting("LOGIN_WINDOW_S", 60.0, _parse_float,
         "seconds the login failure count spans")
     forwarded_allow_ips: tuple[str, ...] = setting("FORWARDED_ALLOW_IPS", (), _parse_list,
@@ -432,6 +452,11 @@ class MemorySettings:
     prefix_cache: bool = setting("PREFIX_CACHE", True, _parse_bool,
         "keep the KV of the last reply's tokens and prefill only what a new prompt adds after the longest "
         "common prefix (next chat turn, Regenerate, a shared system prompt); off = prefill every prompt whole")
+    # the batched fast path's KV: slots = one fixed slot per row; paged = one pool of 16-token blocks
+    kv_layout: str = setting("KV_LAYOUT", "slots", _parse_choice(KV_LAYOUTS),
+        "batched fast path: slots = each of MAX_BATCH_SIZE rows a fixed share of the KV memory; paged = one pool of "
+        "blocks a row takes as it grows (a lone reply may use all of it; full blocks of finished replies stay "
+        "cached for the next prompt with that prefix, with PREFIX_CACHE)")
 
 
 @dataclass(frozen=True)
@@ -449,7 +474,8 @@ class CompareSettings:
     allow_downloads: bool = setting("ALLOW_DOWNLOADS", False, _parse_bool,
         "let a typed Hub id be downloaded (ALLOW_CUSTOM_MODELS; uses HF_TOKEN if set)")
     max_loaded: int = setting("COMPARE_MAX_LOADED", 3, _parse_int,
-        "model configurations the Compare view keeps loaded at most (least recently used unloaded first)")
+        "model configurations the Compare view keeps loaded at most (least recently used unloaded first)",
+        within=COMPARE_MAX_LOADED_RANGE)
 
 
 @dataclass(frozen=True)
@@ -512,11 +538,8 @@ class Settings:
 
     def validate(self) -> None:
         m = self.model
-        _check_choice("QUANTIZATION", m.quantization, QUANTIZATION_MODES)
-        _check_choice("COMPUTE_DTYPE", m.compute_dtype, DTYPES)
-        _check_choice("ATTN_IMPLEMENTATION", m.attn_implementation, ATTN_IMPLEMENTATIONS)
-        _check_choice("DEVICE", m.device, DEVICES)
-        _check_choice("DECODE_PATH", m.decode_path, DECODE_PATHS)
+        for section in (m, self.memory, self.chat, self.server, self.compare, self.remote):
+            check_declared(section)  # ranges and choices as declared; the rules between settings follow
         if m.double_quant and m.quantization not in ("nf4", "fp4"):
             raise SettingsError(
                 f"DOUBLE_QUANT applies to 4-bit modes only, but QUANTIZATION={m.quantization}; "
@@ -527,23 +550,12 @@ class Settings:
         if m.max_memory is not None:
             parse_max_memory(m.max_memory)
         self.generation.validate()
-        _check_range("HISTORY_TURNS", self.chat.history_turns, HISTORY_TURNS_RANGE)
-        _check_range("HISTORY_TRIM_STEP", self.chat.history_trim_step, HISTORY_TRIM_STEP_RANGE)
-        _check_range("MAX_MESSAGE_CHARS", self.chat.max_message_chars, MAX_MESSAGE_CHARS_RANGE)
-        _check_range("MAX_HISTORY_MESSAGES", self.chat.max_history_messages, MAX_HISTORY_MESSAGES_RANGE)
-        _check_range("MAX_HISTORY_CHARS", self.chat.max_history_chars, MAX_HISTORY_CHARS_RANGE)
-        _check_range("MAX_SYSTEM_PROMPT_CHARS", self.chat.max_system_prompt_chars, MAX_SYSTEM_PROMPT_CHARS_RANGE)
-        _check_range("SESSION_MAX_WAITING", self.server.session_max_waiting, SESSION_MAX_WAITING_RANGE)
-        _check_range("LOGIN_MAX_FAILURES", self.server.login_max_failures, LOGIN_MAX_FAILURES_RANGE)
         if not self.server.login_window_s > 0:
             raise SettingsError("LOGIN_WINDOW_S must be a positive number of seconds.")
         _check_addresses("FORWARDED_ALLOW_IPS", self.server.forwarded_allow_ips)
         _check_origins("CORS_ORIGINS", self.server.cors_origins)
         if not self.server.export_ttl_s > 0:
             raise SettingsError("EXPORT_TTL_S must be a positive number of seconds.")
-        _check_range("COMPARE_MAX_LOADED", self.compare.max_loaded, COMPARE_MAX_LOADED_RANGE)
-        if self.server.max_batch_size is not None:
-            _check_range("MAX_BATCH_SIZE", self.server.max_batch_size, MAX_BATCH_SIZE_RANGE)
         if not 0 < self.server.port < 65536:
             raise SettingsError(f"PORT must be between 1 and 65535, got {self.server.port}.")
         if self.server.auth is not None:
@@ -554,7 +566,6 @@ class Settings:
             raise SettingsError("PREFILL_GRAPH_TOKENS must be 0 (off) or a positive number of tokens.")
         if self.memory.prefill_chunk_tokens is not None and self.memory.prefill_chunk_tokens < 0:
             raise SettingsError("PREFILL_CHUNK_TOKENS must be 0 (off) or a positive number of tokens.")
-        _check_choice("ENGINE", self.remote.engine, ENGINES)
         url = self.remote.base_url
         if url is not None and not url.startswith(("http://", "https://")):
             raise SettingsError(f"OPENAI_BASE_URL must start with http:// or https://, got {url!r}; write e.g. "

@@ -1,7 +1,7 @@
 """Will it fit? From a model's config.json alone (no weights), a quantization, a KV cache mode and a card size:
 the weights' bytes, KV bytes per token, the decode path that would run and the longest prompt that fits, with the
 KV cache, the prefill's working memory, the fast path's graphs and the allocator reserve counted (the same
-arithmetic the engine plans every reply with: llm_core.memory.model and llm_core.memory.plan).
+arithmetic the engine plans every reply with: llm_core.memory.model, .budget and .plan).
 
     python -m llm_core.fit MODEL --gpu 8GiB [--quantization nf4] [--kv-cache dynamic] [--max-new-tokens 256]
 
@@ -27,6 +27,8 @@ from .config import (
     parse_bytes,
 )
 from .errors import InputError, LLMCoreError, ModelLoadError
+from .fast.support import config_fast_path_support
+from .memory.budget import max_context_tokens
 from .memory.model import (
     BNB_4BIT_BLOCK,
     DEFAULT_CUDA_MARGIN_BYTES,
@@ -34,7 +36,6 @@ from .memory.model import (
     ModelMemoryFacts,
     human_bytes,
     kv_bytes_per_token,
-    max_context_tokens,
     static_kv_bytes,
 )
 from .memory.plan import (
@@ -86,29 +87,6 @@ def estimate_weights_bytes(config: Any, quantization: str = "nf4", compute_dtype
     embeddings = (vocab * h + vocab * 4 if int8_tables else vocab * h * b) * (1 if tied else 2)
     norms = (2 * layers + 1) * h * b + (2 * layers * hd * b if getattr(text, "model_type", "") == "qwen3" else 0)
     return quantized + bias + embeddings + norms
-
-
-def config_fast_path_support(config: Any, quantization: str) -> tuple[bool, str]:
-    """Whether the fast path would run this model on a CUDA card (the config-level checks of fast.support)."""
-    from .fast.support import SUPPORTED_MODEL_TYPES, UNSUPPORTED_ROPE_TYPES
-
-    model_type = getattr(config, "model_type", None)
-    if quantization not in ("nf4", "int8", "none"):
-        return False, f"QUANTIZATION={quantization} runs on plain generate (the fast path takes nf4, int8, none)"
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return False, (f"model type {model_type!r} runs on plain generate "
-                       f"(fast path: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
-                                                                  model_type == "mistral")
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or sliding:
-        return False, "sliding-window attention runs on plain generate"
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in UNSUPPORTED_ROPE_TYPES:
-        return False, f"RoPE type {rope_type!r} runs on plain generate"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return False, f"activation {config.hidden_act!r} runs on plain generate"
-    return True, "fast path: static KV cache, compiled decode step replayed as CUDA graphs"
 
 
 @dataclass(frozen=True)

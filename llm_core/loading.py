@@ -292,7 +292,7 @@ def wants_int8_token_tables(settings: ModelSettings, device: torch.device, confi
         return settings.int8_token_table
     if device.type != "cuda" or settings.quantization not in ("nf4", "int8") or settings.decode_path == "plain":
         return False
-    from .fit import config_fast_path_support
+    from .fast.support import config_fast_path_support
 
     return config_fast_path_support(config, settings.quantization)[0]
 

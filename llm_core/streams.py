@@ -5,8 +5,10 @@ with `stream`, or feeds a streamer with `generate` (model.generate's shape, for 
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,11 +26,43 @@ class Finished:
     error: BaseException | None = None
 
 
+class QueuedReply:
+    """One reply in a batch scheduler: the scheduler thread puts its token ids (int) and finally a Finished on
+    `items`, and fills `record` (llm_core.engine.serving.RowKV: its KV bytes, peaks) before the Finished."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt_ids: list[int], options: Any, max_new_tokens: int, stop_event: threading.Event,
+                 record: Any = None) -> None:
+        self.id = next(self._ids)
+        self.prompt_ids = prompt_ids
+        self.options = options
+        self.max_new_tokens = int(max_new_tokens)
+        self.stop_event = stop_event
+        self.record = record
+        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
+        self.arrived_s = time.perf_counter()
+        self.counted_wait = False  # counted once in the scheduler's waiting statistics
+        self.finished: Finished | None = None
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens this reply may hold in the cache at most (prompt + every new token)."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+
 class TokenStreams:
     """Mixin for a scheduler with `submit(prompt_ids, options, max_new_tokens, stop_event, record) -> request` (the
     request has an `items` queue) and a `_loop_running()` check; `fatal_error` is what stopped its loop, if any."""
 
     fatal_error: BaseException | None = None
+    _cond: threading.Condition  # guards _waiting, the queue the loop thread admits from
+    _waiting: Any
+    stats: Any  # the scheduler's counters (errors among them)
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
 
     def submit(self, prompt_ids: list[int], options: Any, max_new_tokens: int, stop_event: threading.Event,
                record: Any = None) -> Any:
@@ -36,6 +70,24 @@ class TokenStreams:
 
     def _loop_running(self) -> bool:
         raise NotImplementedError
+
+    def _finish(self, request: Any, reason: str, error: BaseException | None = None) -> None:
+        """End a request once: its Finished goes on its queue (an error counted in the scheduler's `stats`)."""
+        if request.finished is None:
+            request.finished = Finished(reason, error)
+            if error is not None:
+                self.stats.errors += 1
+            request.items.put(request.finished)
+
+    def _enqueue(self, request: Any, stopped: str) -> Any:
+        """Queue a checked request for the loop thread (the scheduler's `_cond`, `_waiting` and `alive`); raise
+        GenerationError(stopped) when its loop has ended."""
+        with self._cond:
+            if not self.alive:
+                raise GenerationError(stopped)
+            self._waiting.append(request)
+            self._cond.notify_all()
+        return request
 
     def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
         """Yield the request's token ids as the scheduler produces them; raise its error; end when it finishes."""

@@ -19,12 +19,12 @@ from llm_core.errors import ContextBudgetError
 from llm_core.fast import FastDecodeOptions, FastDecoder, kvquant, layer
 from llm_core.history import Turn
 from llm_core.loading import load_model
+from llm_core.memory.budget import max_context_tokens
 from llm_core.memory.model import (
     GiB,
     ModelMemoryFacts,
     forward_activation_bytes,
     logits_bytes,
-    max_context_tokens,
     predict_peak_bytes,
     static_kv_bytes,
 )

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from app import parse_args
-from llm_core.config import SPECS, Settings, env_example, parse_max_memory
+from llm_core.config import _SECTIONS, SPECS, Settings, env_example, parse_max_memory
 from llm_core.errors import SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -106,6 +108,27 @@ def test_each_setting_is_declared_once_on_its_field() -> None:
     for spec in SPECS:
         value = getattr(getattr(defaults, spec.section), spec.attr)
         assert spec.default() == (",".join(value) if isinstance(value, tuple) else value)
+
+
+@pytest.mark.parametrize(("section", "values", "named"), [
+    ("chat", {"history_turns": 65}, "HISTORY_TURNS"),
+    ("server", {"max_batch_size": 0}, "MAX_BATCH_SIZE"),
+    ("compare", {"max_loaded": 17}, "COMPARE_MAX_LOADED"),
+    ("generation", {"top_p": 1.5}, "TOP_P"),
+    ("model", {"decode_path": "warp"}, "DECODE_PATH"),
+    ("generation", {"kv_cache": "fp8"}, "KV_CACHE"),
+])
+def test_a_value_set_in_code_is_held_to_its_declared_range_and_choices(section: str, values: dict[str, Any],
+                                                                       named: str) -> None:
+    """Settings built in code (not parsed) are checked against the range or choices declared on the field, and the
+    range is what .env.example says."""
+    with pytest.raises(SettingsError, match=named):
+        Settings().replace(**{section: values})
+    spec = next(s for s in SPECS if s.name == named)
+    field = {f.name: f for f in dataclasses.fields(_SECTIONS[section])}[spec.attr]
+    within = field.metadata["setting"]["within"]
+    if within is not None:
+        assert spec.help.endswith(f"from {within[0]} to {within[1]}") and spec.help in env_example()
 
 
 def test_kv_cache_has_one_tuple_of_modes_and_old_names_stay_accepted() -> None:

@@ -13,7 +13,8 @@ from transformers import LlamaConfig
 
 from llm_core.fit import estimate_weights_bytes, fit_config, load_config, main
 from llm_core.loading import load_model
-from llm_core.memory.model import GiB, ModelMemoryFacts, human_bytes, max_context_tokens, model_weights_bytes
+from llm_core.memory.budget import max_context_tokens
+from llm_core.memory.model import GiB, ModelMemoryFacts, human_bytes, model_weights_bytes
 from llm_core.memory.plan import resolve_prefill_chunk_tokens, resolve_prefill_graph_tokens, static_cache_plan
 from tests.conftest import MODEL_CACHE, make_settings
 

@@ -21,23 +21,25 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from llm_core.config import Settings
 from llm_core.errors import ContextBudgetError, SettingsError
 from llm_core.loading import load_model
+from llm_core.memory.budget import (
+    MemoryBudget,
+    default_budget_bytes,
+    max_context_tokens,
+    plan_reply,
+    refit_reserve,
+    require_fit,
+)
 from llm_core.memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
 from llm_core.memory.kv_cache import cache_bytes, cache_kwarg, make_cache, prefill_in_chunks, returned_cache
 from llm_core.memory.model import (
     GiB,
-    MemoryBudget,
     MiB,
     ModelMemoryFacts,
     QuantizedKVSpec,
-    default_budget_bytes,
     forward_activation_bytes,
     kv_bytes,
     kv_bytes_per_token,
-    max_context_tokens,
-    plan_reply,
     predict_peak_bytes,
-    refit_reserve,
-    require_fit,
     resident_extra_bytes,
 )
 from llm_core.types import LoadedModel

@@ -13,7 +13,8 @@ import torch
 from llm_core.engine.chat import ChatEngine
 from llm_core.errors import ContextBudgetError, OutOfMemoryError
 from llm_core.history import Turn, build_messages
-from llm_core.memory.model import MemoryBudget, predict_peak_bytes
+from llm_core.memory.budget import MemoryBudget
+from llm_core.memory.model import predict_peak_bytes
 
 
 def last(iterable: Any) -> Any:

@@ -255,3 +255,37 @@ def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) ->
         del decoder
     rel = ((scores["nf4"] - scores["bnb"]).norm(dim=-1) / scores["bnb"].norm(dim=-1)).max().item()
     assert rel <= 2e-2
+
+
+@pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("split", [1, 4])
+def test_rows_kernel_compiles_for_hopper(nested: bool, split: int) -> None:
+    """Compile (not run) the M > 1 rows kernel for sm_90 on CPU with the argument types nf4_rows passes: its
+    inline PTX and tensor-core dots must lower for the card users run it on."""
+    from bitsandbytes.functional import get_4bit_type
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    code = tuple(float(v) for v in get_4bit_type("nf4", device="cpu").tolist())
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
+                 "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*fp32", "M": "i32",
+                 "N": "i32"}
+    constexprs = dict(K=4096, KW=512, WPB=8, NESTED=nested, HAS_BIAS=not nested, ASM=nf4_gemv._unpack_asm_for(code),
+                      MP=16, BLOCK_N=64, BLOCK_W=32, SPLIT=split)
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = nf4_gemv.triton.compile(ASTSource(fn=nf4_gemv._nf4_rows_kernel, signature=sig, constexprs=constexprs),
+                                     target=GPUTarget("cuda", 90, 32))
+    assert "mma" in kernel.asm["ptx"]  # the dots became tensor-core instructions
+
+
+def test_tuned_pick_reads_the_config_an_autotuner_chose_for_a_shape() -> None:
+    from types import SimpleNamespace
+
+    from llm_core.fast.kernels.tuning import tuned_pick
+
+    chosen = SimpleNamespace(kwargs={"BLOCK_N": 8, "BLOCK_B": 4, "SPLIT": 1}, num_warps=4)
+    tuner = SimpleNamespace(cache={(4096, 512, "bf16"): chosen})
+    assert tuned_pick(tuner, 4096, 512, ("BLOCK_N", "BLOCK_B")) == {"BLOCK_N": 8, "BLOCK_B": 4, "num_warps": 4}
+    assert tuned_pick(tuner, 4096, 1024, ("BLOCK_N",)) is None  # not tuned for that shape yet
+    assert tuned_pick(None, 4096, 512, ("BLOCK_N",)) is None  # no Triton

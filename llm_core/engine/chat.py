@@ -35,19 +35,10 @@ from ..errors import (
 )
 from ..history import Turn, build_messages, clean_text, clean_turns, fit_history
 from ..loading import Progress, load_model
+from ..memory.budget import MemoryBudget, ReplyPlan, max_context_tokens, plan_reply, refit_reserve, require_fit
 from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, make_cache
-from ..memory.model import (
-    MemoryBudget,
-    ModelMemoryFacts,
-    ReplyPlan,
-    human_bytes,
-    max_context_tokens,
-    plan_reply,
-    predict_peak_bytes,
-    refit_reserve,
-    require_fit,
-)
+from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
 from ..types import LoadedModel
 from .admission import ReplySlots

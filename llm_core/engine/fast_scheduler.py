@@ -9,19 +9,26 @@ Loop (one scheduler thread owns the device; request threads only queue work and 
     position 0 of their own slot) --> per-row select (repetition penalty, min-new-tokens EOS ban and argmax inside
     the step; sampling rows through llm_core.sampling with their own generator) --> each row's token to its request
     --> a row that ends (EOS, length, Stop, error) frees its slot before the next step.
+
+Paged KV (KV_LAYOUT=paged, llm_core.engine.kv_pool): a row also needs blocks of the decoder's one pool. Admission
+takes the prompt's blocks, the longest cached full-block prefix taken back instead of prefilled (the reply's
+cached_prompt_tokens); a decoding row takes a block each time it crosses into a new one. A newcomer whose blocks
+cannot be had waits in the queue; a decoding row that cannot get its next block sits out the steps (paused) until
+one is freed, and when every decoding row is paused the newest is preempted, as vLLM does: its KV is cached and
+released and it re-queues at the head, later resuming from everything it streamed (mostly from the cache). A
+finished row's full blocks stay cached (LRU among unheld blocks) for the next prompt with that prefix.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-import queue
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,34 +36,23 @@ import torch
 from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
 from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
 from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
-from ..streams import Finished, TokenStreams
+from ..streams import QueuedReply, TokenStreams
+from .kv_pool import BlockPool, BlockTable, PoolExhausted
 
 
-class FastRequest:
-    """One reply in the batched fast path. The scheduler thread puts token ids (int) and finally a Finished on
-    `items`, and fills `record` (duck-typed: nbytes, peak_*_bytes, peak_batch_rows) before the Finished."""
-
-    _ids = itertools.count()
+class FastRequest(QueuedReply):
+    """One reply in the batched fast path (`record`: duck-typed nbytes, peak_*_bytes, peak_batch_rows,
+    cached_prompt_tokens)."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                  stop_event: threading.Event, record: Any = None) -> None:
-        self.id = next(self._ids)
-        self.prompt_ids = prompt_ids
-        self.options = options
-        self.max_new_tokens = int(max_new_tokens)
-        self.stop_event = stop_event
-        self.record = record
-        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
-        self.arrived_s = time.perf_counter()
-        self.counted_wait = False
-        self.finished: Finished | None = None
+        super().__init__(prompt_ids, options, max_new_tokens, stop_event, record)
         self.peak_allocated = 0
         self.peak_reserved = 0
         self.peak_rows = 0
-
-    @property
-    def kv_tokens(self) -> int:
-        return len(self.prompt_ids) + self.max_new_tokens
+        self.generated: list[int] = []  # the tokens streamed so far (a preempted reply resumes after them)
+        self.generator: torch.Generator | None = None
+        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the paged pool's cache
 
 
 @dataclass
@@ -68,6 +64,13 @@ class _Row:
     length: int = 0  # tokens in the slot once decoding (prompt + fed tokens)
     new_tokens: int = 0
     generator: torch.Generator | None = None
+    table: BlockTable | None = None  # paged: the row's blocks in the pool
+    order: int = 0  # admission order (the newest paused row is the one preempted)
+    paused: bool = False  # paged: waiting for a block for its next position
+
+    def kv_ids(self) -> list[int]:
+        """The token ids whose K/V the row's cache holds, from position 0."""
+        return (self.request.prompt_ids + self.request.generated)[:self.length or self.prefilled]
 
 
 @dataclass
@@ -87,6 +90,14 @@ class BatchStats:
     prefills: int = 0
     prefill_chunks: int = 0
     waited_for_slot: int = 0  # requests that found every slot taken
+    kv_layout: str = "slots"
+    pool_blocks: int = 0  # paged: blocks rows may take, of block_tokens each
+    block_tokens: int = 0
+    free_blocks: int = 0  # paged: unheld blocks (free or cached)
+    cached_blocks: int = 0  # paged: blocks findable by a prompt prefix
+    waited_for_blocks: int = 0  # paged: requests that found too few free blocks at the head of the queue
+    paused_rows: int = 0  # paged: times a decoding row sat out steps for want of a block
+    preempted: int = 0  # paged: rows released to the queue because every decoding row wanted a block
     errors: int = 0
     step_s: float = 0.0  # host time of the decode steps, launch to tokens on the host
     rows_by_bucket: dict[int, int] = field(default_factory=dict)  # steps per batch bucket
@@ -107,8 +118,10 @@ class FastBatchScheduler(TokenStreams):
     tokens exceed a slot is refused at once (ContextBudgetError); one that fits waits only for a free slot."""
 
     def __init__(self, slots: SlotDecoder, *, eos_token_ids: Sequence[int], name: str = "fast-batch",
-                 prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP) -> None:
+                 prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP, prefix_cache: bool = True) -> None:
         self.decoder = slots
+        self.prefix_cache = prefix_cache
+        self.pool = self._new_pool()
         self.device = slots.device
         self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.prefill_tokens_per_step = int(prefill_tokens_per_step)
@@ -117,11 +130,22 @@ class FastBatchScheduler(TokenStreams):
         self._rows: dict[int, _Row] = {}  # slot -> row, decoding
         self._prefilling: list[_Row] = []  # in slot order of admission
         self._closed = False
-        self.stats = BatchStats(slots=slots.slots, slot_tokens=slots.slot_tokens)
+        self.stats = self._new_stats()
         self.fatal_error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._name = name
+        self._admitted = itertools.count()
+
+    def _new_pool(self) -> BlockPool | None:
+        d = self.decoder
+        return BlockPool(d.num_blocks, d.block_size, namespace=d.kv_namespace, caching=self.prefix_cache) \
+            if d.paged else None
+
+    def _new_stats(self) -> BatchStats:
+        d = self.decoder
+        return BatchStats(slots=d.slots, slot_tokens=d.slot_tokens, kv_layout="paged" if d.paged else "slots",
+                          pool_blocks=d.num_blocks if d.paged else 0, block_tokens=d.block_size if d.paged else 0)
 
     # --- public ------------------------------------------------------------------------------------------------------
     @property
@@ -155,7 +179,8 @@ class FastBatchScheduler(TokenStreams):
             if self._thread is not None:
                 raise GenerationError("The batched decode loop is running: its KV slots are sized before it starts.")
             self.decoder.resize(slot_tokens)
-            self.stats = BatchStats(slots=self.decoder.slots, slot_tokens=self.decoder.slot_tokens)
+            self.pool = self._new_pool()
+            self.stats = self._new_stats()
 
     def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                stop_event: threading.Event, record: Any = None) -> FastRequest:
@@ -164,31 +189,24 @@ class FastBatchScheduler(TokenStreams):
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1.")
         request = FastRequest(list(prompt_ids), options, max_new_tokens, stop_event, record)
-        if request.kv_tokens > self.slot_tokens:
+        if request.kv_tokens > self.decoder.reply_tokens:
+            room = "the KV pool" if self.pool is not None else "one reply's KV slot"
             raise ContextBudgetError(
-                f"The prompt ({len(prompt_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceed one "
-                f"reply's KV slot ({self.slot_tokens:,} tokens); shorten the history or lower max new tokens.")
+                f"The prompt ({len(prompt_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceed {room} "
+                f"({self.decoder.reply_tokens:,} tokens); shorten the history or lower max new tokens.")
         self.start()
-        with self._cond:
-            if not self.alive:
-                raise GenerationError("The batched decode loop has stopped; restart the demo.")
-            self._waiting.append(request)
-            self._cond.notify_all()
-        return request
+        return self._enqueue(request, "The batched decode loop has stopped; restart the demo.")
 
     def _loop_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def snapshot(self) -> BatchStats:
         with self._cond:
-            s = self.stats
-            return BatchStats(
-                waiting=len(self._waiting), active=len(self._rows), prefilling=len(self._prefilling),
-                slots=s.slots, slot_tokens=s.slot_tokens, kv_held_bytes=self.decoder.cache_bytes,
-                decode_steps=s.decode_steps, rows_decoded=s.rows_decoded, padded_rows=s.padded_rows,
-                max_rows_in_step=s.max_rows_in_step, prefills=s.prefills, prefill_chunks=s.prefill_chunks,
-                waited_for_slot=s.waited_for_slot, errors=s.errors, step_s=s.step_s,
-                rows_by_bucket=dict(s.rows_by_bucket))
+            pool = self.pool
+            return replace(self.stats, waiting=len(self._waiting), active=len(self._rows),
+                           prefilling=len(self._prefilling), kv_held_bytes=self.decoder.cache_bytes,
+                           free_blocks=pool.free_blocks if pool else 0, cached_blocks=pool.cached_blocks if pool else 0,
+                           rows_by_bucket=dict(self.stats.rows_by_bucket))
 
     def queue_position(self, request: FastRequest) -> int | None:
         """Requests ahead of `request` in the slot queue (0 = next), None once it has a slot."""
@@ -252,13 +270,6 @@ class FastBatchScheduler(TokenStreams):
         for row in [*self._rows.values(), *self._prefilling]:
             self._end_row(row, "error", err)
 
-    def _finish(self, request: FastRequest, reason: str, error: BaseException | None = None) -> None:
-        if request.finished is None:
-            request.finished = Finished(reason, error)
-            if error is not None:
-                self.stats.errors += 1
-            request.items.put(request.finished)
-
     def _end_row(self, row: _Row, reason: str, error: BaseException | None = None) -> None:
         """The row leaves: its record filled, its slot freed, its request finished."""
         request = row.request
@@ -270,13 +281,22 @@ class FastBatchScheduler(TokenStreams):
                 record.peak_allocated_bytes = request.peak_allocated or None
                 record.peak_reserved_bytes = request.peak_reserved or None
             record.peak_batch_rows = request.peak_rows or None
+            record.cached_prompt_tokens = request.cached_prompt_tokens
+        self._release_row(row, keep=error is None)
+        self._finish(request, reason, error)
+
+    def _release_row(self, row: _Row, keep: bool) -> None:
+        """The row leaves its slot (and its blocks: the full ones cached unless `keep` is off, after an error)."""
         with self._cond:
             if self._rows.get(row.slot) is row:
                 del self._rows[row.slot]
             if row in self._prefilling:
                 self._prefilling.remove(row)
+        if self.pool is not None and row.table is not None:
+            if keep:
+                self.pool.commit(row.table, row.kv_ids())
+            self.pool.finish(row.table)
         self.decoder.release(row.slot)
-        self._finish(request, reason, error)
 
     def _drop_stopped(self) -> None:
         with self._cond:
@@ -291,22 +311,50 @@ class FastBatchScheduler(TokenStreams):
         return [s for s in range(self.decoder.slots) if s not in taken]
 
     def _admit(self) -> None:
-        """Waiting requests take the lowest free slots, in arrival order (they all fit a slot: checked at submit)."""
+        """Waiting requests take the lowest free slots, in arrival order (they all fit a slot, or the pool: checked at
+        submit). Paged: the head also needs its prompt's blocks (a cached prefix taken back, not prefilled); without
+        them it waits, and so does everyone behind it, as while a decoding row is paused for a block."""
         with self._cond:
             free = self._free_slots()
+            blocked = False
             while self._waiting and free:
-                request = self._waiting.popleft()
+                request = self._waiting[0]
+                ids_list = request.prompt_ids + request.generated  # a preempted reply resumes after its tokens
+                table = None
+                if self.pool is not None:
+                    if any(r.paused for r in self._rows.values()):
+                        blocked = True
+                        break
+                    try:
+                        table = self.pool.start(ids_list, len(ids_list))
+                    except PoolExhausted:
+                        blocked = True
+                        break
+                self._waiting.popleft()
                 slot = free.pop(0)
                 options = request.options
-                ids = torch.tensor(request.prompt_ids, dtype=torch.long, device=self.device)
-                self._prefilling.append(_Row(request, slot, ids, generator=sampling_generator(options, self.device)))
+                if request.generator is None:
+                    request.generator = sampling_generator(options, self.device)
+                ids = torch.tensor(ids_list, dtype=torch.long, device=self.device)
+                row = _Row(request, slot, ids, generator=request.generator, table=table, order=next(self._admitted))
+                if table is not None:
+                    self.decoder.set_blocks(slot, table.block_ids)
+                    row.prefilled = table.cached_tokens
+                    if not request.generated:
+                        request.cached_prompt_tokens = table.cached_tokens
+                self._prefilling.append(row)
                 self.decoder.start_row(slot, options.repetition_penalty, sorted(self.eos_token_ids),
-                                       options.min_new_tokens > 0)
+                                       options.min_new_tokens > len(request.generated))
+                if row.prefilled:  # the cached prefix's tokens were seen too (the repetition penalty)
+                    self.decoder.seen[slot].index_fill_(0, ids[:row.prefilled], True)
             if self._waiting:
                 head = self._waiting[0]
                 if not head.counted_wait:
                     head.counted_wait = True
-                    self.stats.waited_for_slot += 1
+                    if blocked:
+                        self.stats.waited_for_blocks += 1
+                    else:
+                        self.stats.waited_for_slot += 1
 
     def _measure(self, op: Callable[[], Any], rows: int) -> Any:
         """Run op; on CUDA record the device's allocation peak during it on every reply in flight (the batch's
@@ -402,6 +450,8 @@ class FastBatchScheduler(TokenStreams):
 
     def _first_token(self, row: _Row, hn: torch.Tensor) -> None:
         request = row.request
+        if self.pool is not None and row.table is not None:  # the prompt's full blocks: findable from now on
+            self.pool.commit(row.table, row.kv_ids())
         if request.stop_event.is_set():
             self._end_row(row, "stopped")
             return
@@ -414,7 +464,8 @@ class FastBatchScheduler(TokenStreams):
             self._end_row(row, "error", exc)
             return
         row.length = row.prefilled
-        row.new_tokens = 1
+        request.generated.append(token)
+        row.new_tokens = len(request.generated)
         with self._cond:
             self._rows[row.slot] = row  # decoding from here (so _end_row finds it)
         request.items.put(token)
@@ -433,9 +484,43 @@ class FastBatchScheduler(TokenStreams):
             return "length"
         return None
 
+    def _take_blocks(self) -> None:
+        """Paged: each decoding row holds a block for the position this step writes, oldest rows first; a row
+        that cannot get one is paused (it sits the step out), and when every row is paused the newest is
+        preempted (its KV cached and released, its request first in the queue)."""
+        assert self.pool is not None
+        rows = sorted(self._rows.values(), key=lambda r: r.order)
+        for row in rows:
+            assert row.table is not None
+            if row.table.capacity <= row.length:
+                try:
+                    self.pool.grow(row.table, row.length + 1)
+                except PoolExhausted:
+                    if not row.paused:
+                        row.paused = True
+                        self.stats.paused_rows += 1
+                        self.decoder.pause(row.slot)
+                    continue
+                self.decoder.set_blocks(row.slot, row.table.block_ids)
+            if row.paused:
+                row.paused = False
+                self.decoder.resume(row.slot)
+        if rows and all(r.paused for r in rows):
+            newest = rows[-1]
+            self.stats.preempted += 1
+            self._release_row(newest, keep=True)
+            with self._cond:
+                self._waiting.appendleft(newest.request)
+            if len(rows) > 1:
+                self._take_blocks()
+
     def _decode_step(self) -> None:
-        rows = dict(self._rows)
-        bucket = batch_bucket(max(rows) + 1, self.decoder.slots)
+        if self.pool is not None:
+            self._take_blocks()
+        rows = {s: r for s, r in self._rows.items() if not r.paused}
+        if not rows:
+            return
+        bucket = batch_bucket(max(self._rows) + 1, self.decoder.slots)
         longest = max(r.length for r in rows.values()) + 1
         t0 = time.perf_counter()
         self._measure(lambda: self.decoder.run_step(bucket, longest), len(rows))
@@ -458,6 +543,7 @@ class FastBatchScheduler(TokenStreams):
                 self._end_row(row, "stopped")
                 continue
             token = int(tokens[slot])
+            request.generated.append(token)
             row.new_tokens += 1
             request.items.put(token)
             reason = self._end_reason(row, token)
@@ -466,7 +552,7 @@ class FastBatchScheduler(TokenStreams):
                 continue
             if request.options.min_new_tokens and row.new_tokens == request.options.min_new_tokens:
                 self.decoder.allow_eos(slot)
-            if row.length + 1 > self.decoder.slot_tokens:  # cannot happen: admitted with prompt + max new <= slot
+            if row.length + 1 > self.decoder.reply_tokens:  # cannot happen: admitted with prompt + max new <= room
                 self._end_row(row, "length")
 
 

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import queue
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -42,7 +40,7 @@ from ..errors import ContextBudgetError, GenerationError, InputError
 from ..memory.device import free_memory, is_oom_error
 from ..memory.model import kv_bytes_per_token
 from ..sampling import SamplingOptions, logits_processors, next_token
-from ..streams import Finished, TokenStreams
+from ..streams import QueuedReply, TokenStreams
 
 # A waiting request whose KV does not fit yet may be overtaken by at most this many later (smaller) requests; after
 # that nothing new is admitted until it fits, so a long prompt cannot starve behind a stream of short ones.
@@ -102,13 +100,8 @@ def default_kv_budget_bytes(loaded: Any, max_batch_size: int, budget_bytes: int 
     device had free after loading minus a margin; llm_core.memory), minus what is allocated now (weights), minus the
     activations of the largest prefill (a full-context prompt) or of a full batch's decode step, the logits and the
     workspace, all divided by (1 + the allocator's reserve fraction)."""
-    from ..memory.model import (
-        ModelMemoryFacts,
-        decode_transient_bytes,
-        default_budget_bytes,
-        forward_activation_bytes,
-        logits_bytes,
-    )
+    from ..memory.budget import default_budget_bytes
+    from ..memory.model import ModelMemoryFacts, decode_transient_bytes, forward_activation_bytes, logits_bytes
 
     device = loaded.device
     facts = facts if facts is not None else ModelMemoryFacts.from_loaded(loaded)
@@ -141,6 +134,7 @@ class RowKV:
         self.peak_allocated_bytes: int | None = None
         self.peak_reserved_bytes: int | None = None
         self.peak_batch_rows: int | None = None
+        self.cached_prompt_tokens = 0  # the batched fast path's paged pool: prompt tokens not prefilled
 
     def record(self, cache: Any, row: int) -> None:
         total = 0
@@ -151,29 +145,13 @@ class RowKV:
         self.nbytes = total or None
 
 
-class BatchRequest:
-    """One reply in the scheduler. The scheduler thread puts token ids (int) and finally a `Finished` on `items`."""
-
-    _ids = itertools.count()
+class BatchRequest(QueuedReply):
+    """One reply in the eager scheduler (counted_wait: in SchedulerStats.waited_for_memory)."""
 
     def __init__(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                  stop_event: threading.Event, kv_record: RowKV | None = None) -> None:
-        self.id = next(self._ids)
-        self.prompt_ids = prompt_ids
-        self.options = options
-        self.max_new_tokens = int(max_new_tokens)
-        self.stop_event = stop_event
-        self.kv_record = kv_record
-        self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
-        self.arrived_s = time.perf_counter()
+        super().__init__(prompt_ids, options, max_new_tokens, stop_event, kv_record)
         self.overtaken = 0
-        self.counted_wait = False  # counted once in SchedulerStats.waited_for_memory
-        self.finished: Finished | None = None
-
-    @property
-    def kv_tokens(self) -> int:
-        """Tokens this reply may hold in the cache at most (prompt + every new token)."""
-        return len(self.prompt_ids) + self.max_new_tokens
 
 
 @dataclass
@@ -275,12 +253,7 @@ class BatchScheduler(TokenStreams):
                 f"This reply needs up to {need / 2**20:,.0f} MiB of KV cache ({request.kv_tokens:,} tokens), more "
                 f"than the {self.kv_budget_bytes / 2**20:,.0f} MiB budget for all replies; shorten the history or "
                 "lower max new tokens.")
-        with self._cond:
-            if not self.alive:
-                raise GenerationError("The batch scheduler has stopped; restart the demo.")
-            self._waiting.append(request)
-            self._cond.notify_all()
-        return request
+        return self._enqueue(request, "The batch scheduler has stopped; restart the demo.")
 
     def _loop_running(self) -> bool:
         return self._thread.is_alive()
@@ -339,13 +312,6 @@ class BatchScheduler(TokenStreams):
             self._cache = None
         for request in pending:
             self._finish(request, "error", error)
-
-    def _finish(self, request: BatchRequest, reason: str, error: BaseException | None = None) -> None:
-        if request.finished is None:
-            request.finished = Finished(reason, error)
-            if error is not None:
-                self.stats.errors += 1
-            request.items.put(request.finished)
 
     def _drop_stopped(self) -> None:
         """Stop / disconnect: a waiting request leaves the queue, a running row leaves the batch."""
@@ -589,12 +555,12 @@ class BatchScheduler(TokenStreams):
                     row.pad_left -= cut
 
     def _record_kv(self, row: _Row, index: int) -> None:
-        if row.request.kv_record is not None and self._cache is not None:
-            row.request.kv_record.record(self._cache, index)
+        if row.request.record is not None and self._cache is not None:
+            row.request.record.record(self._cache, index)
 
     def _record_kv_single(self, cache: Any, request: BatchRequest) -> None:
-        if request.kv_record is not None:
-            request.kv_record.record(cache, 0)
+        if request.record is not None:
+            request.record.record(cache, 0)
 
 
 _RUNNING: weakref.WeakSet[BatchScheduler] = weakref.WeakSet()
@@ -661,7 +627,9 @@ class FastBatchedBackend:
     def warmup(self) -> None:
         self.scheduler.start()
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
         gen = prepared.gen
+        record = cache if isinstance(cache, RowKV) else None
         self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
-                                cache if isinstance(cache, RowKV) else None)
+                                record)
+        return record.cached_prompt_tokens if record is not None else 0

@@ -19,9 +19,10 @@ import torch
 from ..config import Settings
 from ..errors import ContextBudgetError, SettingsError
 from ..loading import Progress
+from ..memory.budget import MemoryBudget
 from ..memory.device import OOMInjector, device_allocated_bytes, free_memory
 from ..memory.kv_cache import cache_kwarg
-from ..memory.model import STATIC_KV_LAYOUTS, MemoryBudget, ModelMemoryFacts, human_bytes, resident_extra_bytes
+from ..memory.model import STATIC_KV_LAYOUTS, ModelMemoryFacts, human_bytes, resident_extra_bytes
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
@@ -251,10 +252,11 @@ class DecodeStartup:
                 f"The memory budget leaves no room for even one {MIN_FAST_CACHE_TOKENS}-token KV slot of the batched "
                 "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=int8 or a "
                 "larger VRAM_BUDGET.")
-        decoder.max_cache_len = slot_tokens  # the engine fits every history to one slot (context_limit)
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
-        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens),
-                                       eos_token_ids=sorted(self.loaded.eos_token_ids))
+        rows = SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens, layout=self.settings.memory.kv_layout)
+        decoder.max_cache_len = rows.reply_tokens  # the engine fits every history to one slot, or the pool
+        scheduler = FastBatchScheduler(rows, eos_token_ids=sorted(self.loaded.eos_token_ids),
+                                       prefix_cache=self._prefix_cache)
         self._fast_batched_reason = (fast.reason, size)
         self.backend = FastBatchedBackend(scheduler, decoder, _fast_batched_reason(fast.reason, size, slots,
                                                                                    slot_tokens))
@@ -341,7 +343,7 @@ class DecodeStartup:
         except ContextBudgetError as exc:
             raise ContextBudgetError(f"{exc} With MAX_BATCH_SIZE={slots.slots} the batch's KV slots share it: lower "
                                      "MAX_BATCH_SIZE.") from None
-        slots.fast.max_cache_len = slots.slot_tokens  # the context one reply may span (FastBatchedBackend.decoder)
+        slots.fast.max_cache_len = slots.reply_tokens  # the context one reply may span (FastBatchedBackend.decoder)
         self.memory_facts = replace(self.memory_facts, static_kv_tokens=slots.slots * slots.slot_tokens)
         base, size = self._fast_batched_reason
         self.backend.reason = _fast_batched_reason(base, size, slots.slots, slots.slot_tokens, measured=True)

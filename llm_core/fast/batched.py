@@ -9,6 +9,10 @@ and not paged blocks: with one model, one prompt budget (the engine fits every h
 most 32 rows, slots are what the Triton attention kernel reads without a block table, the CUDA graphs need no
 per-step table upload, and admission is a free-slot count; the cost is capacity: each slot holds the longest
 reply the engine admits, so short replies leave most of their slot unused (docs/sharing.md).
+Paged (KV_LAYOUT=paged): the same bytes as one pool (layers, num_blocks + 1, block_size, kv_heads, row); row b
+reads and writes positions through its row of a static block table (slots, num_blocks) int32 that the scheduler
+fills from llm_core.engine.kv_pool (the extra block is the idle rows' scratch), so one reply may span the pool and
+full blocks are shared between replies with the same prefix. The CUDA graphs read the table in place.
 
 Step: embedding + RoPE for B positions, per layer the fast path's projections on B rows (one token each), a KV write
 per row, attention per row over its own length (Triton: a row dimension on the split-K kernel; torch elsewhere),
@@ -33,7 +37,7 @@ import torch.nn.functional as F
 from ..errors import GenerationError
 from . import kvquant
 from .generate import FastDecoder
-from .kernels.attention import round_up
+from .kernels.attention import PAGED_BLOCK_SIZES, gather_blocks, round_up
 from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
 from .layer import (
@@ -63,6 +67,8 @@ MAX_SLOTS = BATCH_BUCKETS[-1]
 # Prompt tokens prefilled between two decode steps while other rows are decoding: running replies stall at most
 # one chunk's prefill per step (a newcomer alone is prefilled in one go, up to the fast path's own chunk).
 PREFILL_TOKENS_PER_STEP = 512
+KV_LAYOUTS = ("slots", "paged")  # KV_LAYOUT: fixed slots per row, or one pool of blocks read through block tables
+PAGED_BLOCK_TOKENS = 16  # tokens per block of the paged pool (vLLM's default; the kernel takes 16, 32 or 64)
 
 
 def batch_bucket(rows: int, slots: int) -> int:
@@ -101,13 +107,20 @@ def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_
 
 
 def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   pos: torch.Tensor) -> torch.Tensor:
+                   pos: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
     """Row b's query (B, Hq, D) over its own slot k/v_cache[b] (B, L, Hkv, row), rows after pos[b] masked ->
-    (B, Hq*D). The torch form is the fast path's eager attention (same matmuls) with a leading row dimension."""
+    (B, Hq*D); with a block table (B, max_blocks) int32, k/v_cache are a pool of blocks (num_blocks, block_size,
+    Hkv, row) and row b's positions are its table's blocks in order. The torch form is the fast path's eager
+    attention (same matmuls) with a leading row dimension, over the blocks gathered (the paged kernel's reference)."""
     rows = q.shape[0]
     if spec.attention == "triton":
-        out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale)
+        if table is not None:
+            out = torch.ops.llm_core.decode_attention_paged(q, k_cache, v_cache, table, pos, spec.scale)
+        else:
+            out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale)
         return out.reshape(rows, spec.n_heads * spec.head_dim)
+    if table is not None:
+        k_cache, v_cache = gather_blocks(k_cache, table), gather_blocks(v_cache, table)
     if is_quantized(k_cache):
         k_cache, v_cache = from_cache(k_cache, q.dtype), from_cache(v_cache, q.dtype)
     groups = spec.n_heads // spec.n_kv_heads
@@ -122,12 +135,15 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None
+               w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None,
+               table: torch.Tensor | None = None, dest: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.layer_decode for B rows, one token each: h, hn (B, H); cos/sin (B, D); pos (B,) int64
     where row b's K/V is written; last (B,) the last cache row it attends to (= pos for a live row; 0 for an idle
     slot, which writes to its slot's scratch row and whose output is thrown away); k/v_cache (B, L, Hkv, row): the
-    rows' slots of this layer; span: cache rows the attention reads (None: all; eager torch form only)."""
+    rows' slots of this layer; span: cache rows the attention reads (None: all; eager torch form only). Paged:
+    k/v_cache are this layer's pool (num_blocks, block_size, Hkv, row), table (B, max_blocks) int32 the rows' block
+    tables and dest (B,) the pool row each row writes (SlotDecoder.step computes it once for every layer)."""
     rows = h.shape[0]
     lins = _split_linears(spec, w)
     rest = lins[-1]
@@ -147,12 +163,18 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    index = torch.arange(rows, device=h.device)
-    k_cache.index_put_((index, pos), to_cache(k, k_cache))
-    v_cache.index_put_((index, pos), to_cache(v, v_cache))
-    if span is not None:
-        k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
-    attn = attention_rows(spec, q, k_cache, v_cache, last)
+    if table is not None and dest is not None:
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dest, to_cache(k, k_cache))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dest, to_cache(v, v_cache))
+        if span is not None:
+            table = table[:, :-(-span // k_cache.shape[1])]
+    else:
+        index = torch.arange(rows, device=h.device)
+        k_cache.index_put_((index, pos), to_cache(k, k_cache))
+        v_cache.index_put_((index, pos), to_cache(v, v_cache))
+        if span is not None:
+            k_cache, v_cache = k_cache[:, :span], v_cache[:, :span]
+    attn = attention_rows(spec, q, k_cache, v_cache, last, table)
     h = h + linear(spec.linears[used], attn, lins[used])
     h = h + _mlp(spec, rms_norm(h, rest[0], spec.eps_post), lins, used + 1, linear, parts)
     return h, rms_norm(h, rest[1], spec.eps_next)
@@ -181,9 +203,16 @@ class SlotDecoder:
     Scheduler-thread only (no lock of its own). The FastDecoder's own static cache is never allocated: its packed
     weights, specs and prefill layer functions are what is shared."""
 
-    def __init__(self, decoder: FastDecoder, *, slots: int, slot_tokens: int) -> None:
+    def __init__(self, decoder: FastDecoder, *, slots: int, slot_tokens: int, layout: str = "slots",
+                 block_size: int = PAGED_BLOCK_TOKENS) -> None:
         if not 1 <= slots <= MAX_SLOTS:
             raise GenerationError(f"The batched fast path holds 1 to {MAX_SLOTS} replies at once, not {slots}.")
+        if layout not in KV_LAYOUTS or block_size not in PAGED_BLOCK_SIZES:
+            raise GenerationError(f"KV_LAYOUT={layout!r} with {block_size}-token blocks is not supported; choose one "
+                                  f"of {', '.join(KV_LAYOUTS)} and blocks of {PAGED_BLOCK_SIZES} tokens.")
+        # paged: one pool of slots x slot_tokens tokens in blocks, each row's through its row of `table`
+        self.paged = layout == "paged"
+        self.block_size = int(block_size)
         self.fast = decoder
         self.device = decoder.device
         self.slots = int(slots)
@@ -206,6 +235,8 @@ class SlotDecoder:
         self.scores = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.table = torch.zeros(n, 1, dtype=torch.int32, device=dev)  # paged: (slots, num_blocks) block ids
+        self._size_table()
         self._graphs: dict[int, Any] = {}
         self._pool: Any = None
         self._layer_fns: list[Callable[..., Any]] = []
@@ -222,13 +253,45 @@ class SlotDecoder:
 
     @property
     def cache_bytes(self) -> int:
+        if self.paged:
+            return (self.num_blocks + 1) * self.block_size * self.kv_bytes_per_token()
         return self.slots * self.slot_tokens * self.kv_bytes_per_token()
 
+    @property
+    def num_blocks(self) -> int:
+        """Paged: the pool's blocks a row may take (block num_blocks is the idle rows' scratch block)."""
+        return max(1, self.slots * self.slot_tokens // self.block_size)
+
+    @property
+    def reply_tokens(self) -> int:
+        """The most prompt + new tokens one reply may hold: its slot, or (paged) the whole pool."""
+        return self.num_blocks * self.block_size if self.paged else self.slot_tokens
+
+    @property
+    def kv_namespace(self) -> str:
+        """What a cached block's key is chained to besides its tokens: the KV format that wrote it."""
+        return f"{self.fast.options.kv_cache}:{self.fast.dtype}:{self.block_size}"
+
+    def _size_table(self) -> None:
+        width = self.num_blocks if self.paged else 1
+        self.table = torch.full((self.slots, width), self.num_blocks, dtype=torch.int32, device=self.device)
+
+    def set_blocks(self, slot: int, block_ids: Sequence[int]) -> None:
+        """Paged: row `slot` reads and writes these blocks in position order (llm_core.engine.kv_pool.BlockTable);
+        the rest of its table names the scratch block. Copied into the static table the CUDA graphs read."""
+        ids = list(block_ids)[:self.num_blocks]
+        ids += [self.num_blocks] * (self.num_blocks - len(ids))
+        self.table[slot].copy_(torch.tensor(ids, dtype=torch.int32), non_blocking=False)
+
     def allocate(self) -> None:
-        """The slot cache: (layers, slots, slot_tokens, Hkv, row) for K and for V, zeroed."""
+        """The slot cache: (layers, slots, slot_tokens, Hkv, row) for K and for V, zeroed; paged: the pool
+        (layers, num_blocks + 1, block_size, Hkv, row), the last block the idle rows' scratch."""
         a = self.fast._arch
         row, dtype = kvquant.cache_layout(self.fast.options.kv_cache, a.head_dim, self.fast.dtype)
         shape = (len(a.layers), self.slots, self.slot_tokens, a.n_kv_heads, row)
+        if self.paged:
+            shape = (len(a.layers), self.num_blocks + 1, self.block_size, a.n_kv_heads, row)
+            self._size_table()
         self._graphs.clear()
         self.k = self.v = None
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -263,7 +326,7 @@ class SlotDecoder:
         row, from the top bucket's graph. Returns the peak bytes reserved and allocated (CUDA; 0 elsewhere, where the
         same pass runs unmeasured). The slots are released after it; the garbage it leaves in them every reply
         overwrites before reading."""
-        end = self.slot_tokens - 2  # the last row a reply writes (scratch_position is the one after it)
+        end = self.reply_tokens - 2  # the last row a reply writes (scratch_position is the one after it)
         n = max(1, min(chunk or end, end))
         ids = (torch.arange(n, device=self.device) * 7 + 3) % self.fast._arch.vocab
         cuda = self.device.type == "cuda"
@@ -271,6 +334,8 @@ class SlotDecoder:
             if cuda:
                 self.sync()
                 torch.cuda.reset_peak_memory_stats(self.device)
+            for slot in range(self.slots if self.paged else 0):  # paged: every row spans the pool (garbage rows)
+                self.set_blocks(slot, range(self.num_blocks))
             hn = self.prefill(0, ids, end - n)
             self.first_scores(0, hn)
             del hn
@@ -280,7 +345,7 @@ class SlotDecoder:
             self.sync()
             peak = {"peak_reserved_bytes": int(torch.cuda.max_memory_reserved(self.device)) if cuda else 0,
                     "peak_allocated_bytes": int(torch.cuda.max_memory_allocated(self.device)) if cuda else 0,
-                    "tokens": self.slot_tokens, "slots": self.slots}
+                    "tokens": self.reply_tokens if self.paged else self.slot_tokens, "slots": self.slots}
             self.release_all()
         return peak
 
@@ -377,8 +442,10 @@ class SlotDecoder:
         that dynamo makes both the length and the start symbolic here, not inside a reply."""
         if not self.fast._prefill_compiled_ok:
             return
-        first = max(4, min(71, (self.slot_tokens - 2) // 3))
+        first = max(4, min(71, (self.reply_tokens - 2) // 3))
         start = 0
+        if self.paged:
+            self.set_blocks(0, range(self.num_blocks))
         try:
             for length in (first, first - 1, first - 2):
                 ids = (torch.arange(length, device=self.device) * 7 + 3) % self.fast._arch.vocab
@@ -405,8 +472,9 @@ class SlotDecoder:
         def bind(spec: LayerSpec) -> Callable[..., Any]:
             def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                       last: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, w: list[torch.Tensor],
-                      span: int | None = None) -> Any:
-                return layer_rows(spec, h, hn, cos, sin, pos, last, kc, vc, w, rows_max, span)
+                      span: int | None = None, table: torch.Tensor | None = None,
+                      dest: torch.Tensor | None = None) -> Any:
+                return layer_rows(spec, h, hn, cos, sin, pos, last, kc, vc, w, rows_max, span, table, dest)
             return layer
 
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = f._compile if compiled else (lambda fn: fn)
@@ -461,13 +529,15 @@ class SlotDecoder:
     @property
     def scratch_position(self) -> int:
         """The cache row an idle slot's step writes to: the slot's last, which no reply reaches (a reply is admitted
-        with prompt + max new <= slot_tokens, and its last token is never fed back, so it writes rows <= T - 2)."""
-        return self.slot_tokens - 1
+        with prompt + max new <= slot_tokens, and its last token is never fed back, so it writes rows <= T - 2).
+        Paged: an idle row writes to the scratch block whatever its position (step's dest), so 0."""
+        return 0 if self.paged else self.slot_tokens - 1
 
     def release_all(self) -> None:
         self.active.zero_()
         self.pos.fill_(self.scratch_position)
         self.tok.zero_()
+        self.table.fill_(self.num_blocks if self.paged else 0)
 
     def start_row(self, slot: int, repetition_penalty: float, eos_ids: Sequence[int], ban_eos: bool) -> None:
         self.seen[slot].zero_()
@@ -488,6 +558,21 @@ class SlotDecoder:
         self.active[slot] = 0
         self.pos[slot] = self.scratch_position
         self.tok[slot] = 0
+        if self.paged:
+            self.table[slot].fill_(self.num_blocks)
+
+    def pause(self, slot: int) -> None:
+        """Paged: the row sits out the next steps (no block for its next position yet): it writes to the scratch
+        block and keeps its token and position until resume()."""
+        self.active[slot] = 0
+
+    def resume(self, slot: int) -> None:
+        self.active[slot] = 1
+
+    def _pool_rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """Paged: the pool rows (block id * block size + offset, int64) of row `slot`'s positions start..end-1."""
+        p = torch.arange(start, end, device=self.device)
+        return self.table[slot, p // self.block_size].long() * self.block_size + p % self.block_size
 
     # --- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -503,15 +588,31 @@ class SlotDecoder:
         compiled = f._prefill_compiled_ok and ids.numel() > 1
         fns = f._prefill_fns if compiled else f._prefill_eager_fns
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
+            end = start + ids.numel()
+            dest = self._pool_rows(slot, start, end) if self.paged else None
             for i, (fn, w) in enumerate(zip(fns, f._layer_weights, strict=True)):
-                kc, vc = self.k[i, slot], self.v[i, slot]
+                if dest is not None:  # paged: the same prefill layer over the row's positions gathered in order
+                    kc, vc = self._gathered(self.k[i], slot, start, end), self._gathered(self.v[i], slot, start, end)
+                else:
+                    kc, vc = self.k[i, slot], self.v[i, slot]
                 if compiled:
                     for t in (h, hn, cos, sin):
                         torch._dynamo.maybe_mark_dynamic(t, 1)
                     for t in (kc, vc):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 h, hn = fn(h, hn, cos, sin, start, kc, vc, w)
+                if dest is not None:
+                    self.k[i].view(-1, *kc.shape[1:]).index_copy_(0, dest, kc[start:end])
+                    self.v[i].view(-1, *vc.shape[1:]).index_copy_(0, dest, vc[start:end])
         return hn[0, -1:].clone()
+
+    def _gathered(self, pool: torch.Tensor, slot: int, start: int, end: int) -> torch.Tensor:
+        """Paged prefill: a contiguous (end, Hkv, row) copy of row `slot`'s positions (rows before start read from
+        its blocks: a cached prefix or earlier chunks; the chunk's own rows left for the layer to write)."""
+        out = pool.new_empty(end, *pool.shape[2:])
+        if start:
+            out[:start] = gather_blocks(pool, self.table[slot:slot + 1, :-(-start // self.block_size)])[0, :start]
+        return out
 
     def prefill_rows(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Whole prompts (each from position 0) of several slots in one pass, right-padded to the longest
@@ -529,9 +630,20 @@ class SlotDecoder:
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        if self.paged:  # each prompt's real rows go to its blocks; the padding stays in the temporary
+            index = torch.arange(len(prompts), device=self.device)
+            dest = torch.cat([self._pool_rows(slot, 0, n) for slot, n in zip(slots, lengths, strict=True)])
+            real = torch.arange(ids.shape[1], device=self.device)[None, :] < torch.tensor(lengths, device=self.device
+                                                                                           )[:, None]
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
             for i, (spec, w) in enumerate(zip(f._layer_specs, f._layer_weights, strict=True)):
-                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w)
+                if not self.paged:
+                    h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w)
+                    continue
+                kc, vc = (c.new_empty(len(prompts), ids.shape[1], *c.shape[2:]) for c in (self.k[i], self.v[i]))
+                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, kc, vc, index, w)
+                self.k[i].view(-1, *kc.shape[2:]).index_copy_(0, dest, kc[real])
+                self.v[i].view(-1, *vc.shape[2:]).index_copy_(0, dest, vc[real])
         return [hn[b, n - 1:n].clone() for b, n in enumerate(lengths)]
 
     def first_scores(self, slot: int, hn_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -554,12 +666,20 @@ class SlotDecoder:
         seen.scatter_(1, index, seen.gather(1, index) | active[:, None].bool())  # live rows only: idle ones keep
         last = pos * active  # an idle slot attends to its row 0 only (and writes to its scratch row)
         h, hn, cos, sin = self._prologue_fn(tok, pos, f._embed, f._norm0)
-        span = None if length is None or self.compiled or length >= self.slot_tokens else length
-        for i, (fn, w) in enumerate(zip(self._layer_fns, f._layer_weights, strict=True)):
-            h, hn = fn(h, hn, cos, sin, pos, last, self.k[i, rows], self.v[i, rows], w, span)
+        span = None if length is None or self.compiled or length >= self.reply_tokens else length
+        if self.paged:  # from the static table, so a graph replays with the blocks copied in since capture
+            table = self.table[rows]
+            block = table.gather(1, (pos // self.block_size).clamp(max=table.shape[1] - 1)[:, None])[:, 0]
+            live = block.long() * self.block_size + pos % self.block_size
+            dest = torch.where(active.bool(), live, self.num_blocks * self.block_size)
+            for i, (fn, w) in enumerate(zip(self._layer_fns, f._layer_weights, strict=True)):
+                h, hn = fn(h, hn, cos, sin, pos, last, self.k[i], self.v[i], w, span, table, dest)
+        else:
+            for i, (fn, w) in enumerate(zip(self._layer_fns, f._layer_weights, strict=True)):
+                h, hn = fn(h, hn, cos, sin, pos, last, self.k[i, rows], self.v[i, rows], w, span)
         scores, nxt = self._head_fn(hn, f._lm_tensors, seen, self.penalty[rows], self.eos_bias[rows])
         self.scores[rows].copy_(scores)
-        self.tok[rows].copy_(nxt)
+        self.tok[rows].copy_(torch.where(active.bool(), nxt, tok))  # a paused row keeps the token it will feed
         self.pos[rows].add_(active)
 
     def run_step(self, bucket: int, longest: int) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,6 +41,7 @@ from torch import nn
 from ..config import GenerationSettings
 from ..errors import GenerationError
 from ..sampling import logits_processors, next_token, sampling_generator
+from .compiled import own_code
 
 if TYPE_CHECKING:
     from ..prefix_cache import PrefixCache
@@ -409,14 +409,6 @@ def layer_groups(n_layers: int, per: int) -> list[tuple[int, int]]:
     sizes = [n_layers // groups + (1 if i < n_layers % groups else 0) for i in range(groups)]
     starts = [sum(sizes[:i]) for i in range(groups)]
     return list(zip(starts, sizes, strict=True))
-
-
-def own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """fn with a code object of its own. Dynamo keeps compiled graphs on the code object, and these graphs run with
-    their guards dropped: two decoders compiling the same function would otherwise share (and run) each other's
-    graphs, whatever their model's shapes."""
-    code = fn.__code__.replace(co_name=name)
-    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,

@@ -23,7 +23,7 @@ from ..errors import GenerationError, OutOfMemoryError
 from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
 from . import kvquant
-from .cpu import own_code
+from .compiled import own_code
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .layer import (

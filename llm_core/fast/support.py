@@ -158,3 +158,24 @@ def _check_linear(module: Any) -> None:
         return
     if not isinstance(module, torch.nn.Linear):
         raise Unsupported(f"{type(module).__name__} layers are not implemented by the fast path")
+
+
+def config_fast_path_support(config: Any, quantization: str) -> tuple[bool, str]:
+    """Whether the fast path would run this model on a CUDA card from its config alone (no weights)."""
+    model_type = getattr(config, "model_type", None)
+    if quantization not in ("nf4", "int8", "none"):
+        return False, f"QUANTIZATION={quantization} runs on plain generate (the fast path takes nf4, int8, none)"
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return False, (f"model type {model_type!r} runs on plain generate "
+                       f"(fast path: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    sliding = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window",
+                                                                  model_type == "mistral")
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])) or sliding:
+        return False, "sliding-window attention runs on plain generate"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if rope_type in UNSUPPORTED_ROPE_TYPES:
+        return False, f"RoPE type {rope_type!r} runs on plain generate"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False, f"activation {config.hidden_act!r} runs on plain generate"
+    return True, "fast path: static KV cache, compiled decode step replayed as CUDA graphs"

@@ -1,4 +1,5 @@
-"""Triton split-K decode attention (flash-decoding): one query token over the cache rows up to its position."""
+"""Triton split-K decode attention (flash-decoding): one query token over the cache rows up to its position, read from
+each row's own slot or, paged, through a block table from a pool of blocks (one loop body for both: _attn_split)."""
 
 from __future__ import annotations
 
@@ -74,21 +75,17 @@ if triton is not None:
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
-                                stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
-                                BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                                INT4: tl.constexpr, GROUP4: tl.constexpr):
-        """Flash-decoding, step 1: program (row b, kv head h, split s) attends row b's G query heads to cache rows
-        [s*chunk, min((s+1)*chunk, pos[b]+1)) of row b's own cache slot; writes unnormalized output, running max
-        and sum. Rows after pos are never read, whatever the captured bucket length; a split past a row's length
-        reads nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes
-        and, at byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers.
-        INT4: rows of rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated
-        back. One decode (the single-row path) is this kernel with B = 1."""
-        b = tl.program_id(0)
-        h = tl.program_id(1)
-        sp = tl.program_id(2)
-        length = tl.load(pos_ptr + b).to(tl.int32) + 1
+    def _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, h, sp, length, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b,
+                    stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                    D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
+                    INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
+        """Flash-decoding, step 1, for program (row b, kv head h, split s): row b's G query heads over its cache
+        rows [s*chunk, min((s+1)*chunk, length)); writes unnormalized output, running max and sum. PAGE = 0: row b's
+        own slot at b*stride_b; PAGE > 0: position i lives in block table[b, i // PAGE] (int32, row stride stride_t)
+        at offset i % PAGE, stride_b then being one block's. Rows past length are never read; a split past it reads
+        nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes and, at
+        byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers. INT4: rows of
+        rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated back."""
         hq = HKV * G
         gi = tl.arange(0, GP)
         d = tl.arange(0, D)
@@ -105,7 +102,11 @@ if triton is not None:
         for off in range(start, end, BLOCK_L):
             li = off + tl.arange(0, BLOCK_L)
             lmask = li < end
-            rows = base + li * stride_l + h * stride_h
+            if PAGE > 0:  # the block table names each position's block: no row of the pool is assumed contiguous
+                block = tl.load(table_ptr + b.to(tl.int64) * stride_t + li // PAGE, mask=lmask, other=0)
+                rows = block.to(tl.int64) * stride_b + (li % PAGE) * stride_l + h * stride_h
+            else:
+                rows = base + li * stride_l + h * stride_h
             if INT8 or INT4:
                 k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
             else:
@@ -136,10 +137,39 @@ if triton is not None:
         tl.store(m_ptr + row, m_i, mask=qmask)
         tl.store(l_ptr + row, l_i, mask=qmask)
 
-    def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-        """q (B, Hq, D); k/v (B, T, Hkv, row): each row's own cache slot; pos (B,) int64 -> (B, Hq, D)."""
-        rows, length, hkv, dim = k.shape
+    @triton.jit
+    def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
+                                stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+                                BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
+                                INT4: tl.constexpr, GROUP4: tl.constexpr):
+        """Step 1 over each row's own cache slot (B, L, Hkv, row) up to pos[b] (_attn_split); rows after pos are
+        never read, whatever the captured bucket length. One decode (the single-row path) is this with B = 1."""
+        b = tl.program_id(0)
+        length = tl.load(pos_ptr + b).to(tl.int32) + 1
+        _attn_split(q_ptr, k_ptr, v_ptr, k_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr, l_ptr,
+                    scale, chunk, stride_b, stride_l, stride_h, 0, B, HKV, G, GP, D, BLOCK_L, IEEE, INT8, INT4,
+                    GROUP4, 0)
+
+    @triton.jit
+    def _attn_paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk,
+                                 stride_b, stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr,
+                                 GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr,
+                                 INT8: tl.constexpr, INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
+        """Step 1 over a pool of blocks (num_blocks, PAGE, Hkv, row), row b's positions 0..pos[b] through its block
+        table (B, max_blocks) int32 (_attn_split)."""
+        b = tl.program_id(0)
+        length = tl.load(pos_ptr + b).to(tl.int32) + 1
+        _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr,
+                    l_ptr, scale, chunk, stride_b, stride_l, stride_h, stride_t, B, HKV, G, GP, D, BLOCK_L, IEEE,
+                    INT8, INT4, GROUP4, PAGE)
+
+    def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
+                     table: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, Hq, D); pos (B,) int64 -> (B, Hq, D). table None: k/v (B, T, Hkv, row), each row's own cache slot;
+        else k/v (num_blocks, block_size, Hkv, row), a pool read through table (B, max_blocks) int32."""
+        _, page, hkv, dim = k.shape
+        rows = q.shape[0]
+        length = page if table is None else table.shape[1] * page  # the split plan is fixed per captured shape
         if k.dtype in QUANTIZED_DTYPES:  # rows of codes + their scales + padding (llm_core.fast.kvquant)
             dim = q.shape[2]
         hq = q.shape[1]
@@ -150,14 +180,36 @@ if triton is not None:
         if k.stride() != v.stride() or k.stride(3) != 1:
             raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
         groups = hq // hkv
-        _attn_rows_split_kernel[(rows, hkv, nsplit)](
-            q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2), rows,
-            HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
-            IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8, GROUP4=INT4_GROUP)
+        shapes = dict(HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
+                      IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8,
+                      GROUP4=INT4_GROUP)
+        if table is None:
+            _attn_rows_split_kernel[(rows, hkv, nsplit)](
+                q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2), rows,
+                **shapes)
+        else:
+            if page not in PAGED_BLOCK_SIZES or table.dtype != torch.int32 or table.stride(1) != 1:
+                raise GenerationError(f"paged decode attention takes blocks of {PAGED_BLOCK_SIZES} tokens and an "
+                                      f"int32 block table, not {page}-token blocks and a {table.dtype} table")
+            _attn_paged_split_kernel[(rows, hkv, nsplit)](
+                q.contiguous(), k, v, table, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2),
+                table.stride(0), rows, **shapes, PAGE=page)
         out = torch.empty(rows * hq, dim, dtype=q.dtype, device=q.device)
         _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
                                            SP=triton.next_power_of_2(nsplit))
         return out.view(rows, hq, dim)
+
+    @torch.library.custom_op("llm_core::decode_attention_paged", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor table, Tensor pos, float scale) -> Tensor")
+    def _decode_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
+                                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+        """The paged batched fast path's attention: q (B, Hq, D); k/v (num_blocks, block_size, Hkv, row); table
+        (B, max_blocks) int32; pos (B,) -> (B, Hq, D)."""
+        return _attend_rows(q, k, v, pos, scale, table)
+
+    @_decode_attention_paged_op.register_fake
+    def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
 
     @torch.library.custom_op("llm_core::decode_attention_rows", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
@@ -183,6 +235,15 @@ if triton is not None:
 
 
 ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
+PAGED_BLOCK_SIZES = (16, 32, 64)  # tokens per block of the paged pool the kernel reads (a constexpr each)
+
+
+def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The torch reference of the paged read: pool (num_blocks, block_size, Hkv, row) and table (B, max_blocks) ->
+    each row's positions in order, (B, max_blocks * block_size, Hkv, row) (a copy)."""
+    blocks = pool[table.long()]
+    return blocks.reshape(table.shape[0], -1, *pool.shape[2:])
+
 
 def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
     """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""

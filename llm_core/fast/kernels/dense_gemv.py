@@ -39,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 AVAILABLE = triton is not None
+AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
 
 
 def dense_gemv_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -128,6 +129,7 @@ if triton is not None:
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in CONFIGS],
         key=["N", "K", "GLU", "NORM", "RESID", "SCALED"])(_tuned)  # Triton adds the arguments' dtypes to the key
+    AUTOTUNER = _tuned
 
 
 def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -161,16 +163,6 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     if compiled is not None:
         compiled.append(kernel)
     return y
-
-
-def best_config(n: int, k: int) -> dict[str, Any] | None:
-    """The autotuner's pick for a shape (any prologue), once it has run (for the record)."""
-    if triton is None:
-        return None
-    for key, cfg in _tuned.cache.items():
-        if key[0] == n and key[1] == k:
-            return {"BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_K": cfg.kwargs["BLOCK_K"], "num_warps": cfg.num_warps}
-    return None
 
 
 @torch.library.custom_op(

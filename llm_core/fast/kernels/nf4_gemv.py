@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 AVAILABLE = triton is not None
+AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
 
 
 def words_view(packed: torch.Tensor) -> torch.Tensor | None:
@@ -175,6 +176,7 @@ if triton is not None:
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in CONFIGS],
         key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC"])(_nf4_gemv_kernel)
+    AUTOTUNER = _tuned
 
 
 @functools.lru_cache(maxsize=8)
@@ -226,16 +228,6 @@ def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, a
     if words is None:
         raise ValueError("packed NF4 rows are not 16-byte aligned int32 words")
     return words, ({"nested": (q8, absmax2, offsets, code2)} if nested else {"absmax": absmax})
-
-
-def best_config(n: int, kw: int) -> dict[str, Any] | None:
-    """The autotuner's pick for a shape, once it has run (for the record)."""
-    if triton is None:
-        return None
-    for key, cfg in _tuned.cache.items():
-        if key[0] == n and key[1] == kw:
-            return {"BLOCK_N": cfg.kwargs["BLOCK_N"], "BLOCK_B": cfg.kwargs["BLOCK_B"], "num_warps": cfg.num_warps}
-    return None
 
 
 _OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
@@ -310,6 +302,14 @@ if triton is not None:
         return scale
 
     @triton.jit
+    def _dot_word_planes(acc, r, xbase, PLANE: tl.constexpr, xm, scale):
+        """acc + the dots of x planes PLANE and PLANE + 1 with the two bf16 levels one unpacked register holds."""
+        a, b = _bf16_pair(r)
+        acc += tl.dot(tl.load(xbase + PLANE, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
+        acc += tl.dot(tl.load(xbase + PLANE + 1, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+        return acc
+
+    @triton.jit
     def _nf4_rows_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, M, N,
                          K: tl.constexpr, KW: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -337,18 +337,10 @@ if triton is not None:
                                                        is_pure=True, pack=1)
             xm = mmask[:, None] & wmask[None, :]
             xbase = x_ptr + mi[:, None] * K + wj[None, :] * 8
-            a, b = _bf16_pair(r0)
-            acc += tl.dot(tl.load(xbase + 0, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
-            acc += tl.dot(tl.load(xbase + 1, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
-            a, b = _bf16_pair(r1)
-            acc += tl.dot(tl.load(xbase + 2, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
-            acc += tl.dot(tl.load(xbase + 3, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
-            a, b = _bf16_pair(r2)
-            acc += tl.dot(tl.load(xbase + 4, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
-            acc += tl.dot(tl.load(xbase + 5, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
-            a, b = _bf16_pair(r3)
-            acc += tl.dot(tl.load(xbase + 6, mask=xm, other=0.0), tl.trans((a * scale).to(tl.bfloat16)))
-            acc += tl.dot(tl.load(xbase + 7, mask=xm, other=0.0), tl.trans((b * scale).to(tl.bfloat16)))
+            acc = _dot_word_planes(acc, r0, xbase, 0, xm, scale)
+            acc = _dot_word_planes(acc, r1, xbase, 2, xm, scale)
+            acc = _dot_word_planes(acc, r2, xbase, 4, xm, scale)
+            acc = _dot_word_planes(acc, r3, xbase, 6, xm, scale)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]

@@ -1,0 +1,348 @@
+"""The paged KV pool of the batched fast path (KV_LAYOUT=paged): the Triton decode attention reading K/V through a
+block table (under Triton's interpreter, in its own process) equals today's contiguous kernel on the same rows and
+the torch reference, for the bf16, int8 and int4 row formats, blocks of 16/32/64 tokens, lengths crossing block
+boundaries and shuffled tables; then, on CPU with the embedded model (eager step), paged replies equal slot
+replies token for token, a lone reply may outgrow one slot, a repeated prefix comes from the cache
+(cached_prompt_tokens exact, tokens unchanged) and a full pool makes rows wait instead of failing. GPU-only
+checks are marked."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.engine.chat import ChatEngine
+from llm_core.engine.fast_scheduler import FastBatchScheduler
+from llm_core.errors import ContextBudgetError
+from llm_core.fast import kvquant
+from llm_core.fast.batched import SlotDecoder, attention_rows
+from llm_core.fast.kernels.attention import gather_blocks
+from llm_core.fast.layer import LayerSpec
+from llm_core.sampling import SamplingOptions
+from tests.conftest import drain, make_settings
+from tests.test_batched_fast import FP32, MAX_NEW, PROMPTS, staggered
+
+try:
+    from llm_core.fast.kernels import attention
+except ImportError:  # pragma: no cover
+    attention = None  # type: ignore[assignment]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(not INTERPRETED or attention is None or attention.triton is None,
+                                       reason="runs in its own process with TRITON_INTERPRET=1 (see below)")
+HEAD_DIM, KV_HEADS, GROUPS = 32, 2, 2
+# the combinations the interpreter runs: every block size in fp32, every row format at one of them
+GREEDY = SamplingOptions(repetition_penalty=1.0)
+KERNEL_CASES = [("fp32", 16), ("fp32", 32), ("fp32", 64), ("bf16", 16), ("int8", 32), ("int4", 16)]
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def paged_case(fmt: str, page: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """q (3, Hq, D); a pool of K/V blocks (num_blocks, page, Hkv, row) in the format; each row's block table
+    (3, 8) int32 a shuffled, disjoint choice of blocks, the unused entries naming a block of large values that no
+    read may touch; pos (3,): lengths 1, one past a block, three blocks and a bit."""
+    g = torch.Generator().manual_seed(seed)
+    width, num_blocks = 8, 26
+    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
+    q = torch.randn(3, KV_HEADS * GROUPS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, generator=g) * 2
+    v = torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, generator=g)
+    scratch = num_blocks - 1
+    k[scratch], v[scratch] = 1e4, 1e4  # an over-read would dominate the output
+    if fmt == "int8":
+        k, v = kvquant.quantize_rows(k), kvquant.quantize_rows(v)
+    elif fmt == "int4":
+        k, v = kvquant.quantize_rows4(k), kvquant.quantize_rows4(v)
+    else:
+        k, v = k.to(dtype), v.to(dtype)
+    pos = torch.tensor([0, page, 3 * page + 5])
+    order = torch.randperm(scratch, generator=g).tolist()
+    table = torch.full((3, width), scratch, dtype=torch.int32)
+    for b, p in enumerate(pos.tolist()):
+        used = p // page + 1
+        table[b, :used] = torch.tensor(order[:used], dtype=torch.int32)
+        order = order[used:]
+    return q, k, v, table, pos
+
+
+def _spec(attention_kind: str = "matmul") -> LayerSpec:
+    return LayerSpec(KV_HEADS * GROUPS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, 1e-6, 1e-6, None, (), True,
+                     attention_kind)
+
+
+def test_torch_paged_attention_equals_the_slot_attention_over_the_gathered_blocks() -> None:
+    """The CPU form of the paged read (gather by block table) is the slot form over each row's blocks in order:
+    equal to attention_rows over those rows laid out as slots, bit for bit, whatever the blocks' order in the
+    pool; and the gather puts position i of row b at table[b, i // page], offset i % page."""
+    q, k, v, table, pos = paged_case("fp32", 16)
+    paged = attention_rows(_spec(), q, k, v, pos, table)
+    slots_k, slots_v = gather_blocks(k, table), gather_blocks(v, table)
+    assert torch.equal(paged, attention_rows(_spec(), q, slots_k, slots_v, pos))
+    b, i = 2, 37
+    assert torch.equal(slots_k[b, i], k[int(table[b, i // 16]), i % 16])
+
+
+@needs_interpreter
+@pytest.mark.parametrize(("fmt", "page"), KERNEL_CASES)
+def test_interpreted_paged_kernel_equals_the_contiguous_kernel_and_the_reference(fmt: str, page: int,
+                                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """The paged kernel over shuffled blocks = the contiguous kernel over the same rows gathered into slots, bit for
+    bit (one loop body, the same splits), and = the torch reference within the format's rounding (fp32 and the
+    quantized rows with an fp32 query: 1e-5; a bf16 query: 2e-2, as the contiguous kernel's own test allows)."""
+    from tests.triton_interp import exact_bf16
+
+    exact_bf16(monkeypatch)
+    q, k, v, table, pos = paged_case(fmt, page)
+    scale = HEAD_DIM ** -0.5
+    got = torch.ops.llm_core.decode_attention_paged(q, k, v, table, pos, scale)
+    contiguous = torch.ops.llm_core.decode_attention_rows(q, gather_blocks(k, table), gather_blocks(v, table), pos,
+                                                          scale)
+    assert torch.equal(got, contiguous)
+    want = attention_rows(_spec(), q.float(), k if kvquant.is_quantized(k) else k.float(),
+                          v if kvquant.is_quantized(v) else v.float(), pos, table)
+    assert _rel(got.reshape(want.shape), want) <= (2e-2 if fmt == "bf16" else 1e-5), fmt
+
+
+@pytest.mark.skipif(INTERPRETED or attention is None or attention.triton is None,
+                    reason="the suite's own process starts the interpreter's (needs the triton package)")
+def test_the_interpreted_kernel_tests_pass_in_a_child_process() -> None:
+    """TRITON_INTERPRET is read when Triton is imported: the interpreted tests above run in a child pytest."""
+    from tests.triton_interp import run_interpreted_tests
+
+    run = run_interpreted_tests(__file__)
+    assert run.returncode == 0 and f"{len(KERNEL_CASES)} passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+
+
+@pytest.mark.skipif(attention is None or attention.triton is None, reason="needs the triton package")
+@pytest.mark.parametrize(("rows", "page"), [("bf16", 16), ("int8", 32), ("int4", 64)])
+def test_paged_kernel_compiles_for_hopper(rows: str, page: int) -> None:
+    """Compile (not run) the paged split kernel for sm_90 on CPU: bf16 query, each row format, a block size each."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRETED:
+        pytest.skip("compiles in the suite's own process")
+    cache = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}[rows]
+    signature = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "table_ptr": "*i32", "pos_ptr": "*i64",
+                 "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "chunk": "i32",
+                 "stride_b": "i32", "stride_l": "i32", "stride_h": "i32", "stride_t": "i32", "B": "i32"}
+    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=rows == "int8", INT4=rows == "int4",
+                      GROUP4=16, PAGE=page)
+    signature.update({name: "constexpr" for name in constexprs})
+    attention.triton.compile(ASTSource(fn=attention._attn_paged_split_kernel, signature=signature,
+                                       constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("page", [16, 32, 64])
+def test_gpu_paged_kernel_equals_the_contiguous_kernel(fmt: str, page: int) -> None:
+    """On CUDA: the paged kernel over shuffled blocks = the contiguous kernel over the same rows, bit for bit."""
+    q, k, v, table, pos = (t.cuda() for t in paged_case(fmt, page, seed=3))
+    scale = HEAD_DIM ** -0.5
+    got = torch.ops.llm_core.decode_attention_paged(q, k, v, table, pos, scale)
+    want = torch.ops.llm_core.decode_attention_rows(q, gather_blocks(k, table), gather_blocks(v, table), pos, scale)
+    assert torch.equal(got, want)
+
+
+# --- the paged pool in the batched fast path (CPU, embedded model, eager step) ----------------------------------
+
+SYSTEM = "You are a helpful assistant."
+
+
+def _tokens(scheduler: Any, request: Any) -> list[int]:
+    return list(scheduler.stream(request))
+
+
+def _alone(decoder: Any, prompt: list[int], max_new: int) -> list[int]:
+    """The prompt served alone by a slot-layout loop with one slot that holds it whole (the reference)."""
+    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=1, slot_tokens=256), eos_token_ids=[])
+    try:
+        return _tokens(scheduler, scheduler.submit(prompt, GREEDY, max_new, threading.Event()))
+    finally:
+        scheduler.close()
+
+
+@pytest.fixture(scope="module")
+def paged_engine(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
+    """The fp32 model on the batched fast loop with KV_LAYOUT=paged, 4 rows."""
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+                                                          KV_LAYOUT="paged"))
+    assert engine.backend.name == "fast-batched" and engine.fast_scheduler.decoder.paged
+    yield engine
+    engine.fast_scheduler.close()
+
+
+def test_paged_rows_equal_their_reply_alone_while_rows_join_and_leave(fp32_engine: ChatEngine,
+                                                                      paged_engine: ChatEngine) -> None:
+    """5 replies of different lengths on 4 paged rows, arriving 0.3 s apart (rows join a running batch, leave at
+    different steps, the fifth waits for a row): each row's greedy tokens are the plain path's reply alone, token
+    for token; the engine's context limit is the whole pool's, not one slot's (up to the model's context)."""
+    alone = [drain(fp32_engine.stream_chat(p, [], gen=fp32_engine.request_options(max_new_tokens=n),
+                                           system_prompt=SYSTEM)) for p, n in zip(PROMPTS, MAX_NEW, strict=True)]
+    scheduler = paged_engine.fast_scheduler
+    decoder = scheduler.decoder
+    before = scheduler.snapshot()
+    together = staggered(paged_engine, PROMPTS, MAX_NEW, 0.3)
+    for i, reference in enumerate(alone):
+        assert together[i].token_ids == reference.token_ids, f"prompt {i} differs from its reply alone"
+        assert together[i].stats.decode_path == "fast-batched"
+    after = scheduler.snapshot()
+    assert after.max_rows_in_step >= 3 and after.errors == 0 and after.prefills - before.prefills == len(PROMPTS)
+    assert after.kv_layout == "paged" and after.free_blocks == after.pool_blocks  # every block back, unheld
+    assert decoder.reply_tokens == decoder.num_blocks * decoder.block_size == decoder.slots * decoder.slot_tokens
+    # a lone reply may span the pool (here capped by the model's context, which one CPU slot already holds)
+    assert paged_engine.context_limit == min(decoder.reply_tokens, paged_engine.loaded.context_length)
+
+
+def test_paged_rows_equal_slot_rows_token_for_token(paged_engine: ChatEngine) -> None:
+    """The same four prompts arriving together on 2 rows (two wait and take the rows the first two free), once on
+    slots and once on a paged pool of the same bytes: the same tokens for every prompt."""
+    decoder = paged_engine.backend.decoder
+    prompts = [list(range(100 + 37 * i, 100 + 37 * i + n)) for i, n in enumerate((40, 23, 61, 9))]
+    out = {}
+    for layout in ("slots", "paged"):
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout=layout),
+                                       eos_token_ids=[])
+        try:
+            with scheduler._cond:
+                requests = [scheduler.submit(p, GREEDY, n, threading.Event())
+                            for p, n in zip(prompts, (12, 5, 9, 14), strict=True)]
+            out[layout] = [_tokens(scheduler, r) for r in requests]
+        finally:
+            scheduler.close()
+    assert out["paged"] == out["slots"]
+
+
+def test_a_lone_paged_reply_may_outgrow_one_slot(paged_engine: ChatEngine) -> None:
+    """2 rows of 64 tokens' worth: on slots a 60-token prompt + 40 new tokens is refused (more than one slot); on the
+    paged pool of the same bytes (128 tokens) it runs to its length, equal to the prompt served alone."""
+    decoder = paged_engine.backend.decoder
+    prompt = list(range(200, 260))
+    slots = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64), eos_token_ids=[])
+    paged = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[])
+    try:
+        with pytest.raises(ContextBudgetError, match="KV slot"):
+            slots.submit(prompt, GREEDY, 40, threading.Event())
+        got = _tokens(paged, paged.submit(prompt, GREEDY, 40, threading.Event()))
+        with pytest.raises(ContextBudgetError, match="KV pool"):
+            paged.submit(prompt, GREEDY, 69, threading.Event())  # 129 tokens: more than the pool
+    finally:
+        slots.close()
+        paged.close()
+    assert got == _alone(decoder, prompt, 40)
+
+
+def test_a_repeated_prefix_comes_from_the_pool_and_gives_the_same_tokens(paged_engine: ChatEngine) -> None:
+    """On a fresh pool: a 70-token prompt (cold: nothing cached); the same prompt again reuses its 4 full blocks
+    (64 tokens; the last token is always recomputed); a prompt sharing its first 50 tokens reuses 3 (48). Each
+    reply equals its prompt served cold, token for token; with PREFIX_CACHE off nothing is reused."""
+    decoder = paged_engine.backend.decoder
+    first = list(range(300, 370))
+    other = first[:50] + list(range(900, 925))
+    cold = {tuple(p): _alone(decoder, p, 10) for p in (first, other)}
+    for caching, expected in ((True, [0, 64, 48]), (False, [0, 0, 0])):
+        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged"),
+                                       eos_token_ids=[], prefix_cache=caching)
+        try:
+            requests, outputs = [], []
+            for prompt in (first, first, other):
+                requests.append(scheduler.submit(prompt, GREEDY, 10, threading.Event()))
+                outputs.append(_tokens(scheduler, requests[-1]))
+        finally:
+            scheduler.close()
+        assert [r.cached_prompt_tokens for r in requests] == expected, caching
+        assert outputs == [cold[tuple(first)], cold[tuple(first)], cold[tuple(other)]], caching
+
+
+def test_the_reply_stats_say_how_many_prompt_tokens_came_from_the_pool(paged_engine: ChatEngine) -> None:
+    """Through ChatEngine: asked twice, the second reply's stats count every full block of its prompt but the last
+    token as cached (whatever earlier replies left in the pool), and its tokens equal the first reply's."""
+    gen = paged_engine.request_options(max_new_tokens=6)
+    message = "Say something kind about the sea, in one sentence, please."
+    one = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
+    two = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
+    block = paged_engine.fast_scheduler.decoder.block_size
+    assert two.stats.cached_prompt_tokens == (two.stats.prompt_tokens - 1) // block * block > 0
+    assert two.token_ids == one.token_ids
+
+
+def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
+    """A pool of 8 blocks of 16 tokens, two replies admitted together (60 + 60 and 40 + 30 tokens: 190 > 128). The
+    younger row finds no block for position 48 and sits out steps; when the older one also wants a block, the
+    younger is preempted (its KV released) and waits at the head of the queue for blocks, then resumes from what it
+    streamed. Both complete with the tokens each gives alone, and nothing fails."""
+    decoder = paged_engine.backend.decoder
+    long_prompt, short_prompt = list(range(400, 460)), list(range(600, 640))
+    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[],
+                                   prefix_cache=False)
+    try:
+        with scheduler._cond:
+            older = scheduler.submit(long_prompt, GREEDY, 60, threading.Event())
+            younger = scheduler.submit(short_prompt, GREEDY, 30, threading.Event())
+        got = [_tokens(scheduler, older), _tokens(scheduler, younger)]
+        snap = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert snap.pool_blocks == 8 and snap.paused_rows >= 1 and snap.preempted == 1 and snap.waited_for_blocks == 1
+    assert snap.errors == 0 and snap.free_blocks == 8
+    assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
+
+
+def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
+    """The start-up measurement's worst moment on the pool (one row's last prefill chunk at the end of the whole
+    pool, then a step with every row at its end): it reports the pool's length, and afterwards every row is idle with
+    a table naming only the scratch block, and a reply's tokens are what they were before it."""
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged")
+    prompt = list(range(500, 530))
+    scheduler = FastBatchScheduler(rows, eos_token_ids=[])
+    try:
+        before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+        scheduler.close()
+        profile = rows.profile_worst_reply(32)
+        assert profile["tokens"] == 128 and profile["slots"] == 2
+        assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
+        scheduler = FastBatchScheduler(rows, eos_token_ids=[], prefix_cache=False)
+        after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+    finally:
+        scheduler.close()
+    assert after == before
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tmp_path: Any) -> None:
+    """On CUDA with KV_LAYOUT=paged (compiled step, one graph per batch bucket reading the static block table), a
+    random llama with head_dim 64, NF4: the graphs are captured; 4 greedy replies together equal each alone for their
+    first 8 tokens (as the slot test allows); a repeated prompt reports its full blocks as cached and the same
+    first 8 tokens."""
+    from bench.harness import make_random_checkpoint
+
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
+    ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
+    engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
+                                           MAX_BATCH_SIZE="4", QUANTIZATION="nf4", KV_LAYOUT="paged"))
+    slots = engine.fast_scheduler.decoder
+    try:
+        assert slots.paged and slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
+        gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)
+        alone = [drain(engine.stream_chat(p, [], gen=gen, system_prompt=SYSTEM)) for p in PROMPTS[:4]]
+        together = staggered(engine, PROMPTS[:4], [16] * 4, 0.0, min_new_tokens=16, repetition_penalty=1.0)
+        for i, reference in enumerate(alone):
+            assert together[i].token_ids[:8] == reference.token_ids[:8], (i, slots.notes)
+            block = slots.block_size
+            assert together[i].stats.cached_prompt_tokens == (reference.stats.prompt_tokens - 1) // block * block
+        assert engine.fast_scheduler.snapshot().max_rows_in_step == 4
+    finally:
+        engine.fast_scheduler.close()
