@@ -467,7 +467,7 @@ class BatchScheduler(TokenStreams):
         self.stats.rows_decoded += len(rows)
         self.stats.max_rows_in_step = max(self.stats.max_rows_in_step, len(rows))
         for row in rows:  # each reply's most rows decoded beside it: whether replies really shared steps
-            record = row.request.kv_record
+            record = row.request.record
             if record is not None:
                 record.peak_batch_rows = max(record.peak_batch_rows or 0, len(rows))
         keep: list[int] = []
