@@ -267,6 +267,9 @@ def test_a_forced_call_round_trips_through_the_models_own_template(native: dict[
 
 
 def test_a_streamed_native_call_adds_up_to_the_whole_one(native: dict[str, Any]) -> None:
+    # The prefix cache holds what earlier tests left: this first reply leaves this prompt's KV in it, so both replies
+    # compared below reuse the same cached tokens and run the same computation after them.
+    _ask(native, tools=[WEATHER], tool_choice="required", max_tokens=2)
     whole = _ask(native, tools=[WEATHER], tool_choice="required").choices[0].message.tool_calls[0]
     chunks = list(_ask(native, tools=[WEATHER], tool_choice="required", stream=True))
     deltas = [d for c in chunks if c.choices and c.choices[0].delta.tool_calls for d in c.choices[0].delta.tool_calls]
@@ -281,6 +284,7 @@ def test_langchain_streams_the_same_call_as_it_invokes(native: dict[str, Any]) -
     model = langchain_openai.ChatOpenAI(model=native["model"], base_url=str(native["client"].base_url),
                                         api_key="local", temperature=0, max_tokens=40, max_retries=0
                                         ).bind_tools([WEATHER], tool_choice="get_weather")
+    model.invoke("What is the weather in Paris?")  # the prompt's KV cached for both compared replies, as above
     invoked = model.invoke("What is the weather in Paris?").tool_calls
     streamed = None
     for chunk in model.stream("What is the weather in Paris?"):
