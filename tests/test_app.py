@@ -262,7 +262,8 @@ def _numbers(text: str) -> list[float]:
 
 
 def _cell_numbers(row: Any) -> list[float]:
-    """The numbers of a table row, one per cell (a row's text runs its cells together)."""
+    """The numbers of a table row, one per cell (a row's text runs its cells together). A Gradio Dataframe's rows are
+    its `[role=row]` elements: its `tr` is a hidden sizing row that mixes the longest cell of each column."""
     cells = row.evaluate("tr => [...tr.children].map(c => c.textContent.trim())")
     return [float(c.replace(",", "")) for c in cells if re.fullmatch(r"\d[\d,]*\.?\d*", c)]
 
@@ -284,8 +285,6 @@ def _shows(page: Any, row: Any, value: float, timeout_s: float = 20.0) -> bool:
 
 @pytest.mark.browser
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
-@pytest.mark.skip(reason="open bug (issue 28): after the full suite's earlier tests a Compare side's panel shows "
-                         "the process peak (1,599.1 MiB) where its summary row shows 1,137.3; passes alone")
 def test_browser_one_peak_number_per_reply_in_panel_summary_and_session_stats(app_url: str,
                                                                              artifacts_dir: Path) -> None:
     """After a comparison with both engines loaded: the none side's peak memory is one number in its panel, the
@@ -303,7 +302,7 @@ def test_browser_one_peak_number_per_reply_in_panel_summary_and_session_stats(ap
         row = panel.locator("tr").filter(has_text="Peak RSS").inner_text()
         peak_mib = _numbers(row.split("MiB")[0])[-1]
         assert panel.inner_text().count("held by the other loaded engines") == 1
-        summary = page.locator("#compare-summary tr").filter(has_text="embedded · none · sdpa").last
+        summary = page.locator("#compare-summary [role=row]").filter(has_text="embedded · none · sdpa").last
         assert _shows(page, summary, peak_mib), (row, _cell_numbers(summary))
         header = page.locator("#compare-summary th .header").filter(has_text="decode_tokens_per_s").first
         assert _lines_of(header) == 1  # a column name stays whole, never "decode_tok" over "ens_per_s"
@@ -312,6 +311,6 @@ def test_browser_one_peak_number_per_reply_in_panel_summary_and_session_stats(ap
         assert float(bar.locator(".bar").get_attribute("data-value") or "nan") == pytest.approx(peak_mib, abs=0.05)
 
         page.get_by_role("tab", name="Session stats").click()
-        history = page.locator("#history-table tr").filter(has_text="embedded · none · sdpa").last
+        history = page.locator("#history-table [role=row]").filter(has_text="embedded · none · sdpa").last
         assert _shows(page, history, peak_mib), (row, _cell_numbers(history))
         page.screenshot(path=str(artifacts_dir / "one-peak.png"), full_page=True)

@@ -87,12 +87,15 @@ class BlockPool:
 
     @property
     def cached_blocks(self) -> int:
+        """Blocks findable by their prefix key (held or not)."""
         return len(self._by_key)
 
     def blocks_for(self, tokens: int) -> int:
+        """Blocks that `tokens` positions take (the last one may be partly filled)."""
         return -(-tokens // self.block_size)
 
     def ref_count(self, block_id: int) -> int:
+        """Sequences holding this block now."""
         return self._blocks[block_id].ref_count
 
     def match(self, token_ids: Sequence[int]) -> list[int]:
