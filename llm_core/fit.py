@@ -27,7 +27,6 @@ from .config import (
     parse_bytes,
 )
 from .errors import InputError, LLMCoreError, ModelLoadError
-from .fast.support import config_fast_path_support
 from .memory.budget import max_context_tokens
 from .memory.model import (
     BNB_4BIT_BLOCK,
@@ -214,6 +213,8 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
         raise SettingsError(f"quantization {quantization!r}: choose one of {', '.join(QUANTIZATION_MODES)}.")
     kv_cache = asked = canonical_kv_cache(kv_cache, "KV cache")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    from .fast.support import config_fast_path_support  # here: the fast package imports the decoder and kernels
+
     fast_ok, reason = config_fast_path_support(text, quantization)
     int8_tables = fast_ok and quantization in ("nf4", "int8") if int8_token_table is None else int8_token_table
     weights = estimate_weights_bytes(config, quantization, compute_dtype, int8_tables=int8_tables
@@ -225,7 +226,6 @@ def fit_config(config: Any, card_bytes: int, *, model: str = "model", quantizati
     facts = ModelMemoryFacts.from_config(text, weights, compute_dtype, weight_quantization=quantization)
     n = _new_tokens_of(max_new_tokens, facts.context_length)
     fused = replace(facts, fast_prefill=True)
-    fast_ok, reason = config_fast_path_support(text, quantization)
     kv_cache, kv_reason = choose_kv_cache(kv_cache, fused, budget, max_new_tokens=n, fast_path=fast_ok,
                                           prefill_chunk_tokens=prefill_chunk_tokens,
                                           prefill_graph_tokens=prefill_graph_tokens)
