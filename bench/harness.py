@@ -117,21 +117,26 @@ def make_random_checkpoint(arch: str | dict[str, Any], folder: Path, device: tor
     tokenizer, so every recipe loads it exactly as it loads a real checkpoint.
 
     tokenizer="word": word-level, "t<id>" <-> id exactly (prompts of a chosen length; bench.compare_bench's
-    prompt_ids); "chatml": byte-level BPE with a ChatML template, so real text chats go through ChatEngine.
+    prompt_ids); "chatml": byte-level BPE with a ChatML template, so real text chats go through ChatEngine; a folder:
+    that saved tokenizer (a real vocabulary, e.g. the embedded model's, for costs that scale with it such as the
+    structured-output mask), the shape's vocab_size replaced by the tokenizer's.
     Written into a ".partial" folder first and renamed when whole, so `checkpoint_ready` never sees half of one."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     shape = dict(RANDOM_ARCHS[arch] if isinstance(arch, str) else arch)
     shape.pop("max_position_embeddings", None)
     rope_theta = shape.pop("rope_theta", 10000.0)
-    pad = 0 if tokenizer == "word" else 2  # "t0" (unk) / "<|im_end|>"
-    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2,
-                      pad_token_id=pad, tie_word_embeddings=False,
+    tok = _tokenizer(tokenizer, int(shape["vocab_size"]))
+    if tokenizer not in ("word", "chatml"):
+        shape["vocab_size"] = -(-len(tok) // 64) * 64
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+    cfg = LlamaConfig(**shape, max_position_embeddings=max_positions, **ids, tie_word_embeddings=False,
                       rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM._from_config(cfg, dtype=torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=pad)
+    model.generation_config = GenerationConfig(**ids)
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial, safe_serialization=True)
@@ -139,7 +144,7 @@ def make_random_checkpoint(arch: str | dict[str, Any], folder: Path, device: tor
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    _tokenizer(tokenizer, int(cfg.vocab_size)).save_pretrained(partial)
+    tok.save_pretrained(partial)
     (partial / CHECKPOINT_DONE).write_text("ok\n")
     shutil.rmtree(folder, ignore_errors=True)  # a half-written one from an earlier run
     partial.rename(folder)
@@ -159,7 +164,10 @@ def _tokenizer(kind: str, vocab_size: int) -> Any:
         tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         return tok
     if kind != "chatml":
-        raise ValueError(f"tokenizer must be 'word' or 'chatml', got {kind!r}")
+        if not (Path(kind) / "tokenizer_config.json").is_file():
+            raise ValueError(f"tokenizer must be 'word', 'chatml' or a saved tokenizer's folder, got {kind!r}")
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(kind)
     tokens = CHATML_SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet())
     tokens += [f"<extra_{i}>" for i in range(vocab_size - len(tokens))]  # every model id decodes to something
     bpe = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=[], unk_token="<unk>"))

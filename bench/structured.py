@@ -9,6 +9,12 @@ ChatEngine.stream_chat with an llm_core.constraints.RowControl, exactly as /v1 r
 Each reply is checked with jsonschema. The first --unmasked replies also run without the mask (same settings, seed
 and path), so tokens/s with and without it compare on one loaded model in one run.
 
+GPU (the mask's cost per step on the fast path, batch 1 and 8): a random-weight checkpoint of a real shape with a
+real tokenizer (the mask's work scales with the vocabulary), replies run N at a time (rows of one batch):
+
+    python -m bench.structured --random llama-2-7b --tokenizer TOKENIZER_DIR --concurrent 8 --out OUT.json
+    (DECODE_PATH=fast MAX_BATCH_SIZE=8 in the environment; random weights: validity comes from the mask alone)
+
 Records: valid_percent, finished_by_eos (the JSON closed and EOS followed), decode tokens/s median over replies
 (ReplyStats.decode_tokens_per_s: (new - 1) / decode time) masked and unmasked, grammar_mask_ms_per_token median and
 max (the mask's own time per masked step: llguidance's mask, its unpacking and the masked fill), and every reply's
@@ -23,6 +29,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -62,49 +69,90 @@ SCHEMAS: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
+class _Reply:
+    """One schema's reply, masked and (the first --unmasked ones) not, with the same settings and seed."""
+
+    def __init__(self, index: int, engine: Any, max_tokens: int, unmasked: bool) -> None:
+        self.index, self.engine, self.max_tokens, self.unmasked = index, engine, max_tokens, unmasked
+        self.prompt, self.schema = SCHEMAS[index % len(SCHEMAS)]
+        self.record: dict[str, Any] = {"schema_index": index % len(SCHEMAS), "prompt": self.prompt}
+
+    def run(self, masked: bool) -> None:
+        from llm_core.constraints import OutputSpec, RowControl
+
+        engine = self.engine
+        control = RowControl.for_model(OutputSpec(json=True, json_schema=self.schema), engine.loaded) if masked \
+            else None
+        # each round over the schemas samples with its own seed: 50 replies, not 5 copies of 10 greedy ones
+        gen = engine.request_options(max_new_tokens=self.max_tokens, do_sample=True, temperature=0.7, seed=self.index,
+                                     control=control)
+        final = list(engine.stream_chat(self.prompt, [], gen=gen, history_turns=0,
+                                        request_id=f"structured-{self.index}-{masked}"))[-1]
+        stats = final.stats
+        self.record["masked" if masked else "unmasked"] = {
+            "text": final.text, "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason,
+            "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "grammar_mask_ms_per_token": stats.grammar_mask_ms_per_token, "peak_batch_rows": stats.peak_batch_rows}
+
+
+def _device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--replies", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--unmasked", type=int, default=10, help="replies also run without the mask (the first N)")
-    parser.add_argument("--decode-path", default="cpu")
+    parser.add_argument("--decode-path", default=None, help="DECODE_PATH (default: the environment's, else cpu)")
+    parser.add_argument("--random", default=None, help="a random-weight checkpoint of this bench.harness shape")
+    parser.add_argument("--tokenizer", default="chatml", help="with --random: a saved tokenizer's folder")
+    parser.add_argument("--ckpt", default="/tmp/structured-ckpt", help="with --random: where it is written")
+    parser.add_argument("--concurrent", type=int, default=1, help="replies run N at a time (rows of one batch)")
     args = parser.parse_args(argv)
 
     import jsonschema
 
     from llm_core.config import Settings
-    from llm_core.constraints import OutputSpec, RowControl
     from llm_core.engine.chat import ChatEngine
 
-    settings = Settings.from_env(environ={**os.environ, "DECODE_PATH": args.decode_path}, env_file=None)
+    environ = {**os.environ, "DECODE_PATH": args.decode_path or os.environ.get("DECODE_PATH", "cpu")}
+    if args.random:
+        import torch
+
+        from bench.harness import checkpoint_ready, make_random_checkpoint
+        folder = Path(args.ckpt)
+        if not checkpoint_ready(folder):
+            make_random_checkpoint(args.random, folder, torch.device("cuda" if torch.cuda.is_available() else "cpu"),
+                                   4096, tokenizer=args.tokenizer)
+        environ["MODEL_ID"] = str(folder)
+    settings = Settings.from_env(environ=environ, env_file=None)
     t0 = time.perf_counter()
     engine = ChatEngine.load(settings)
     load_s = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
-    for i in range(args.replies):
-        prompt, schema = SCHEMAS[i % len(SCHEMAS)]
-        record: dict[str, Any] = {"schema_index": i % len(SCHEMAS), "prompt": prompt}
-        for masked in (True, False)[:1 if i >= args.unmasked else 2]:
-            control = RowControl.for_model(OutputSpec(json=True, json_schema=schema), engine.loaded) if masked \
-                else None
-            # each round over the schemas samples with its own seed: 50 replies, not 5 copies of 10 greedy ones
-            gen = engine.request_options(max_new_tokens=args.max_tokens, do_sample=True, temperature=0.7, seed=i,
-                                         control=control)
-            final = list(engine.stream_chat(prompt, [], gen=gen, history_turns=0))[-1]
-            stats = final.stats
-            key = "masked" if masked else "unmasked"
-            record[key] = {"text": final.text, "new_tokens": stats.new_tokens, "finish_reason": stats.finish_reason,
-                           "decode_tokens_per_s": stats.decode_tokens_per_s,
-                           "grammar_mask_ms_per_token": stats.grammar_mask_ms_per_token}
-            if masked:
-                try:
-                    jsonschema.validate(json.loads(final.text), schema)
-                    record["valid"] = True
-                except (ValueError, jsonschema.ValidationError) as exc:
-                    record["valid"], record["error"] = False, str(exc)[:200]
-        rows.append(record)
-        print(f"{i + 1}/{args.replies} valid={record['valid']} {record['masked']['text'][:70]!r}", flush=True)
+    for start in range(0, args.replies, args.concurrent):
+        group = [_Reply(i, engine, args.max_tokens, i < args.unmasked) for i in range(
+            start, min(start + args.concurrent, args.replies))]
+        for masked in (True, False):
+            threads = [threading.Thread(target=r.run, args=(masked,)) for r in group if masked or r.unmasked]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        for reply in group:
+            record = reply.record
+            try:
+                jsonschema.validate(json.loads(record["masked"]["text"]), reply.schema)
+                record["valid"] = True
+            except (ValueError, jsonschema.ValidationError) as exc:
+                record["valid"], record["error"] = False, str(exc)[:200]
+            rows.append(record)
+            print(f"{reply.index + 1}/{args.replies} valid={record['valid']} {record['masked']['text'][:70]!r}",
+                  flush=True)
 
     def median(key: str, side: str) -> float | None:
         values = [r[side][key] for r in rows if side in r and r[side][key] is not None]
@@ -116,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "structured", "command": "python -m bench.structured " + " ".join(argv or sys.argv[1:]),
         "machine": platform.platform(), "processor": platform.processor(), "model": report.model,
         "quantization": report.quantization, "decode_path": engine.backend.name, "load_s": round(load_s, 2),
+        "device": _device_name(), "random_shape": args.random, "concurrent": args.concurrent,
+        "peak_batch_rows_max": max((r["masked"].get("peak_batch_rows") or 1) for r in rows),
         "replies": len(rows), "schemas": len(SCHEMAS), "max_new_tokens": args.max_tokens,
         "valid_percent": round(100 * sum(r["valid"] for r in rows) / len(rows), 1),
         "finished_by_eos_percent": round(100 * sum(r["masked"]["finish_reason"] == "eos" for r in rows) / len(rows),

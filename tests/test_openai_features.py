@@ -306,21 +306,7 @@ def test_the_cpu_path_masks_and_reports_logprobs() -> None:
     assert control.masked_steps > 0 and len(control.logprobs) > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("batch", ["1", "8"])
-def test_fast_paths_mask_rows_and_keep_unmasked_greedy_rows_as_they_were(batch: str) -> None:
-    engine = ChatEngine.load(make_settings(DECODE_PATH="fast", MAX_BATCH_SIZE=batch))
-    assert engine.backend.name == ("fast" if batch == "1" else "fast-batched")
-    text, control = _constrained(engine, "Describe the sky.", COLOR)
-    jsonschema.validate(json.loads(text), COLOR)
-    gen = engine.request_options(max_new_tokens=16, do_sample=False)
-    plain = list(engine.stream_chat("Name a fruit.", [], gen=gen))[-1]
-    logged = RowControl.for_model(OutputSpec(top_logprobs=1), engine.loaded)
-    with_logprobs = list(engine.stream_chat("Name a fruit.", [], gen=engine.request_options(
-        max_new_tokens=16, do_sample=False, control=logged)))[-1]
-    assert with_logprobs.token_ids == plain.token_ids  # the host pick = the graph's argmax
-    assert [e.token_id for e in logged.logprobs] == list(plain.token_ids)
+# The fast paths' masks and logprobs on CUDA: tests/test_constrained_gpu.py (no server there).
 
 
 # --- langchain-openai -----------------------------------------------------------------------------------------
