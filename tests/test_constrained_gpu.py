@@ -25,8 +25,10 @@ jsonschema = pytest.importorskip("jsonschema")
 
 SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
+# Bounded by enums: random weights never choose to end a free string, so a free-text field could outlast any budget.
 COLOR = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
-                                          "shades": {"type": "array", "items": {"type": "string"}, "maxItems": 2}},
+                                          "shades": {"type": "array", "items": {"enum": ["light", "dark"]},
+                                                     "maxItems": 2}},
          "required": ["color", "shades"], "additionalProperties": False}
 
 
@@ -45,7 +47,7 @@ def _engine(checkpoint: Path, batch: str) -> ChatEngine:
 
 def _constrained(engine: ChatEngine, prompt: str, request_id: str | None = None) -> tuple[Any, RowControl]:
     control = RowControl.for_model(OutputSpec(json=True, json_schema=COLOR, top_logprobs=0), engine.loaded)
-    gen = engine.request_options(max_new_tokens=48, do_sample=False, control=control)
+    gen = engine.request_options(max_new_tokens=96, do_sample=False, control=control)  # ~50 byte tokens
     return drain(engine.stream_chat(prompt, [], gen=gen, request_id=request_id)), control
 
 
