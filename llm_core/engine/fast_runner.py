@@ -147,10 +147,6 @@ class FastRunner(BoundRunner):
     def max_batch_size(self) -> int:
         return self.decoder.slots
 
-    @property
-    def slot_tokens(self) -> int:
-        return self.decoder.slot_tokens
-
     # --- what the scheduler asks -------------------------------------------------------------------------------------
     def new_request(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
                     stop_event: threading.Event, record: Any) -> FastRequest:
