@@ -101,7 +101,7 @@ class Bench:
         t = time.perf_counter()
         engine = ChatEngine.load(Settings.from_env(environ=environ, env_file=None),
                                  progress=lambda m: print(m, flush=True))
-        slots = engine.fast_scheduler.decoder if engine.fast_scheduler is not None else None
+        slots = engine.fast_scheduler.runner.decoder if engine.fast_scheduler is not None else None
         self.rec.add(phase="load", decode_path=engine.backend.name, decode_path_reason=engine.backend.reason,
                      load_s=round(time.perf_counter() - t, 1), warmup_s=engine.report.warmup_s,
                      weights_bytes=engine.report.weights_bytes,

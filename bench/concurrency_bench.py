@@ -107,7 +107,7 @@ class Bench:
         self.record(phase="load", max_batch_size=max_batch_size, decode_path=engine.backend.name,
                     decode_path_reason=engine.backend.reason, load_s=round(time.perf_counter() - t, 1),
                     weights_bytes=engine.report.weights_bytes, warmup_s=engine.report.warmup_s,
-                    kv_budget_bytes=engine.scheduler.kv_budget_bytes if engine.scheduler else None)
+                    kv_budget_bytes=engine.scheduler.runner.kv_budget_bytes if engine.scheduler else None)
         return engine
 
     def chat(self, engine: ChatEngine, i: int, request_id: str) -> tuple[ReplyUpdate, float, float]:

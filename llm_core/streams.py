@@ -1,7 +1,7 @@
-"""A reply's tokens between a batch scheduler's thread and the request's thread, shared by the eager scheduler
-(llm_core.engine.serving.BatchScheduler) and the batched fast path (llm_core.engine.fast_scheduler): the scheduler
-thread puts token ids (int) on the request's `items` queue and finally a `Finished`; the request's thread reads them
-with `stream`, or feeds a streamer with `generate` (model.generate's shape, for the engine's workers)."""
+"""A reply's tokens between the batch scheduler's thread (llm_core.engine.scheduler.Scheduler, whatever its runner)
+and the request's thread: the scheduler thread puts token ids (int) on the request's `items` queue and finally a
+`Finished`; the request's thread reads them with `stream`, or feeds a streamer with `generate` (model.generate's shape,
+for the engine's workers)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class Finished:
 
 
 class QueuedReply:
-    """One reply in a batch scheduler: the scheduler thread puts its token ids (int) and finally a Finished on
+    """One reply in the batch scheduler: the scheduler thread puts its token ids (int) and finally a Finished on
     `items`, and fills `record` (llm_core.engine.serving.RowKV: its KV bytes, peaks) before the Finished."""
 
     _ids = itertools.count()
@@ -43,6 +43,7 @@ class QueuedReply:
         self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
         self.arrived_s = time.perf_counter()
         self.counted_wait = False  # counted once in the scheduler's waiting statistics
+        self.overtaken = 0  # admissions of later requests while this one waited (bounded: runner.max_overtakes)
         self.finished: Finished | None = None
 
     @property

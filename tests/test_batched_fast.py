@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
-from llm_core.engine.fast_scheduler import FastBatchScheduler
+from llm_core.engine.fast_runner import FastRunner
+from llm_core.engine.scheduler import Scheduler
 from llm_core.errors import ContextBudgetError
 from llm_core.fast.batched import (
     BATCH_BUCKETS,
@@ -81,7 +82,7 @@ def test_every_row_equals_its_reply_alone_while_rows_join_and_leave(fp32_engine:
     scheduler = fast_batched.fast_scheduler
     before = scheduler.snapshot()
     together = staggered(fast_batched, PROMPTS, MAX_NEW, 0.3)
-    per_token = scheduler.decoder.kv_bytes_per_token()
+    per_token = scheduler.runner.decoder.kv_bytes_per_token()
     for i, reference in enumerate(alone):
         got = together[i]
         assert got.token_ids == reference.token_ids, f"prompt {i} differs from its reply alone"
@@ -158,7 +159,7 @@ def test_admission_refuses_only_what_cannot_fit_a_slot_and_queues_the_rest(fast_
     """2 slots of 64 tokens, no EOS: prompt + max new = 64 fits exactly and runs to its length; 65 is refused at
     once; three that fit arrive together: two decode, the third waits for a slot, and all three complete."""
     decoder = fast_batched.backend.decoder
-    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64), eos_token_ids=[])
+    scheduler = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=64)), eos_token_ids=[])
     try:
         greedy = SamplingOptions(repetition_penalty=1.0)
         exact = scheduler.submit(list(range(100, 148)), greedy, 16, threading.Event())
@@ -187,7 +188,7 @@ def test_sampling_rows_with_a_seed_are_reproducible_beside_other_rows(fast_batch
 
 
 def test_slots_are_sized_by_the_memory_plan_and_fit_the_history(fast_batched: ChatEngine) -> None:
-    slots = fast_batched.fast_scheduler.decoder
+    slots = fast_batched.fast_scheduler.runner.decoder
     assert slots.slots == 4 and fast_batched.max_concurrent_replies == 4
     assert fast_batched.context_limit == slots.slot_tokens <= fast_batched.loaded.context_length
     assert slots.slot_tokens % 16 == 0 and slots.slot_tokens >= 256
@@ -205,7 +206,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
 
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
     scheduler = engine.fast_scheduler
-    slots = scheduler.decoder
+    slots = scheduler.runner.decoder
     try:
         engine._size_fast_slots(lambda _m: None)  # warms the slots; CPU: no measurement
         gen = engine.request_options(max_new_tokens=8)
@@ -219,7 +220,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
         scheduler.close()
 
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
-    scheduler, slots = engine.fast_scheduler, engine.fast_scheduler.decoder
+    scheduler, slots = engine.fast_scheduler, engine.fast_scheduler.runner.decoder
     per_slot_token = slots.slots * slots.kv_bytes_per_token()
     budget = engine.memory_budget.budget_bytes
     planned = slots.slot_tokens
@@ -250,7 +251,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
         scheduler.close()
 
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
     full = {"peak_reserved_bytes": budget * 2, "peak_allocated_bytes": budget, "tokens": 0, "slots": 2}
     monkeypatch.setattr(slots, "profile_worst_reply", lambda chunk: full)
     slots.warmup()
@@ -264,7 +265,7 @@ def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp
     capture itself only notes): SlotDecoder.resize raises OutOfMemoryError, so the sizing shrinks instead of keeping
     slots whose steps would run without graphs, and the notes do not claim the graphs are off."""
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
 
     def capture() -> None:  # stands in for the CUDA capture: fits up to 512-token slots
         if slots.slot_tokens <= 512:
@@ -305,7 +306,7 @@ def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a
     from llm_core.fast import layer as fast_layer
 
     engine = ChatEngine(nf4_engine.loaded, make_settings(DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
     try:
         slots.allocate()
         f = slots.fast
@@ -412,7 +413,7 @@ def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path
     ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
     engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
                                            MAX_BATCH_SIZE="4", QUANTIZATION=quantization))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
     assert slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
     if quantization == "nf4":  # nf4_mm checked, then every candidate timed at each bucket: each takes its fastest
         note = next(n for n in slots.notes if n.startswith("NF4 rows kernels per batch"))

@@ -18,9 +18,12 @@ import torch
 from app import launch as launch_app
 from llm_core.engine.admission import ReplySlots
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
-from llm_core.engine.serving import BatchScheduler, SamplingOptions, resolve_max_batch_size
+from llm_core.engine.eager_runner import EagerRunner
+from llm_core.engine.scheduler import Scheduler
+from llm_core.engine.serving import resolve_max_batch_size
 from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError, SettingsError
 from llm_core.history import check_history_size
+from llm_core.sampling import SamplingOptions
 from tests.conftest import drain, make_settings, run_threads
 from tests.test_app import free_port, text
 from ui import build_demo
@@ -243,7 +246,7 @@ def test_out_of_memory_in_a_batch_step_fails_only_the_newest_row(
     assert scheduler is not None
     gen = batched_fp32.request_options(max_new_tokens=8)
     reference = drain(fp32_engine.stream_chat(PROMPTS[1], [], gen=gen, system_prompt=SYSTEM))
-    real_forward = scheduler._forward
+    real_forward = scheduler.runner._forward
     fired: list[int] = []
 
     def forward(input_ids: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -252,7 +255,7 @@ def test_out_of_memory_in_a_batch_step_fails_only_the_newest_row(
             raise torch.OutOfMemoryError("CUDA out of memory (injected by the test).")
         return real_forward(input_ids, *args)
 
-    monkeypatch.setattr(scheduler, "_forward", forward)
+    monkeypatch.setattr(scheduler.runner, "_forward", forward)
     older = batched_fp32.stream_chat(PROMPTS[1], [], gen=gen, system_prompt=SYSTEM, request_id="older")
     first = next(older)
     newer = batched_fp32.stream_chat(PROMPTS[3], [], gen=gen, system_prompt=SYSTEM, request_id="newer")
@@ -266,13 +269,14 @@ def test_admission_waits_only_while_the_kv_would_not_fit(fp32_engine: ChatEngine
     engine = ChatEngine(fp32_engine.loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32",
                                                           DECODE_PATH="plain", MAX_BATCH_SIZE="4"))
     scheduler = engine.scheduler
-    assert isinstance(scheduler, BatchScheduler)
+    assert isinstance(scheduler, Scheduler) and isinstance(scheduler.runner, EagerRunner)
+    runner = scheduler.runner
     try:
         gen = engine.request_options(max_new_tokens=6)
         prompt_tokens = engine.count_tokens([{"role": "system", "content": SYSTEM},
                                              {"role": "user", "content": "Say yes."}])
-        one_reply = (prompt_tokens + 6) * scheduler.kv_bytes_per_token
-        scheduler.kv_budget_bytes = int(one_reply * 1.5)  # one reply fits, two do not
+        one_reply = (prompt_tokens + 6) * runner.kv_bytes_per_token
+        runner.kv_budget_bytes = int(one_reply * 1.5)  # one reply fits, two do not
         replies: dict[str, ReplyUpdate] = {}
 
         def ask(name: str) -> Callable[[], None]:
@@ -284,7 +288,7 @@ def test_admission_waits_only_while_the_kv_would_not_fit(fp32_engine: ChatEngine
         assert tight.max_rows_in_step == 1 and tight.waited_for_memory >= 1  # the second waited for the first
         assert replies["a"].token_ids == replies["b"].token_ids
 
-        scheduler.kv_budget_bytes = one_reply * 4  # now both fit: nobody waits
+        runner.kv_budget_bytes = one_reply * 4  # now both fit: nobody waits
         run_threads([ask("c"), ask("d")])
         roomy = scheduler.snapshot()
         assert roomy.waited_for_memory == tight.waited_for_memory

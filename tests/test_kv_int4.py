@@ -328,7 +328,7 @@ def test_gpu_int4_fast_path_decodes_within_bounds_of_bf16_graphs_and_slots_inclu
     assert rel.max().item() <= 0.25
     del ref, q4
     engine = ChatEngine.load(make_settings(**env, KV_CACHE="int4", MAX_BATCH_SIZE="2"))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
     assert slots.k.dtype == torch.uint8 and slots.use_graphs, slots.notes
     gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)
     alone = [drain(engine.stream_chat(p, [], gen=gen, system_prompt=SYSTEM)) for p in PROMPTS[:2]]

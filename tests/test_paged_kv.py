@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine
-from llm_core.engine.fast_scheduler import FastBatchScheduler
+from llm_core.engine.fast_runner import FastRunner
+from llm_core.engine.scheduler import Scheduler
 from llm_core.errors import ContextBudgetError
 from llm_core.fast import kvquant
 from llm_core.fast.batched import SlotDecoder, attention_rows
@@ -166,7 +167,7 @@ def _tokens(scheduler: Any, request: Any) -> list[int]:
 
 def _alone(decoder: Any, prompt: list[int], max_new: int) -> list[int]:
     """The prompt served alone by a slot-layout loop with one slot that holds it whole (the reference)."""
-    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=1, slot_tokens=256), eos_token_ids=[])
+    scheduler = Scheduler(FastRunner(SlotDecoder(decoder, slots=1, slot_tokens=256)), eos_token_ids=[])
     try:
         return _tokens(scheduler, scheduler.submit(prompt, GREEDY, max_new, threading.Event()))
     finally:
@@ -178,7 +179,7 @@ def paged_engine(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
     """The fp32 model on the batched fast loop with KV_LAYOUT=paged, 4 rows."""
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
                                                           KV_LAYOUT="paged"))
-    assert engine.backend.name == "fast-batched" and engine.fast_scheduler.decoder.paged
+    assert engine.backend.name == "fast-batched" and engine.fast_scheduler.runner.decoder.paged
     yield engine
     engine.fast_scheduler.close()
 
@@ -191,7 +192,7 @@ def test_paged_rows_equal_their_reply_alone_while_rows_join_and_leave(fp32_engin
     alone = [drain(fp32_engine.stream_chat(p, [], gen=fp32_engine.request_options(max_new_tokens=n),
                                            system_prompt=SYSTEM)) for p, n in zip(PROMPTS, MAX_NEW, strict=True)]
     scheduler = paged_engine.fast_scheduler
-    decoder = scheduler.decoder
+    decoder = scheduler.runner.decoder
     before = scheduler.snapshot()
     together = staggered(paged_engine, PROMPTS, MAX_NEW, 0.3)
     for i, reference in enumerate(alone):
@@ -212,8 +213,8 @@ def test_paged_rows_equal_slot_rows_token_for_token(paged_engine: ChatEngine) ->
     prompts = [list(range(100 + 37 * i, 100 + 37 * i + n)) for i, n in enumerate((40, 23, 61, 9))]
     out = {}
     for layout in ("slots", "paged"):
-        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout=layout),
-                                       eos_token_ids=[])
+        scheduler = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=128, layout=layout)),
+                              eos_token_ids=[])
         try:
             with scheduler._cond:
                 requests = [scheduler.submit(p, GREEDY, n, threading.Event())
@@ -229,8 +230,8 @@ def test_a_lone_paged_reply_may_outgrow_one_slot(paged_engine: ChatEngine) -> No
     paged pool of the same bytes (128 tokens) it runs to its length, equal to the prompt served alone."""
     decoder = paged_engine.backend.decoder
     prompt = list(range(200, 260))
-    slots = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64), eos_token_ids=[])
-    paged = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[])
+    slots = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=64)), eos_token_ids=[])
+    paged = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged")), eos_token_ids=[])
     try:
         with pytest.raises(ContextBudgetError, match="KV slot"):
             slots.submit(prompt, GREEDY, 40, threading.Event())
@@ -252,8 +253,8 @@ def test_a_repeated_prefix_comes_from_the_pool_and_gives_the_same_tokens(paged_e
     other = first[:50] + list(range(900, 925))
     cold = {tuple(p): _alone(decoder, p, 10) for p in (first, other)}
     for caching, expected in ((True, [0, 64, 48]), (False, [0, 0, 0])):
-        scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged"),
-                                       eos_token_ids=[], prefix_cache=caching)
+        scheduler = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged"),
+                                         prefix_cache=caching), eos_token_ids=[])
         try:
             requests, outputs = [], []
             for prompt in (first, first, other):
@@ -272,7 +273,7 @@ def test_the_reply_stats_say_how_many_prompt_tokens_came_from_the_pool(paged_eng
     message = "Say something kind about the sea, in one sentence, please."
     one = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
     two = drain(paged_engine.stream_chat(message, [], gen=gen, system_prompt=SYSTEM))
-    block = paged_engine.fast_scheduler.decoder.block_size
+    block = paged_engine.fast_scheduler.runner.decoder.block_size
     assert two.stats.cached_prompt_tokens == (two.stats.prompt_tokens - 1) // block * block > 0
     assert two.token_ids == one.token_ids
 
@@ -284,8 +285,8 @@ def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
     streamed. Both complete with the tokens each gives alone, and nothing fails."""
     decoder = paged_engine.backend.decoder
     long_prompt, short_prompt = list(range(400, 460)), list(range(600, 640))
-    scheduler = FastBatchScheduler(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), eos_token_ids=[],
-                                   prefix_cache=False)
+    scheduler = Scheduler(FastRunner(SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged"), prefix_cache=False),
+                          eos_token_ids=[])
     try:
         with scheduler._cond:
             older = scheduler.submit(long_prompt, GREEDY, 60, threading.Event())
@@ -306,14 +307,14 @@ def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_
     decoder = paged_engine.backend.decoder
     rows = SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged")
     prompt = list(range(500, 530))
-    scheduler = FastBatchScheduler(rows, eos_token_ids=[])
+    scheduler = Scheduler(FastRunner(rows), eos_token_ids=[])
     try:
         before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
         scheduler.close()
         profile = rows.profile_worst_reply(32)
         assert profile["tokens"] == 128 and profile["slots"] == 2
         assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
-        scheduler = FastBatchScheduler(rows, eos_token_ids=[], prefix_cache=False)
+        scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
         after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
     finally:
         scheduler.close()
@@ -333,7 +334,7 @@ def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tm
     ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
     engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
                                            MAX_BATCH_SIZE="4", QUANTIZATION="nf4", KV_LAYOUT="paged"))
-    slots = engine.fast_scheduler.decoder
+    slots = engine.fast_scheduler.runner.decoder
     try:
         assert slots.paged and slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
         gen = engine.request_options(max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.0)

@@ -1,1 +1,1 @@
-"""The engine: ChatEngine (chat.py), concurrent replies (serving.py), side-by-side comparison (compare.py)."""
+"""The engine: ChatEngine (chat.py), concurrent replies (scheduler.py over a runner), comparison (compare.py)."""

@@ -20,7 +20,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TextIteratorStreamer
@@ -44,8 +44,13 @@ from ..types import LoadedModel
 from .admission import ReplySlots
 from .plain_prefix import PlainPrefixCache
 from .runners import DecodeBackend, FastBackend, PreparedPrompt
-from .serving import BatchScheduler, RowKV
+from .scheduler import Scheduler
+from .serving import RowKV
 from .startup import DecodeStartup, _cached_free_bytes
+
+if TYPE_CHECKING:
+    from .eager_runner import EagerRunner
+    from .fast_runner import FastRunner
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +168,8 @@ class ChatEngine(DecodeStartup):
         self.backend: DecodeBackend = self._plain_backend(
             "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
         self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
-        self.scheduler: BatchScheduler | None = None
-        self.fast_scheduler: Any = None  # llm_core.engine.fast_scheduler.FastBatchScheduler when the fast path batches
+        self.scheduler: Scheduler[EagerRunner] | None = None  # when transformers' forward batches the replies
+        self.fast_scheduler: Scheduler[FastRunner] | None = None  # when the fast path batches them
         self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
         self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
         self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
@@ -236,7 +241,7 @@ class ChatEngine(DecodeStartup):
         whether start-up measured it), and how long prompts are prefilled."""
         parts = [f"budget {human_bytes(self.memory_budget.budget_bytes)} ({self.memory_budget.source})"]
         decoder = getattr(self.backend, "decoder", None)
-        slots = self.fast_scheduler.decoder if self.fast_scheduler is not None else None
+        slots = self.fast_scheduler.runner.decoder if self.fast_scheduler is not None else None
         if slots is not None:
             parts.append(f"{slots.slots} KV slots of {slots.slot_tokens:,} tokens")
         elif decoder is not None and getattr(decoder, "max_cache_len", None):

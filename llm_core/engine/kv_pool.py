@@ -119,10 +119,8 @@ class BlockPool:
         """A table for a new sequence: the cached prefix of prompt_ids taken back, then fresh blocks up to
         reserve_tokens in all (prompt + the reply's budget). At least the last prompt token is always recomputed
         (its logits start the reply). Raises PoolExhausted, holding nothing, when the blocks cannot be had."""
+        cached, needed, evictable = self._start_plan(prompt_ids, reserve_tokens)
         reserve_tokens = max(reserve_tokens, len(prompt_ids))
-        cached = self.match(prompt_ids[:max(len(prompt_ids) - 1, 0)])
-        needed = self.blocks_for(reserve_tokens) - len(cached)
-        evictable = len(self._unheld) - sum(1 for b in cached if self._blocks[b].ref_count == 0)
         if needed > evictable:
             raise PoolExhausted(f"the KV pool has {evictable} free blocks; this reply needs {needed} "
                                 f"({reserve_tokens:,} tokens in blocks of {self.block_size})")
@@ -131,6 +129,20 @@ class BlockPool:
         table.cached_tokens = table.tokens
         table.block_ids.extend(self._take(needed))
         return table
+
+    def can_start(self, prompt_ids: Sequence[int], reserve_tokens: int) -> bool:
+        """Whether start(prompt_ids, reserve_tokens) would get its blocks now (nothing taken)."""
+        _, needed, evictable = self._start_plan(prompt_ids, reserve_tokens)
+        return needed <= evictable
+
+    def _start_plan(self, prompt_ids: Sequence[int], reserve_tokens: int) -> tuple[list[int], int, int]:
+        """start's arithmetic: the cached prefix's blocks (at least the last prompt token is recomputed: its logits
+        start the reply), the fresh blocks still needed, and the unheld blocks the prefix does not take back."""
+        reserve_tokens = max(reserve_tokens, len(prompt_ids))
+        cached = self.match(prompt_ids[:max(len(prompt_ids) - 1, 0)])
+        needed = self.blocks_for(reserve_tokens) - len(cached)
+        evictable = len(self._unheld) - sum(1 for b in cached if self._blocks[b].ref_count == 0)
+        return cached, needed, evictable
 
     def grow(self, table: BlockTable, tokens: int) -> None:
         """Make room for `tokens` positions in all (a reply that runs past its reserve). Raises PoolExhausted."""

@@ -1,12 +1,15 @@
 """The runners: what produces the tokens of one prepared prompt (transformers' generate, the fast path's static
-cache), behind the DecodeBackend interface the engine streams from. Knows nothing of history, text or Gradio."""
+cache), behind the DecodeBackend interface the engine streams from; and BatchRunner, what the one batch scheduler
+(llm_core.engine.scheduler) drives: eager_runner (transformers' forward) and fast_runner (the fast path's slots or
+paged pool). Knows nothing of history, text or Gradio."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -16,6 +19,9 @@ from ..history import FittedHistory
 from ..memory.kv_cache import cache_kwarg, make_cache, prefill_in_chunks
 from ..types import LoadedModel
 from .plain_prefix import PlainPrefixCache
+
+if TYPE_CHECKING:
+    from ..streams import QueuedReply
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,107 @@ class DecodeBackend(Protocol):
             ) -> int | None: ...
 
     def make_cache(self) -> Any: ...
+
+
+class RowHost(Protocol):
+    """What a BatchRunner calls back on its scheduler (llm_core.engine.scheduler.Scheduler), on the loop thread."""
+
+    eos_token_ids: frozenset[int]
+    stats: Any  # the runner's counters (new_stats), live
+
+    @property
+    def cond(self) -> threading.Condition: ...
+
+    def finish(self, request: QueuedReply, reason: str, error: BaseException | None = None) -> None: ...
+
+    def deliver(self, request: QueuedReply, token: int, new_tokens: int, min_new_tokens: int = 0) -> str | None: ...
+
+    def requeue_first(self, request: QueuedReply) -> None: ...
+
+
+class BoundRunner:
+    """A BatchRunner's link to its scheduler: Scheduler.__init__ calls bind(), the runner reads `host`."""
+
+    _bound: RowHost | None = None
+
+    def bind(self, host: RowHost) -> None:
+        self._bound = host
+
+    @property
+    def host(self) -> RowHost:
+        assert self._bound is not None, "bind() the runner to its scheduler first"
+        return self._bound
+
+
+class BatchRunner(Protocol):
+    """The rows of one batch and the device work on them, driven by the scheduler's loop thread: how a row's KV is
+    held (a left-padded DynamicCache row, a static slot, paged blocks), how it is prefilled (whole at admission or in
+    chunks between steps), how a step is run and measured. The scheduler owns the queue and the order; a runner ends
+    its own rows (record, release, then host.finish). Row lists change under host.cond (snapshot reads them)."""
+
+    label: str  # "The batch scheduler": the start of its loop's error messages
+    thread_name: str
+    shutdown_message: str  # what replies still running are told when the loop ends
+    max_overtakes: int  # how often a waiting request may be overtaken by a later one that fits (0: strict FIFO)
+    admission_prefill_tokens: int | None  # prompt tokens one admission round may prefill (None: no bound)
+
+    @property
+    def max_batch_size(self) -> int: ...
+
+    def bind(self, host: RowHost) -> None: ...
+
+    def new_request(self, prompt_ids: list[int], options: Any, max_new_tokens: int, stop_event: threading.Event,
+                    record: Any) -> QueuedReply:
+        """A request, or the error for one this runner could never hold (its KV over the budget or a slot)."""
+
+    def new_stats(self) -> Any: ...
+
+    def snapshot(self, stats: Any, waiting: int) -> Any:
+        """A copy of `stats` with the live figures (rows, KV, `waiting` queued); under host.cond."""
+
+    def count_wait(self, stats: Any, reason: str) -> bool:
+        """Count a request that waits for `reason` ("row": none free, "memory": its KV does not fit); False when
+        this runner keeps no counter for it (the request may be counted later for another reason)."""
+
+    def warm(self) -> None:
+        """Ready the device before the loop starts (the fast runner: allocate the slots, compile, capture)."""
+
+    def resize(self, slot_tokens: int) -> None:
+        """A new slot length before the loop starts (Scheduler.resize_slots; runners with fixed slots)."""
+
+    def loop_mode(self) -> AbstractContextManager[Any]:
+        """The autograd mode the loop runs in (the fast runner: its warm-up's, so no step recompiles)."""
+
+    def usable(self) -> bool:
+        """False once the loop must end (the eager runner's model was unloaded)."""
+
+    def busy(self) -> bool:
+        """Rows decoding or prefilling."""
+
+    def decoding(self) -> bool: ...
+
+    def has_free_row(self) -> bool: ...
+
+    def fits(self, request: QueuedReply) -> bool:
+        """Whether `request` can take a row now (its KV within the budget, its blocks free); no side effect."""
+
+    def admit(self, request: QueuedReply) -> None:
+        """Give `request` a row (outside host.cond): prefill and join (eager) or start its chunked prefill (fast)."""
+
+    def advance_prefills(self) -> None:
+        """Prefill chunks between decode steps; rows whose prompt is in pick their first token and decode."""
+
+    def decode_step(self) -> None:
+        """One step for every decoding row: each row's token delivered (host.deliver), rows that end released."""
+
+    def drop_stopped_rows(self) -> None:
+        """Rows whose request's stop_event is set leave (finished as stopped)."""
+
+    def fail_all(self, exc: BaseException) -> None:
+        """A step raised out of the runner: end every row with an error, keep the runner usable."""
+
+    def take_all(self) -> list[QueuedReply]:
+        """The loop ends: every row's request, the rows dropped (the scheduler finishes them); under host.cond."""
 
 
 @dataclass

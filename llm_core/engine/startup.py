@@ -27,9 +27,13 @@ from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
 from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
 from .admission import ReplySlots
+from .eager_runner import EagerRunner
 from .plain_prefix import PlainPrefixCache
 from .runners import DecodeBackend, FastBackend, PlainBackend
-from .serving import BatchScheduler
+from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .fast_runner import FastRunner
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +47,8 @@ class DecodeStartup:
     memory_facts: ModelMemoryFacts
     memory_budget: MemoryBudget
     oom_injector: OOMInjector
-    scheduler: BatchScheduler | None
-    fast_scheduler: Any
+    scheduler: Scheduler[EagerRunner] | None
+    fast_scheduler: Scheduler[FastRunner] | None
     _lock: ReplySlots
     _workers: Any
     _prefill_chunk_tokens: int | None
@@ -167,7 +171,7 @@ class DecodeStartup:
         return plan.tokens
 
     def _configure_decode(self) -> None:
-        """Batched decoding (llm_core.engine.serving) when MAX_BATCH_SIZE resolves above 1 and the model allows it;
+        """Batched decoding (llm_core.engine.scheduler) when MAX_BATCH_SIZE resolves above 1 and the model allows it;
         else one reply at a time on the plain or fast path."""
         from .serving import batching_support, resolve_max_batch_size
 
@@ -191,16 +195,17 @@ class DecodeStartup:
         self._serve_eager_batched(size)
 
     def _serve_eager_batched(self, size: int, note: str = "") -> None:
-        """Concurrent replies batched by llm_core.engine.serving's scheduler over transformers' forward (models or
+        """Concurrent replies batched by llm_core.engine.scheduler's loop over transformers' forward (models or
         cards the batched fast path does not serve)."""
         from .serving import BatchedBackend, default_kv_budget_bytes
 
         loaded = self.loaded
-        self.scheduler = BatchScheduler.for_model(
+        runner = EagerRunner.for_model(
             loaded.model, max_batch_size=size,
             kv_budget_bytes=default_kv_budget_bytes(loaded, size, self.memory_budget.budget_bytes, self.memory_facts),
-            cache_dtype=loaded.compute_dtype, eos_token_ids=sorted(loaded.eos_token_ids),
-            cache_kwarg=cache_kwarg(loaded.model))
+            cache_dtype=loaded.compute_dtype, cache_kwarg=cache_kwarg(loaded.model))
+        self.scheduler = Scheduler(runner, eos_token_ids=sorted(loaded.eos_token_ids))
+        self.scheduler.start()
         self.backend = BatchedBackend(self.scheduler, "; ".join(filter(None, [
             f"MAX_BATCH_SIZE={size}: concurrent replies share one decode batch", note])))
         self._lock = ReplySlots(size, session_max_waiting=self.settings.server.session_max_waiting)
@@ -213,7 +218,7 @@ class DecodeStartup:
         MIN_FAST_CACHE_TOKENS."""
         from ..fast.batched import MAX_SLOTS, SlotDecoder
         from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, static_cache_plan
-        from .fast_scheduler import FastBatchScheduler
+        from .fast_runner import FastRunner
         from .serving import FastBatchedBackend
 
         fast = self.backend
@@ -255,8 +260,8 @@ class DecodeStartup:
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
         rows = SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens, layout=self.settings.memory.kv_layout)
         decoder.max_cache_len = rows.reply_tokens  # the engine fits every history to one slot, or the pool
-        scheduler = FastBatchScheduler(rows, eos_token_ids=sorted(self.loaded.eos_token_ids),
-                                       prefix_cache=self._prefix_cache)
+        scheduler = Scheduler(FastRunner(rows, prefix_cache=self._prefix_cache),
+                              eos_token_ids=sorted(self.loaded.eos_token_ids))
         self._fast_batched_reason = (fast.reason, size)
         self.backend = FastBatchedBackend(scheduler, decoder, _fast_batched_reason(fast.reason, size, slots,
                                                                                    slot_tokens))
@@ -321,7 +326,8 @@ class DecodeStartup:
         size_cache_by_measurement re-sizes the slot length until that peak fits the budget. The slot count stays;
         when not even MIN_FAST_CACHE_TOKENS per slot fit, ContextBudgetError says to lower MAX_BATCH_SIZE (and with
         DECODE_PATH=auto, warmup() then serves the eager batch instead: _fall_back_to_eager_batch)."""
-        slots = self.fast_scheduler.decoder
+        assert self.fast_scheduler is not None
+        slots = self.fast_scheduler.runner.decoder
         if slots.k is None:
             slots.warmup()
         if self.loaded.device.type == "cuda":
@@ -329,7 +335,8 @@ class DecodeStartup:
 
     def _measure_fast_slots(self, say: Callable[[str], None]) -> None:
         scheduler = self.fast_scheduler
-        slots = scheduler.decoder
+        assert scheduler is not None
+        slots = scheduler.runner.decoder
 
         def resize(tokens: int) -> None:
             say(f"Sizing the {slots.slots} KV slots from measured memory: {slots.slot_tokens:,} -> {tokens:,} "
@@ -353,13 +360,14 @@ class DecodeStartup:
 
     def _fall_back_to_eager_batch(self, exc: Exception) -> None:
         """The batched fast path's slots do not fit (measured at start-up): its loop, slots and graphs are released
-        and transformers' forward batches the replies (llm_core.engine.serving), with the reason in the model
+        and transformers' forward batches the replies (llm_core.engine.eager_runner), with the reason in the model
         panel."""
         log.warning("batched fast path released at start-up: %s", exc)
         scheduler = self.fast_scheduler
-        size = scheduler.decoder.slots
+        assert scheduler is not None
+        size = scheduler.runner.decoder.slots
         scheduler.close()
-        slots = scheduler.decoder
+        slots = scheduler.runner.decoder
         slots._graphs.clear()
         slots.k = slots.v = None
         self.fast_scheduler = None

@@ -1,6 +1,6 @@
 """The batched fast path's KV slots and step: every concurrent reply is a row of one decode step over the fast path's
 packed weights. Token ids in, logits and tokens out; the loop that admits and streams rows is
-llm_core.engine.fast_scheduler. A single reply is the batch of 1.
+llm_core.engine.scheduler with its fast runner (engine/fast_runner.py). A single reply is the batch of 1.
 
 Storage: fixed KV slots, K and V each (layers, slots, slot_tokens, kv_heads, row) in the fast path's cache format
 (bf16 rows, or the int8 rows of llm_core.fast.kvquant). Slot s is row s of the decode step, so a step over the first

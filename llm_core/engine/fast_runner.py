@@ -1,10 +1,11 @@
-"""The batched fast path's scheduler: one loop thread admits replies into llm_core.fast.batched.SlotDecoder's KV
-slots, prefills them in chunks between decode steps and streams each row's tokens. Knows nothing about text or Gradio.
+"""The fast batch runner: concurrent replies as rows of llm_core.fast.batched.SlotDecoder's KV slots (or its paged
+pool), prefilled in chunks between decode steps, stepped by the fast path's batched step (CUDA graphs per batch
+bucket); llm_core.engine.scheduler drives it. Knows nothing about text or Gradio.
 
-Loop (one scheduler thread owns the device; request threads only queue work and read their tokens):
+A row's life:
 
-    waiting (FIFO) --a free slot--> prefill in chunks of PREFILL_TOKENS_PER_STEP between decode steps (the fast
-    path's prefill layer over the slot) --> first token --> active row --> decode step for rows 0..B-1 (B = the
+    admitted (strict FIFO: a free slot) --> prefill in chunks of PREFILL_TOKENS_PER_STEP between decode steps (the
+    fast path's prefill layer over the slot) --> first token --> active row --> decode step for rows 0..B-1 (B = the
     smallest batch bucket >= the highest active slot + 1; idle slots inside it compute a throw-away token at
     position 0 of their own slot) --> per-row select (repetition penalty, min-new-tokens EOS ban and argmax inside
     the step; sampling rows through llm_core.sampling with their own generator) --> each row's token to its request
@@ -25,19 +26,19 @@ import functools
 import itertools
 import threading
 import time
-import weakref
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from ..errors import ContextBudgetError, GenerationError, InputError, OutOfMemoryError
+from ..errors import ContextBudgetError, GenerationError, OutOfMemoryError
 from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
 from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
-from ..streams import QueuedReply, TokenStreams
+from ..streams import QueuedReply
 from .kv_pool import BlockPool, BlockTable, PoolExhausted
+from .runners import BoundRunner
 
 
 class FastRequest(QueuedReply):
@@ -53,6 +54,11 @@ class FastRequest(QueuedReply):
         self.generated: list[int] = []  # the tokens streamed so far (a preempted reply resumes after them)
         self.generator: torch.Generator | None = None
         self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the paged pool's cache
+
+    @property
+    def kv_ids(self) -> list[int]:
+        """Prompt and streamed tokens: what a (re-)admitted row prefills."""
+        return self.prompt_ids + self.generated
 
 
 @dataclass
@@ -70,7 +76,7 @@ class _Row:
 
     def kv_ids(self) -> list[int]:
         """The token ids whose K/V the row's cache holds, from position 0."""
-        return (self.request.prompt_ids + self.request.generated)[:self.length or self.prefilled]
+        return self.request.kv_ids[:self.length or self.prefilled]
 
 
 @dataclass
@@ -111,30 +117,25 @@ class BatchStats:
         return self.step_s / self.decode_steps if self.decode_steps else 0.0
 
 
-class FastBatchScheduler(TokenStreams):
-    """Decodes every concurrent reply as a row of one batched fast-path step (see the module docstring).
+class FastRunner(BoundRunner):
+    """The BatchRunner (llm_core.engine.runners) over SlotDecoder (see the module docstring). A request whose prompt
+    + max new tokens exceed a slot (or the pool) is refused at once; one that fits waits only for a free slot."""
 
-    Thread-safe `submit` / `generate`; one background thread owns the device. A request whose prompt + max new
-    tokens exceed a slot is refused at once (ContextBudgetError); one that fits waits only for a free slot."""
+    label = "The batched decode loop"
+    thread_name = "fast-batch"
+    shutdown_message = "The demo is shutting down; this reply was stopped."
+    max_overtakes = 0  # strict arrival order: every request fits a slot, so none waits for a smaller one
+    admission_prefill_tokens: int | None = None  # prefill is chunked between steps instead (advance_prefills)
 
-    def __init__(self, slots: SlotDecoder, *, eos_token_ids: Sequence[int], name: str = "fast-batch",
-                 prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP, prefix_cache: bool = True) -> None:
+    def __init__(self, slots: SlotDecoder, *, prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
+                 prefix_cache: bool = True) -> None:
         self.decoder = slots
         self.prefix_cache = prefix_cache
         self.pool = self._new_pool()
         self.device = slots.device
-        self.eos_token_ids = frozenset(int(e) for e in eos_token_ids)
         self.prefill_tokens_per_step = int(prefill_tokens_per_step)
-        self._cond = threading.Condition()
-        self._waiting: deque[FastRequest] = deque()
         self._rows: dict[int, _Row] = {}  # slot -> row, decoding
         self._prefilling: list[_Row] = []  # in slot order of admission
-        self._closed = False
-        self.stats = self._new_stats()
-        self.fatal_error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
-        self._name = name
         self._admitted = itertools.count()
 
     def _new_pool(self) -> BlockPool | None:
@@ -142,122 +143,106 @@ class FastBatchScheduler(TokenStreams):
         return BlockPool(d.num_blocks, d.block_size, namespace=d.kv_namespace, caching=self.prefix_cache) \
             if d.paged else None
 
-    def _new_stats(self) -> BatchStats:
-        d = self.decoder
-        return BatchStats(slots=d.slots, slot_tokens=d.slot_tokens, kv_layout="paged" if d.paged else "slots",
-                          pool_blocks=d.num_blocks if d.paged else 0, block_tokens=d.block_size if d.paged else 0)
-
-    # --- public ------------------------------------------------------------------------------------------------------
     @property
     def max_batch_size(self) -> int:
         return self.decoder.slots
 
-    @property
-    def slot_tokens(self) -> int:
-        return self.decoder.slot_tokens
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._closed
-
-    def start(self) -> None:
-        """Allocate and warm the slots (compile and capture on CUDA) and start the loop thread. Idempotent."""
-        with self._start_lock:  # held through the warm-up: the first replies may arrive on several threads at once
-            if self._thread is not None:
-                return
-            if self.decoder.k is None:
-                self.decoder.warmup()
-            thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
-            with self._cond:
-                self._thread = thread
-            thread.start()
-            _RUNNING.add(self)
-
-    def resize_slots(self, slot_tokens: int) -> None:
-        """SlotDecoder.resize before the loop runs (the engine sizes the slots by measurement at start-up)."""
-        with self._start_lock:
-            if self._thread is not None:
-                raise GenerationError("The batched decode loop is running: its KV slots are sized before it starts.")
-            self.decoder.resize(slot_tokens)
-            self.pool = self._new_pool()
-            self.stats = self._new_stats()
-
-    def submit(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
-               stop_event: threading.Event, record: Any = None) -> FastRequest:
-        if not prompt_ids:
-            raise InputError("The prompt is empty.")
+    # --- what the scheduler asks -------------------------------------------------------------------------------------
+    def new_request(self, prompt_ids: list[int], options: SamplingOptions, max_new_tokens: int,
+                    stop_event: threading.Event, record: Any) -> FastRequest:
         if max_new_tokens < 1:
             raise GenerationError("max_new_tokens must be at least 1.")
-        request = FastRequest(list(prompt_ids), options, max_new_tokens, stop_event, record)
+        request = FastRequest(prompt_ids, options, max_new_tokens, stop_event, record)
         if request.kv_tokens > self.decoder.reply_tokens:
             room = "the KV pool" if self.pool is not None else "one reply's KV slot"
             raise ContextBudgetError(
                 f"The prompt ({len(prompt_ids):,} tokens) plus max new tokens ({max_new_tokens:,}) exceed {room} "
                 f"({self.decoder.reply_tokens:,} tokens); shorten the history or lower max new tokens.")
-        self.start()
-        return self._enqueue(request, "The batched decode loop has stopped; restart the demo.")
+        return request
 
-    def _loop_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    def new_stats(self) -> BatchStats:
+        d = self.decoder
+        return BatchStats(slots=d.slots, slot_tokens=d.slot_tokens, kv_layout="paged" if d.paged else "slots",
+                          pool_blocks=d.num_blocks if d.paged else 0, block_tokens=d.block_size if d.paged else 0)
 
-    def snapshot(self) -> BatchStats:
-        with self._cond:
-            pool = self.pool
-            return replace(self.stats, waiting=len(self._waiting), active=len(self._rows),
-                           prefilling=len(self._prefilling), kv_held_bytes=self.decoder.cache_bytes,
-                           free_blocks=pool.free_blocks if pool else 0, cached_blocks=pool.cached_blocks if pool else 0,
-                           rows_by_bucket=dict(self.stats.rows_by_bucket))
+    def snapshot(self, stats: BatchStats, waiting: int) -> BatchStats:
+        pool = self.pool
+        return replace(stats, waiting=waiting, active=len(self._rows), prefilling=len(self._prefilling),
+                       kv_held_bytes=self.decoder.cache_bytes, free_blocks=pool.free_blocks if pool else 0,
+                       cached_blocks=pool.cached_blocks if pool else 0, rows_by_bucket=dict(stats.rows_by_bucket))
 
-    def queue_position(self, request: FastRequest) -> int | None:
-        """Requests ahead of `request` in the slot queue (0 = next), None once it has a slot."""
-        with self._cond:
-            for i, r in enumerate(self._waiting):
-                if r is request:
-                    return i
-        return None
+    def count_wait(self, stats: BatchStats, reason: str) -> bool:
+        if reason == "memory":
+            stats.waited_for_blocks += 1
+        else:
+            stats.waited_for_slot += 1
+        return True
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+    def warm(self) -> None:
+        """Allocate and warm the slots (compile and capture on CUDA) unless done already."""
+        if self.decoder.k is None:
+            self.decoder.warmup()
 
-    # --- the loop (scheduler thread only) -----------------------------------------------------------------------------
-    def _loop(self) -> None:
-        error: BaseException
-        try:
-            with torch.inference_mode(False), torch.no_grad():  # the warm-up's mode: no recompile of the step
-                while True:
-                    with self._cond:
-                        if self._closed:
-                            break
-                        if not self._rows and not self._waiting and not self._prefilling:
-                            self._cond.wait(0.5)
-                            continue
-                    try:
-                        self._drop_stopped()
-                        self._admit()
-                        self._advance_prefills()
-                        if self._rows:
-                            self._decode_step()
-                    except Exception as exc:  # noqa: BLE001 - a failed step: fail the rows in it, keep serving
-                        self._fail_all(exc)
-            error = GenerationError("The demo is shutting down; this reply was stopped.")
-        except BaseException as exc:  # a bug in the loop itself: fail every reply rather than hang them
-            self.fatal_error = exc
-            error = GenerationError(f"The batched decode loop failed: {type(exc).__name__}: {str(exc)[:300]}")
-        with self._cond:
-            self._closed = True
-            pending = list(self._waiting) + [r.request for r in (*self._rows.values(), *self._prefilling)]
-            self._waiting.clear()
-            self._rows.clear()
-            self._prefilling.clear()
-        for request in pending:
-            self._finish(request, "error", error)
+    def resize(self, slot_tokens: int) -> None:
+        """SlotDecoder.resize (the scheduler allows it before its loop runs); a fresh pool for the new slots."""
+        self.decoder.resize(slot_tokens)
+        self.pool = self._new_pool()
 
-    def _fail_all(self, exc: BaseException) -> None:
+    @contextmanager
+    def loop_mode(self) -> Iterator[None]:
+        with torch.inference_mode(False), torch.no_grad():  # the warm-up's mode: no recompile of the step
+            yield
+
+    def usable(self) -> bool:
+        return True
+
+    def busy(self) -> bool:
+        return bool(self._rows or self._prefilling)
+
+    def decoding(self) -> bool:
+        return bool(self._rows)
+
+    def has_free_row(self) -> bool:
+        return bool(self._free_slots())
+
+    def fits(self, request: QueuedReply) -> bool:
+        """Paged: no decoding row is paused for a block, and the pool can give the prompt its blocks (a cached prefix
+        taken back); with slots a free one is all a request needs (it fits a slot: checked at submit)."""
+        if self.pool is None:
+            return True
+        assert isinstance(request, FastRequest)
+        ids = request.kv_ids  # a preempted reply resumes after its tokens
+        return not any(r.paused for r in self._rows.values()) and self.pool.can_start(ids, len(ids))
+
+    def admit(self, request: QueuedReply) -> None:
+        """The lowest free slot (and, paged, the prompt's blocks: a cached prefix is not prefilled again); the row
+        prefills from advance_prefills on."""
+        assert isinstance(request, FastRequest)
+        ids_list = request.kv_ids
+        table = self.pool.start(ids_list, len(ids_list)) if self.pool is not None else None
+        slot = self._free_slots()[0]
+        options = request.options
+        if request.generator is None:
+            request.generator = sampling_generator(options, self.device)
+        ids = torch.tensor(ids_list, dtype=torch.long, device=self.device)
+        row = _Row(request, slot, ids, generator=request.generator, table=table, order=next(self._admitted))
+        if table is not None:
+            self.decoder.set_blocks(slot, table.block_ids)
+            row.prefilled = table.cached_tokens
+            if not request.generated:
+                request.cached_prompt_tokens = table.cached_tokens
+        with self.host.cond:
+            self._prefilling.append(row)
+        self.decoder.start_row(slot, options.repetition_penalty, sorted(self.host.eos_token_ids),
+                               options.min_new_tokens > len(request.generated))
+        if row.prefilled:  # the cached prefix's tokens were seen too (the repetition penalty)
+            self.decoder.seen[slot].index_fill_(0, ids[:row.prefilled], True)
+
+    def drop_stopped_rows(self) -> None:
+        for row in [r for r in (*self._rows.values(), *self._prefilling) if r.request.stop_event.is_set()]:
+            self._end_row(row, "stopped")
+
+    def fail_all(self, exc: BaseException) -> None:
         import traceback
 
         traceback.clear_frames(exc.__traceback__)
@@ -269,6 +254,17 @@ class FastBatchScheduler(TokenStreams):
             err = GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
         for row in [*self._rows.values(), *self._prefilling]:
             self._end_row(row, "error", err)
+
+    def take_all(self) -> list[QueuedReply]:
+        pending: list[QueuedReply] = [r.request for r in (*self._rows.values(), *self._prefilling)]
+        self._rows.clear()
+        self._prefilling.clear()
+        return pending
+
+    # --- rows --------------------------------------------------------------------------------------------------------
+    def _free_slots(self) -> list[int]:
+        taken = set(self._rows) | {r.slot for r in self._prefilling}
+        return [s for s in range(self.decoder.slots) if s not in taken]
 
     def _end_row(self, row: _Row, reason: str, error: BaseException | None = None) -> None:
         """The row leaves: its record filled, its slot freed, its request finished."""
@@ -283,11 +279,11 @@ class FastBatchScheduler(TokenStreams):
             record.peak_batch_rows = request.peak_rows or None
             record.cached_prompt_tokens = request.cached_prompt_tokens
         self._release_row(row, keep=error is None)
-        self._finish(request, reason, error)
+        self.host.finish(request, reason, error)
 
     def _release_row(self, row: _Row, keep: bool) -> None:
         """The row leaves its slot (and its blocks: the full ones cached unless `keep` is off, after an error)."""
-        with self._cond:
+        with self.host.cond:
             if self._rows.get(row.slot) is row:
                 del self._rows[row.slot]
             if row in self._prefilling:
@@ -297,64 +293,6 @@ class FastBatchScheduler(TokenStreams):
                 self.pool.commit(row.table, row.kv_ids())
             self.pool.finish(row.table)
         self.decoder.release(row.slot)
-
-    def _drop_stopped(self) -> None:
-        with self._cond:
-            for request in [r for r in self._waiting if r.stop_event.is_set()]:
-                self._waiting.remove(request)
-                self._finish(request, "stopped")
-        for row in [r for r in (*self._rows.values(), *self._prefilling) if r.request.stop_event.is_set()]:
-            self._end_row(row, "stopped")
-
-    def _free_slots(self) -> list[int]:
-        taken = set(self._rows) | {r.slot for r in self._prefilling}
-        return [s for s in range(self.decoder.slots) if s not in taken]
-
-    def _admit(self) -> None:
-        """Waiting requests take the lowest free slots, in arrival order (they all fit a slot, or the pool: checked at
-        submit). Paged: the head also needs its prompt's blocks (a cached prefix taken back, not prefilled); without
-        them it waits, and so does everyone behind it, as while a decoding row is paused for a block."""
-        with self._cond:
-            free = self._free_slots()
-            blocked = False
-            while self._waiting and free:
-                request = self._waiting[0]
-                ids_list = request.prompt_ids + request.generated  # a preempted reply resumes after its tokens
-                table = None
-                if self.pool is not None:
-                    if any(r.paused for r in self._rows.values()):
-                        blocked = True
-                        break
-                    try:
-                        table = self.pool.start(ids_list, len(ids_list))
-                    except PoolExhausted:
-                        blocked = True
-                        break
-                self._waiting.popleft()
-                slot = free.pop(0)
-                options = request.options
-                if request.generator is None:
-                    request.generator = sampling_generator(options, self.device)
-                ids = torch.tensor(ids_list, dtype=torch.long, device=self.device)
-                row = _Row(request, slot, ids, generator=request.generator, table=table, order=next(self._admitted))
-                if table is not None:
-                    self.decoder.set_blocks(slot, table.block_ids)
-                    row.prefilled = table.cached_tokens
-                    if not request.generated:
-                        request.cached_prompt_tokens = table.cached_tokens
-                self._prefilling.append(row)
-                self.decoder.start_row(slot, options.repetition_penalty, sorted(self.eos_token_ids),
-                                       options.min_new_tokens > len(request.generated))
-                if row.prefilled:  # the cached prefix's tokens were seen too (the repetition penalty)
-                    self.decoder.seen[slot].index_fill_(0, ids[:row.prefilled], True)
-            if self._waiting:
-                head = self._waiting[0]
-                if not head.counted_wait:
-                    head.counted_wait = True
-                    if blocked:
-                        self.stats.waited_for_blocks += 1
-                    else:
-                        self.stats.waited_for_slot += 1
 
     def _measure(self, op: Callable[[], Any], rows: int) -> Any:
         """Run op; on CUDA record the device's allocation peak during it on every reply in flight (the batch's
@@ -373,7 +311,8 @@ class FastBatchScheduler(TokenStreams):
             request.peak_reserved = max(request.peak_reserved, reserved)
         return out
 
-    def _advance_prefills(self) -> None:
+    # --- prefill -----------------------------------------------------------------------------------------------------
+    def advance_prefills(self) -> None:
         """Prefill newcomers: at most prefill_tokens_per_step tokens while rows are decoding, else everything
         waiting (in chunks of the fast path's prefill_chunk_tokens if set). A finished prefill picks its first
         token and joins the decode batch."""
@@ -381,6 +320,7 @@ class FastBatchScheduler(TokenStreams):
         chunk_cap = self.decoder.fast.options.prefill_chunk_tokens
         if budget is None:
             self._prefill_together(chunk_cap)
+        stats = self.host.stats
         while self._prefilling and (budget is None or budget > 0):
             row = self._prefilling[0]
             total = row.ids.numel()
@@ -396,14 +336,14 @@ class FastBatchScheduler(TokenStreams):
             except Exception as exc:  # noqa: BLE001 - this request only
                 self._fail_prefill([row], exc)
                 continue
-            self.stats.prefill_chunks += 1
+            stats.prefill_chunks += 1
             row.prefilled += take
             if budget is not None:
                 budget -= take
             if row.prefilled < total:
                 continue
-            self.stats.prefills += 1
-            with self._cond:
+            stats.prefills += 1
+            with self.host.cond:
                 self._prefilling.remove(row)
             self._first_token(row, hn)
 
@@ -428,6 +368,7 @@ class FastBatchScheduler(TokenStreams):
         cap = int(chunk_cap) if chunk_cap else self.decoder.slot_tokens
         fresh = sorted((r for r in self._prefilling if r.prefilled == 0 and r.ids.numel() <= cap),
                        key=lambda r: r.ids.numel())
+        stats = self.host.stats
         while len(fresh) >= 2:
             group = [fresh.pop(0)]
             while fresh and (len(group) + 1) * fresh[0].ids.numel() <= cap:
@@ -440,11 +381,11 @@ class FastBatchScheduler(TokenStreams):
             except Exception as exc:  # noqa: BLE001 - these requests only
                 self._fail_prefill(group, exc)
                 continue
-            self.stats.prefill_chunks += 1
+            stats.prefill_chunks += 1
             for row, hn in zip(group, hns, strict=True):
                 row.prefilled = row.ids.numel()
-                self.stats.prefills += 1
-                with self._cond:
+                stats.prefills += 1
+                with self.host.cond:
                     self._prefilling.remove(row)
                 self._first_token(row, hn)
 
@@ -466,10 +407,9 @@ class FastBatchScheduler(TokenStreams):
         row.length = row.prefilled
         request.generated.append(token)
         row.new_tokens = len(request.generated)
-        with self._cond:
+        with self.host.cond:
             self._rows[row.slot] = row  # decoding from here (so _end_row finds it)
-        request.items.put(token)
-        reason = self._end_reason(row, token)
+        reason = self.host.deliver(request, token, row.new_tokens, request.options.min_new_tokens)
         if reason:
             self._end_row(row, reason)
             return
@@ -477,13 +417,7 @@ class FastBatchScheduler(TokenStreams):
         if request.options.min_new_tokens and row.new_tokens >= request.options.min_new_tokens:
             self.decoder.allow_eos(row.slot)
 
-    def _end_reason(self, row: _Row, token: int) -> str | None:
-        if token in self.eos_token_ids and row.new_tokens >= row.request.options.min_new_tokens:
-            return "eos"
-        if row.new_tokens >= row.request.max_new_tokens:
-            return "length"
-        return None
-
+    # --- decode ------------------------------------------------------------------------------------------------------
     def _take_blocks(self) -> None:
         """Paged: each decoding row holds a block for the position this step writes, oldest rows first; a row
         that cannot get one is paused (it sits the step out), and when every row is paused the newest is
@@ -498,7 +432,7 @@ class FastBatchScheduler(TokenStreams):
                 except PoolExhausted:
                     if not row.paused:
                         row.paused = True
-                        self.stats.paused_rows += 1
+                        self.host.stats.paused_rows += 1
                         self.decoder.pause(row.slot)
                     continue
                 self.decoder.set_blocks(row.slot, row.table.block_ids)
@@ -507,14 +441,13 @@ class FastBatchScheduler(TokenStreams):
                 self.decoder.resume(row.slot)
         if rows and all(r.paused for r in rows):
             newest = rows[-1]
-            self.stats.preempted += 1
+            self.host.stats.preempted += 1
             self._release_row(newest, keep=True)
-            with self._cond:
-                self._waiting.appendleft(newest.request)
+            self.host.requeue_first(newest.request)
             if len(rows) > 1:
                 self._take_blocks()
 
-    def _decode_step(self) -> None:
+    def decode_step(self) -> None:
         if self.pool is not None:
             self._take_blocks()
         rows = {s: r for s, r in self._rows.items() if not r.paused}
@@ -529,7 +462,7 @@ class FastBatchScheduler(TokenStreams):
             self.decoder.tok[slot:slot + 1].copy_(
                 sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))
         tokens = self.decoder.tok[:bucket].tolist()  # the step's one host sync
-        s = self.stats
+        s = self.host.stats
         s.step_s += time.perf_counter() - t0
         s.decode_steps += 1
         s.rows_decoded += len(rows)
@@ -545,8 +478,7 @@ class FastBatchScheduler(TokenStreams):
             token = int(tokens[slot])
             request.generated.append(token)
             row.new_tokens += 1
-            request.items.put(token)
-            reason = self._end_reason(row, token)
+            reason = self.host.deliver(request, token, row.new_tokens, request.options.min_new_tokens)
             if reason:
                 self._end_row(row, reason)
                 continue
@@ -554,17 +486,3 @@ class FastBatchScheduler(TokenStreams):
                 self.decoder.allow_eos(slot)
             if row.length + 1 > self.decoder.reply_tokens:  # cannot happen: admitted with prompt + max new <= room
                 self._end_row(row, "length")
-
-
-_RUNNING: weakref.WeakSet[FastBatchScheduler] = weakref.WeakSet()
-
-
-def close_all() -> None:
-    """Stop every loop thread (at interpreter exit, before torch is torn down under them)."""
-    for scheduler in list(_RUNNING):
-        scheduler.close(timeout_s=2.0)
-
-
-import atexit  # noqa: E402 - registered once the function exists
-
-atexit.register(close_all)
