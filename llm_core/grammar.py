@@ -20,7 +20,8 @@ from transformers import LogitsProcessor
 from .errors import GenerationError, InputError
 
 # Fixed whitespace: with flexible whitespace a small model can spend its whole reply on indentation tokens. One space
-# after ':' and ',' (json.dumps' layout): the reply's text streams at spaces, so compact JSON came in one piece.
+# after ':' and ',': json.dumps' layout, the one models mostly saw in training (the reply streams token by token either
+# way: engine/chat.py's streamer passes each token of a structured reply on at once).
 _JSON_DEFAULTS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT: Mapping[str, Any] = {"type": "object"}
 # Wrap-up: in the last quarter of the reply's token budget (at least this many tokens) the mask keeps, of the allowed

@@ -103,3 +103,24 @@ def test_a_looping_value_is_closed_within_the_token_budget(fp32_engine: ChatEngi
     assert unbounded[-1] not in grammar.eos_token_ids  # without the wrap-up the budget runs out mid-value
     assert bounded[-1] in grammar.eos_token_ids
     jsonschema.validate(json.loads(loaded.tokenizer.decode(bounded[:-1])), SCHEMAS[3])
+
+
+def test_a_structured_reply_streams_token_by_token(fp32_engine: ChatEngine) -> None:
+    """JSON is mostly symbols, which the base streamer holds back until a space: a structured reply's text must still
+    grow with every token (so /v1 stream chunks and the UI follow the reply), ending in symbols mid-stream, and equal
+    the whole reply at the end (without every_token: 4 growing texts for 17 tokens)."""
+    from llm_core.constraints import OutputSpec, RowControl
+
+    schema = {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["a1", "b2", "c3"]},
+                                                        "minItems": 2, "maxItems": 3}},
+              "required": ["tags"], "additionalProperties": False}
+    control = RowControl.for_model(OutputSpec(json=True, json_schema=schema), fp32_engine.loaded)
+    gen = fp32_engine.request_options(max_new_tokens=48, do_sample=False, control=control)
+    updates = list(fp32_engine.stream_chat("Tag this.", [], gen=gen))
+    final = updates[-1]
+    jsonschema.validate(json.loads(final.text), schema)
+    texts = [u.text for u in updates[:-1]]
+    growing = [t for i, t in enumerate(texts) if t and (i == 0 or t != texts[i - 1])]
+    assert len(growing) >= final.stats.new_tokens - 2, (len(growing), final.stats.new_tokens, texts)
+    assert any(t[-1] in '{["]:,' for t in growing[:-1])  # a prefix ending in a symbol reached the reader
+    assert all(final.text.startswith(t) for t in texts)

@@ -71,16 +71,27 @@ class ReplyUpdate:
 
 
 class _TimedStreamer(TextIteratorStreamer):
-    """TextIteratorStreamer that also stamps every generated token id on a TokenClock as it arrives."""
+    """TextIteratorStreamer that also stamps every generated token id on a TokenClock as it arrives.
 
-    def __init__(self, tokenizer: Any, clock: TokenClock, timeout_s: float) -> None:
+    `every_token`: pass on each token's text as it comes (structured output). The base class holds symbols back
+    until the next space (they may open formatting, or be half a character); JSON is mostly symbols, so a compact
+    value would arrive in one piece at the end. Only an incomplete character (decoded as U+FFFD) still waits."""
+
+    def __init__(self, tokenizer: Any, clock: TokenClock, timeout_s: float, *, every_token: bool = False) -> None:
         super().__init__(tokenizer, skip_prompt=True, timeout=timeout_s, skip_special_tokens=True)
         self.clock = clock
+        self.every_token = every_token
 
     def put(self, value: torch.Tensor) -> None:
-        if not (self.skip_prompt and self.next_tokens_are_prompt):
+        prompt = self.skip_prompt and self.next_tokens_are_prompt
+        if not prompt:
             self.clock.on_tokens(value.reshape(-1).tolist())
         super().put(value)
+        if self.every_token and not prompt and self.token_cache:
+            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            if len(text) > self.print_len and not text.endswith("\ufffd"):
+                self.on_finalized_text(text[self.print_len:])
+                self.print_len = len(text)
 
 
 class WorkerThreads:
@@ -506,7 +517,8 @@ class ChatEngine(DecodeStartup):
         if gen.control is not None:  # grammar, penalties, logprobs: fresh for this reply's token budget
             gen.control.start(gen.max_new_tokens)
         clock = TokenClock(start_s)
-        streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s)
+        streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s,
+                                  every_token=gen.control is not None and gen.control.spec.json)
         peak = PeakMeter(loaded.device)
         report = loaded.report
         backend = self._backend_for(prepared.kv_cache)
