@@ -88,7 +88,7 @@ class _TimedStreamer(TextIteratorStreamer):
             self.clock.on_tokens(value.reshape(-1).tolist())
         super().put(value)
         if self.every_token and not prompt and self.token_cache:
-            text = self.tokenizer.decode(self.token_cache, **self.decode_kwargs)
+            text = str(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
             if len(text) > self.print_len and not text.endswith("\ufffd"):
                 self.on_finalized_text(text[self.print_len:])
                 self.print_len = len(text)
