@@ -234,9 +234,43 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001 - the reference failing must not lose our numbers
                     self.rec.add(**common, recipe="transformers-generate", concurrent_chats=n,
                                  error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        if a.profile:
+            print("profile: one chat", flush=True)
+            self.rec.add(**common, **self.profile(engine, texts[0]))
         if engine.fast_scheduler is not None:
             engine.fast_scheduler.close()
         self.rec.set_summary(total_s=round(time.perf_counter() - t_all, 1))
+
+    def profile(self, engine: ChatEngine, text: str, top: int = 15) -> dict[str, Any]:
+        """One chat's reply (after the runs above: compiled, graphs captured) under torch.profiler: the device's
+        kernels by total time, each with its calls and microseconds per decode step, and their sum per step beside
+        the step's wall time (the scheduler's clock around run_step and its one host sync): a step much slower than
+        its kernels loses its time on the host. (Host ops are not listed: the profiler records the calling thread's,
+        and the reply runs on the scheduler's.)"""
+        from torch.profiler import ProfilerActivity, profile
+
+        gen = engine.request_options(max_new_tokens=self.args.new_tokens, min_new_tokens=self.args.new_tokens,
+                                     do_sample=False)
+        scheduler = engine.fast_scheduler
+        before = scheduler.snapshot() if scheduler is not None else None
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            last = deque(engine.stream_chat(text, [], gen=gen, system_prompt=None, request_id="profile"), maxlen=1)[0]
+        after = scheduler.snapshot() if scheduler is not None else None
+        steps = (after.decode_steps - before.decode_steps) if after is not None and before is not None else 0
+        per = max(steps, 1)
+
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        events = sorted((e for e in prof.key_averages() if getattr(e, key, 0) > 0), key=lambda e: getattr(e, key),
+                        reverse=True)
+        kernels = [{"name": e.key[:120], "calls_per_step": round(e.count / per, 2),
+                    "us_per_step": round(getattr(e, key) / per, 1)} for e in events[:top]]
+        return {"recipe": "ours", "what": "profile", "concurrent_chats": 1, "decode_steps": steps,
+                "mean_step_s": (after.step_s - before.step_s) / per if after is not None and before is not None
+                else None,
+                "kernels_us_per_step": round(sum(getattr(e, key) for e in events) / per, 1),
+                "decode_tokens_per_s": last.stats.decode_tokens_per_s, "kv_layout": self.args.kv_layout,
+                "device_kernels": kernels}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", default=None, help="random checkpoint folder (written when missing)")
     parser.add_argument("--phase-timeout-s", type=float, default=300.0)
     parser.add_argument("--kv-layout", default="slots", choices=("slots", "paged"), help="KV_LAYOUT of ours")
+    parser.add_argument("--profile", action="store_true",
+                        help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
     args = parser.parse_args(argv)
     smoke = args.smoke
     if smoke:

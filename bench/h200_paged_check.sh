@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (<= 5 min): the paged KV pool's GPU tests (the kernel = the contiguous kernel; the engine on
+# One device call (<= 8 min): the paged KV pool's GPU tests (the kernel = the contiguous kernel; the engine on
 # KV_LAYOUT=paged from its graphs = the batch of one, a repeated prompt cached), then
 # bench.batched through ChatEngine twice on the same random Llama-2-7B checkpoint, NF4, 1 and 8 chats of 512 + 64:
 # KV_LAYOUT=slots and KV_LAYOUT=paged (graphs, tokens/s, TTFT, peak, pauses). Run from the repo root; JSON under $OUT.
@@ -7,10 +7,10 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-timeout 90 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
+timeout 150 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
 grep -E "^E |Error|passed|failed" "$OUT/paged-gpu-tests.txt" | cut -c1-400 | head -30
 for layout in slots paged; do
-  timeout "$([ "$layout" = slots ] && echo 105 || echo 95)" python3 -m bench.batched --no-reference --chats 1,8 --new-tokens 64 --kv-layout "$layout" \
+  timeout "$([ "$layout" = slots ] && echo 170 || echo 120)" python3 -m bench.batched --no-reference --chats 1,8 --new-tokens 64 --kv-layout "$layout" --profile \
     --ckpt /tmp/paged-check-ckpt --out "$OUT/batched-$layout.json" > "$OUT/batched-$layout.log" 2>&1
   echo "$layout rc=$?"
   grep -iE "not captured|graphs off|eager|Traceback|Error" "$OUT/batched-$layout.log" | cut -c1-300 | head -10
@@ -28,9 +28,11 @@ for layout in ("slots", "paged"):
     load = next((r for r in records if r.get("phase") == "load"), {})
     runs = {r["concurrent_chats"]: {k: r.get(k) for k in ("aggregate_decode_tokens_per_s", "ttft_p50_s", "ttft_p95_s",
                                                           "peak_vram_bytes", "completed", "step_profile")}
-            for r in records if r.get("recipe") == "ours"}
+            for r in records if r.get("recipe") == "ours" and r.get("what") != "profile"}
+    prof = next((r for r in records if r.get("what") == "profile"), {})
     summary[layout] = {"graphs": load.get("graphs"), "slot_tokens": load.get("slot_tokens"),
-                       "reply_tokens": load.get("reply_tokens"), "notes": load.get("slot_notes"), "runs": runs}
+                       "reply_tokens": load.get("reply_tokens"), "notes": load.get("slot_notes"), "runs": runs,
+                       "profile": {k: prof.get(k) for k in ("mean_step_s", "kernels_us_per_step", "device_kernels")}}
 (out / "paged-vs-slots.json").write_text(json.dumps(summary, indent=1))
 print(json.dumps(summary)[:3000])
 P
