@@ -347,3 +347,43 @@ def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tm
         assert engine.fast_scheduler.snapshot().max_rows_in_step == 4
     finally:
         engine.fast_scheduler.close()
+
+
+@torch.library.custom_op("llm_core_test::read_pool", mutates_args=())
+def _read_pool(q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    """Stands for the paged attention op: an opaque kernel that reads the pool after the step's write."""
+    return q + pool[0, 0].sum()
+
+
+@_read_pool.register_fake
+def _(q: torch.Tensor, pool: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def test_the_compiled_paged_write_touches_only_the_written_rows() -> None:
+    """The decode step writes each row's new K/V into the pool and then an opaque kernel reads the pool. Compiled
+    by Inductor, that write must stay an in-place scatter of B rows: written through a flattened view of the pool
+    (the first form), Inductor copied the whole pool around it, per K and V, every layer and step (the paged step
+    ran ~6x slower than the slots one on the H200). The pool is a layer of a stacked tensor, as the decoder's is."""
+    from torch._inductor.utils import run_and_get_code
+
+    from llm_core.fast.batched import write_paged_rows
+
+    layers, blocks, block_size, heads, dim = 2, 256, 16, 2, 64
+    numel = blocks * block_size * heads * dim
+
+    def step(pool: torch.Tensor, dest: torch.Tensor, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        write_paged_rows(pool, dest, rows)
+        return _read_pool(q, pool)
+
+    stacked = torch.zeros(layers, blocks, block_size, heads, dim)
+    dest = torch.tensor([3, 40, 77, 4095])
+    rows, q = torch.randn(4, heads, dim), torch.randn(heads, dim)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), stacked[1], dest, rows, q)
+    whole_pool_loops = [line for src in code for line in src.splitlines()
+                        if f"{numel}L" in line or f" {numel})" in line]
+    assert not whole_pool_loops, whole_pool_loops[:3]
+    expected = torch.zeros_like(stacked)
+    expected[1].view(-1, heads, dim)[dest] = rows
+    assert torch.equal(stacked, expected)

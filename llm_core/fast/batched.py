@@ -133,6 +133,15 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out.reshape(rows, spec.n_heads * spec.head_dim).to(q.dtype)
 
 
+def write_paged_rows(pool: torch.Tensor, dest: torch.Tensor, rows: torch.Tensor) -> None:
+    """pool (num_blocks, block_size, Hkv, row)[dest // block_size, dest % block_size] = rows (B, Hkv, row), in place.
+    Indexed on the pool itself, not through a flattened view of it: compiled, a write through a view of a graph input
+    that a custom op then reads made Inductor copy the whole pool (twice per K and V, every layer, every step: the
+    paged step was ~6x slower than the slots one on the H200; tests/test_paged_kv.py checks the compiled code)."""
+    block_size = pool.shape[1]
+    pool.index_put_((dest // block_size, dest % block_size), rows)
+
+
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None,
@@ -164,8 +173,8 @@ def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Te
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
     if table is not None and dest is not None:
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, dest, to_cache(k, k_cache))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, dest, to_cache(v, v_cache))
+        write_paged_rows(k_cache, dest, to_cache(k, k_cache))
+        write_paged_rows(v_cache, dest, to_cache(v, v_cache))
         if span is not None:
             table = table[:, :-(-span // k_cache.shape[1])]
     else:
@@ -602,8 +611,8 @@ class SlotDecoder:
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                 h, hn = fn(h, hn, cos, sin, start, kc, vc, w)
                 if dest is not None:
-                    self.k[i].view(-1, *kc.shape[1:]).index_copy_(0, dest, kc[start:end])
-                    self.v[i].view(-1, *vc.shape[1:]).index_copy_(0, dest, vc[start:end])
+                    write_paged_rows(self.k[i], dest, kc[start:end])
+                    write_paged_rows(self.v[i], dest, vc[start:end])
         return hn[0, -1:].clone()
 
     def _gathered(self, pool: torch.Tensor, slot: int, start: int, end: int) -> torch.Tensor:
@@ -642,8 +651,8 @@ class SlotDecoder:
                     continue
                 kc, vc = (c.new_empty(len(prompts), ids.shape[1], *c.shape[2:]) for c in (self.k[i], self.v[i]))
                 h, hn = layer_prefill_rows(spec, h, hn, cos, sin, kc, vc, index, w)
-                self.k[i].view(-1, *kc.shape[2:]).index_copy_(0, dest, kc[real])
-                self.v[i].view(-1, *vc.shape[2:]).index_copy_(0, dest, vc[real])
+                write_paged_rows(self.k[i], dest, kc[real])
+                write_paged_rows(self.v[i], dest, vc[real])
         return [hn[b, n - 1:n].clone() for b, n in enumerate(lengths)]
 
     def first_scores(self, slot: int, hn_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
