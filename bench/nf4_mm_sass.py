@@ -1,15 +1,15 @@
 """SASS instructions per main-loop step of llm_core.nf4_mm, per loop form (no GPU needed).
 
     python -m bench.nf4_mm_sass [--m 8] [--n 4096] [--k 4096] [--tile 32x256/s1/w4/st2] [--decode asm]
-                                [--variants base,even,even+xvec,scale16,all] [--fp32-absmax] [--sass-dir DIR]
-                                [--no-divisibility] [--full] [--json OUT]
+                                [--variants base,even,even+xvec,scale16,even+xvec+asm_scale,all] [--fp32-absmax]
+                                [--no-divisibility] [--full] [--sass-dir DIR] [--json OUT]
 
 Compiles the kernel for sm_90 on this machine (Triton's bundled ptxas; nf4_mm.compile_without_device: the argument
 types and 16-divisibility the wrapper's launch gives for that (M, N, K)), disassembles it (nvdisasm, through
 Triton's `asm["sass"]`) and counts the instructions of the main loop, the longest span between a label and a
 backward branch to it, by opcode. Prints one line per variant (total, then the largest opcodes) and, with --json,
-writes them all. Variants are MMConfig's loop-form flags joined by '+': base (none), even, xvec, scale16; 'all' is
-even+xvec+scale16.
+writes them all. Variants are MMConfig's loop-form flags joined by '+': base (none), even, xvec, scale16,
+asm_scale; 'all' is even+xvec+scale16 (asm_scale only matters without scale16).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
-FLAGS = ("even", "xvec", "scale16")
+FLAGS = ("even", "xvec", "scale16", "asm_scale")
 _OP = re.compile(r"^\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _LABEL = re.compile(r"^\s*(\.?L\w+):\s*$")
 _BRANCH = re.compile(r"\bBRA\s+(?:`\()?(\.?L\w+)")
@@ -61,7 +61,7 @@ def config_for(tile: str, variant: str) -> Any:
 
     size, split, warps, stages = tile.split("/")
     bn, bk = (int(v) for v in size.split("x"))
-    names = set(FLAGS) if variant == "all" else {f for f in variant.split("+") if f != "base"}
+    names = {"even", "xvec", "scale16"} if variant == "all" else {f for f in variant.split("+") if f != "base"}
     unknown = names - set(FLAGS)
     if unknown:
         raise SystemExit(f"unknown loop forms {sorted(unknown)}; known: {FLAGS}")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--tile", default="32x256/s1/w4/st2", help="BNxBK/s<split>/w<warps>/st<stages>")
     ap.add_argument("--decode", default="asm", choices=("asm", "gather"))
-    ap.add_argument("--variants", default="base,even,even+xvec,scale16,all")
+    ap.add_argument("--variants", default="base,even,even+xvec,scale16,even+xvec+asm_scale,all")
     ap.add_argument("--fp32-absmax", action="store_true", help="absmax in fp32 instead of double quant")
     ap.add_argument("--no-divisibility", action="store_true",
                     help="compile without the launcher's 16-divisibility (how the first counts were taken)")

@@ -7,7 +7,8 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
 with and without them (ours-default / ours-default-base), and the best --refine configs again with each of base,
-even+xvec, scale16 and all; the summary's ours-<forms>_us is each form's best per layer.
+even+xvec, even+xvec+asm_scale (the older bits), scale16 and all; the summary's ours-<forms>_us is each form's best
+per layer.
 
 Weights: random bf16 of the real shape, quantized by bitsandbytes (NF4, blocksize 64, double quant), one tensor per
 fused shape (the fused parts' separate offsets only change which offset a block reads: tests/test_nf4_mm.py checks
@@ -105,13 +106,16 @@ class WeightSet:
         return self.q8, self.absmax2, self.offsets, self.code2
 
 
-FORM_FLAGS = ("even", "xvec", "scale16")  # MMConfig's loop forms (bench/nf4_mm_sass.py counts their instructions)
-FORMS = ("base", "even+xvec", "scale16", "all")  # the combinations --refine re-times the best configs with
+# MMConfig's loop forms (bench/nf4_mm_sass.py counts their instructions), and the combinations --refine re-times
+# the best configs with
+FORM_FLAGS = ("even", "xvec", "scale16", "asm_scale")
+FORMS = ("base", "even+xvec", "even+xvec+asm_scale", "scale16", "all")
 
 
 def with_forms(cfg: Any, forms: str) -> Any:
-    """cfg with the loop forms 'base' (none), 'all', or flags joined by '+' (even+xvec) on and the others off."""
-    names = set(FORM_FLAGS) if forms == "all" else {f for f in forms.split("+") if f != "base"}
+    """cfg with the loop forms 'base' (none), 'all' (even+xvec+scale16), or flags joined by '+' (even+xvec) on and
+    the others off."""
+    names = {"even", "xvec", "scale16"} if forms == "all" else {f for f in forms.split("+") if f != "base"}
     if names - set(FORM_FLAGS):
         raise ValueError(f"unknown loop forms {sorted(names - set(FORM_FLAGS))}; known: {FORM_FLAGS}")
     return cfg.replace(**{f: f in names for f in FORM_FLAGS})

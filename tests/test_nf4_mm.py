@@ -73,11 +73,13 @@ def _run(p: Any, x: torch.Tensor, config: mm.MMConfig | None = None, decode: str
 FAMILIES = {"plain": ((80,), 320), "qkv": ((64, 32, 32), 512), "gate_up": ((128, 128), 256), "down": ((48,), 1024)}
 CONFIGS = {"dot": mm.MMConfig(32, 256, 1, 4, 2, True), "split3": mm.MMConfig(64, 128, 3, 4, 2, True),
            "cuda_cores": mm.MMConfig(16, 64, 2, 4, 2, False)}
-# the loop forms (MMConfig.even / xvec / scale16) on: K = 256, 512 and 1024 are whole steps of 128 and 256 (EVEN_K
-# taken), 320 is not; N = 80 and 48 are not whole tiles, 128 + 128 is (EVEN_N taken at BLOCK_N = 32 / 64)
+# the loop forms (MMConfig.even / xvec / scale16 / asm_scale, the last a no-op in "gather") on: K = 256, 512 and
+# 1024 are whole steps of 128 and 256 (EVEN_K taken), 320 is not; N = 80 and 48 are not whole tiles, 128 + 128
+# is (EVEN_N taken at BLOCK_N = 32 / 64)
 FORMS = {"dot+forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, True),
          "split3+forms": mm.MMConfig(64, 128, 3, 4, 2, True, True, True, True),
-         "cuda_cores+forms": mm.MMConfig(16, 64, 2, 4, 2, False, True, True, True)}
+         "cuda_cores+forms": mm.MMConfig(16, 64, 2, 4, 2, False, True, True, True),
+         "dot+exact_forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, False, True)}
 
 
 @pytest.fixture
@@ -126,8 +128,9 @@ def test_interpreted_kernel_matches_its_reference_and_bitsandbytes(interpreter: 
             assert got.shape == (m, p.spec.n) and got.dtype == torch.bfloat16
             assert _close_to_reference(got, ref16 if cfg.scale16 else ref), (family, m, name)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (family, m, name)
-            if name in FORMS:  # even and xvec change no bits
-                assert torch.equal(got, _run(p, x, cfg.replace(even=False, xvec=False))), (family, m, name)
+            if name in FORMS:  # even, xvec and asm_scale change no bits
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)
+                assert torch.equal(got, _run(p, x, older)), (family, m, name)
 
 
 def test_interpreted_kernel_adds_the_bias_once_across_splits(interpreter: None) -> None:
@@ -167,7 +170,7 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs() -> None:
     assert mm.default_config(8, 4096, 11008).split > 1  # 128 tiles of 32 rows for 132 SMs
     assert mm.default_config(8, 22016, 4096).split == 1  # 688 tiles of 32 rows
     assert mm.default_config(32, 12288, 4096).block_n == 64
-    cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True)
+    cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True)
     assert mm.MMConfig.from_list(cfg.as_list()) == cfg
     assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older list
 
@@ -177,14 +180,14 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs() -> None:
 @pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
 @pytest.mark.parametrize(("nested", "split"), [(True, 1), (True, 2), (False, 1)])
 @pytest.mark.parametrize("decode", mm.DECODES)
-@pytest.mark.parametrize("forms", ["", "even", "xvec", "scale16", "even+xvec+scale16"])
+@pytest.mark.parametrize("forms", ["", "even", "xvec", "scale16", "asm_scale", "even+xvec+scale16"])
 def test_kernel_compiles_for_hopper_with_the_pointers_the_wrapper_passes(nested: bool, split: int, decode: str,
                                                                          forms: str) -> None:
     """Compile (not run) for sm_90 on CPU, with the argument types nf4_mm gives the kernel: with double quant the
     absmax pointer is the bf16 output buffer standing in, so a helper that types both branches fails to compile
     (the interpreter accepts it). Every loop form, both decodes: the "asm" decode (inline PTX, assembled by ptxas
     here) never runs under the interpreter."""
-    flags = {f: f in forms.split("+") for f in ("even", "xvec", "scale16")}
+    flags = {f: f in forms.split("+") for f in ("even", "xvec", "scale16", "asm_scale")}
     cfg = mm.MMConfig(32, 256, split, 4, 2, True, **flags)
     kern = mm.compile_without_device(8, 4096, 4096, 64, cfg, decode, _levels(), nested)
     assert kern.asm["cubin"]
@@ -221,6 +224,9 @@ def test_gpu_kernel_matches_reference_at_every_m(decode: str, absmax: str, shape
             # bound vs bnb only; with it both decodes compute the scale16 reference's form
             assert (decode == "asm" and not scale16) or _close_to_reference(got, ref16 if scale16 else ref), (
                 m, cfg, decode)
+            if cfg is not None and not cfg.scale16 and (cfg.even or cfg.xvec or cfg.asm_scale):
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)  # the same bits as the older loop
+                assert torch.equal(got, _run(p, x, older, decode)), (m, cfg, decode)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (m, cfg, decode)
 
 

@@ -58,7 +58,10 @@ class MMConfig:
                the K mask made uniform over 8 inputs, so x loads as 16-byte vectors; the same result bits.
       scale16: the block scale rounded to bf16 and applied to bf16 pairs (`mul.rn.bf16x2` inside the "asm" decode,
                the same bf16 arithmetic in "gather"): one rounding more than dequantize_4bit's fp32 product,
-               as bitsandbytes' own 4-bit kernels do (bf16 absmax times bf16 level)."""
+               as bitsandbytes' own 4-bit kernels do (bf16 absmax times bf16 level).
+      asm_scale: (without scale16) the "asm" decode takes the fp32 block scale and hands out bf16 weights: the
+               older arithmetic and the same bits (bf16 level widened, fp32 product, rounded to bf16), but the
+               weights reach the dot in bf16 from the asm ("gather": no effect)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -69,15 +72,16 @@ class MMConfig:
     even: bool = False
     xvec: bool = False
     scale16: bool = False
+    asm_scale: bool = False
 
     def as_list(self) -> list[int]:
         return [self.block_n, self.block_k, self.split, self.warps, self.stages, int(self.dot), int(self.even),
-                int(self.xvec), int(self.scale16)]
+                int(self.xvec), int(self.scale16), int(self.asm_scale)]
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> MMConfig:
-        """The inverse of as_list; a 6-entry list (before the loop forms) keeps the older forms."""
-        flags = [bool(f) for f in v[6:9]] + [False] * (9 - max(6, len(v)))
+        """The inverse of as_list; a shorter list (from before the loop forms) keeps the older forms."""
+        flags = [bool(f) for f in v[6:10]] + [False] * (10 - max(6, len(v)))
         return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), bool(v[5]), *flags)
 
     def replace(self, **kw: Any) -> MMConfig:
@@ -87,15 +91,15 @@ class MMConfig:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     """A launch shape for (M, N, K) without tuning, fit to the H200 sweep (bench/results/2026-12-01-h200-small-m-*):
     32 x 256 tiles with 4 warps up to 16 rows, 64 x 128 at 17-32 (the 32-row accumulator), 2 pipeline stages, and
-    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs); all three
-    loop forms on (the fewest loop instructions on sm_90: bench/nf4_mm_sass.py; not yet timed on a GPU)."""
+    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs); every
+    loop form on (the fewest loop instructions on sm_90: bench/nf4_mm_sass.py; not yet timed on a GPU)."""
     block_n, block_k = (32, 256) if m <= 16 else (64, 128)
     tiles = -(-n // block_n)
     split = 1
     while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
         split *= 2
     return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True, even=True,
-                    xvec=True, scale16=True)
+                    xvec=True, scale16=True, asm_scale=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -135,14 +139,15 @@ if triton is not None:
             return tl.reshape(tl.gather(table, flat, 0), (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _dequantize(w, scale, table, asm_code, DECODE: tl.constexpr, SCALE16: tl.constexpr, BS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _dequantize(w, scale, table, asm_code, DECODE: tl.constexpr, SCALE16: tl.constexpr, ASM_SCALE: tl.constexpr,
+                    BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Words (BLOCK_N, BLOCK_K/8) and their blocks' fp32 absmax (BLOCK_N, BLOCK_K/BS) -> the bf16 weights
         (BLOCK_N, BLOCK_K) in k order. SCALE16 False: level times absmax in fp32, rounded to bf16
-        (dequantize_4bit's value); True: bf16 level times bf16 absmax, rounded to bf16 (bitsandbytes' kernels)."""
-        if SCALE16 and DECODE == "asm":
-            # one scale per word (a word's 8 weights are in one block): the asm rounds it to bf16x2 and multiplies
-            # the decoded pairs by it, then hands out the 8 bf16 halves
+        (dequantize_4bit's value); True: bf16 level times bf16 absmax, rounded to bf16 (bitsandbytes' kernels).
+        ASM_SCALE (or SCALE16) with "asm": the asm applies the scale and hands out bf16."""
+        if (SCALE16 or ASM_SCALE) and DECODE == "asm":
+            # one scale per word (a word's 8 weights are in one block): the asm multiplies the decoded pairs by it
+            # (as bf16x2 or in fp32, _asm_for) and hands out the 8 bf16 weights
             sw = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 8)),
                             (BLOCK_N, BLOCK_K // 8))
             p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
@@ -168,11 +173,11 @@ if triton is not None:
                        DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                        EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
-                       SCALE16: tl.constexpr = False):
+                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
         (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
-        XVEC and SCALE16: MMConfig's xvec and scale16."""
+        XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale."""
         rows, rmask, mi, mmask, pid_k = tile_rows(N, M, BLOCK_N, MP)
         kk = tl.arange(0, BLOCK_K)
         wj = tl.arange(0, BLOCK_K // 8)
@@ -206,7 +211,7 @@ if triton is not None:
             flat = rows[:, None] * NBLK + blk[None, :]  # (BLOCK_N, BLOCK_K / BS) quant block index
             scale = block_scale(flat, nmask[:, None] & bkmask[None, :], absmax_ptr, q8_ptr, absmax2_ptr,
                                 offsets_ptr, code2_ptr, NESTED)
-            wv = _dequantize(w, scale, table, ASM, DECODE, SCALE16, BS, BLOCK_N, BLOCK_K)
+            wv = _dequantize(w, scale, table, ASM, DECODE, SCALE16, ASM_SCALE, BS, BLOCK_N, BLOCK_K)
             xt = tl.load(x_ptr + xrows[:, None] * K + kcol[None, :], mask=xrmask[:, None] & xkmask[None, :],
                          other=0.0)
             if DOT:
@@ -236,20 +241,29 @@ if triton is not None:
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...], scale16: bool = False) -> str:
-    """The "asm" decode's PTX: unpack8_asm (word $4 -> four bf16x2 pairs $0..$3), or with scale16 the same lookup
-    followed by the block scale: $8 the word, $9 its fp32 scale, rounded once to a bf16x2 pair and multiplied into
-    each level pair (fma with -0.0: the exact product rounded once, sm_80 and later), the 8 bf16 weights out as
-    $0..$7 (weight 2p the low half of pair p)."""
+def _asm_for(code: tuple[float, ...], scale: str = "") -> str:
+    """The "asm" decode's PTX: unpack8_asm (word $4 -> four bf16x2 pairs $0..$3), or that lookup followed by the
+    block scale ($8 the word, $9 its fp32 scale; the 8 bf16 weights out as $0..$7, weight 2p the low half of pair
+    p): scale "bf16" rounds it once to a bf16x2 pair and multiplies it into each level pair (fma with -0.0: the
+    exact product rounded once, sm_80 and later); "fp32" widens each level, multiplies in fp32 and rounds the pair
+    to bf16 (the older path's bits)."""
     text = unpack8_asm(list(code))
-    if not scale16:
+    if not scale:
         return text
     body = text.replace("$4", "$8")
     for p in range(4):
         body = body.replace(f"${p}", f"o{p}")
-    tail = "cvt.rn.bf16x2.f32 sc, $9, $9;\nmov.b32 nz, 0x80008000;\n" + "".join(
-        f"fma.rn.bf16x2 o{p}, o{p}, sc, nz;\nmov.b32 {{${2 * p}, ${2 * p + 1}}}, o{p};\n" for p in range(4))
-    return "{\n.reg .b32 o0, o1, o2, o3, sc, nz;\n" + body + "\n" + tail + "}"
+    if scale == "bf16":
+        head = "cvt.rn.bf16x2.f32 sc, $9, $9;\nmov.b32 nz, 0x80008000;\n"
+        pair = "fma.rn.bf16x2 o{p}, o{p}, sc, nz;\n"
+    elif scale == "fp32":
+        head = ""
+        pair = ("shl.b32 fl, o{p}, 16;\nand.b32 fh, o{p}, 0xffff0000;\nmul.rn.f32 fl, fl, $9;\n"
+                "mul.rn.f32 fh, fh, $9;\ncvt.rn.bf16x2.f32 o{p}, fh, fl;\n")
+    else:
+        raise ValueError(f"scale must be '', 'bf16' or 'fp32', got {scale!r}")
+    tail = head + "".join(pair.format(p=p) + f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, o{p};\n" for p in range(4))
+    return "{\n.reg .b32 o0, o1, o2, o3, sc, nz, fl, fh;\n" + body + "\n" + tail + "}"
 
 
 def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
@@ -259,12 +273,13 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
     allows them."""
     block_k = max(cfg.block_k, blocksize)
     split = max(1, min(cfg.split, -(-k // block_k)))
-    asm = _asm_for(tuple(float(v) for v in levels), cfg.scale16) if decode == "asm" and levels is not None else ""
+    scale = "bf16" if cfg.scale16 else "fp32" if cfg.asm_scale else ""
+    asm = _asm_for(tuple(float(v) for v in levels), scale) if decode == "asm" and levels is not None else ""
     return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, DECODE=decode, ASM=asm,
                 MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m),
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages,
                 EVEN_K=cfg.even and k % block_k == 0, EVEN_N=cfg.even and n % cfg.block_n == 0, XVEC=cfg.xvec,
-                SCALE16=cfg.scale16)
+                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale)
 
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
