@@ -3,6 +3,12 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
 (nf4_gemv at M = 1, nf4_rows above), bitsandbytes' matmul_4bit, dequantize_4bit + matmul, and bf16 cuBLAS.
 
     python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
+                            [--forms all] [--refine 3]
+
+Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
+with and without them (ours-default / ours-default-base), and the best --refine configs again with each of base,
+even+xvec, even+xvec+asm_scale (the older bits), scale16 and all; the summary's ours-<forms>_us is each form's best
+per layer.
 
 Weights: random bf16 of the real shape, quantized by bitsandbytes (NF4, blocksize 64, double quant), one tensor per
 fused shape (the fused parts' separate offsets only change which offset a block reads: tests/test_nf4_mm.py checks
@@ -100,20 +106,43 @@ class WeightSet:
         return self.q8, self.absmax2, self.offsets, self.code2
 
 
-def variants(m: int, n: int, k: int, sms: int) -> list[tuple[str, dict[str, Any]]]:
+# MMConfig's loop forms (bench/nf4_mm_sass.py counts their instructions), and the combinations --refine re-times
+# the best configs with
+FORM_FLAGS = ("even", "xvec", "scale16", "asm_scale")
+FORMS = ("base", "even+xvec", "even+xvec+asm_scale", "scale16", "all")
+
+
+def with_forms(cfg: Any, forms: str) -> Any:
+    """cfg with the loop forms 'base' (none), 'all' (even+xvec+scale16), or flags joined by '+' (even+xvec) on and
+    the others off."""
+    names = {"even", "xvec", "scale16"} if forms == "all" else {f for f in forms.split("+") if f != "base"}
+    if names - set(FORM_FLAGS):
+        raise ValueError(f"unknown loop forms {sorted(names - set(FORM_FLAGS))}; known: {FORM_FLAGS}")
+    return cfg.replace(**{f: f in names for f in FORM_FLAGS})
+
+
+def key_of(cfg: Any, decode: str, forms: str) -> str:
+    return (f"ours:{decode}:{cfg.block_n}x{cfg.block_k}/s{cfg.split}/w{cfg.warps}/st{cfg.stages}/"
+            f"{'dot' if cfg.dot else 'fma'}/{forms}")
+
+
+def variants(m: int, n: int, k: int, sms: int, forms: str = "all") -> list[tuple[str, dict[str, Any]]]:
+    """The library's launch rule (default_config: every loop form on; and '-base': the same tile with none, the
+    rule before them), then the tile x split grid with `forms`."""
     from llm_core.fast.kernels.nf4_mm import MMConfig, default_config
 
-    out: list[tuple[str, dict[str, Any]]] = [("ours-default:asm", {"config": default_config(m, n, k, sms),
-                                                                   "decode": "asm"})]
+    default = default_config(m, n, k, sms)
+    out: list[tuple[str, dict[str, Any]]] = [("ours-default:asm", {"config": default, "decode": "asm"}),
+                                             ("ours-default-base:asm", {"config": with_forms(default, "base"),
+                                                                        "decode": "asm"})]
     tiles = [(t, True) for t in DOT_TILES] + ([(t, False) for t in FMA_TILES] if m <= 4 else [])
     for (bn, bk, warps), dot in tiles:
         for split in SPLITS:
             programs = -(-n // bn) * split
             if not sms <= programs <= 12 * sms or k // (bk * split) < 2:
                 continue
-            cfg = MMConfig(bn, bk, split, warps, 3, dot)
-            out.append((f"ours:asm:{bn}x{bk}/s{split}/w{warps}/st3/{'dot' if dot else 'fma'}",
-                        {"config": cfg, "decode": "asm"}))
+            cfg = with_forms(MMConfig(bn, bk, split, warps, 3, dot), forms)
+            out.append((key_of(cfg, "asm", forms), {"config": cfg, "decode": "asm"}))
     return out
 
 
@@ -123,7 +152,10 @@ def main() -> None:
     ap.add_argument("--archs", default="llama-2-7b,llama-3-8b")
     ap.add_argument("--ms", default="1,2,4,8,16,32")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting new shapes after this long")
-    ap.add_argument("--refine", type=int, default=3, help="re-time the best N configs with other stages / decodes")
+    ap.add_argument("--refine", type=int, default=3,
+                    help="re-time the best N configs with other stages / decodes / loop forms")
+    ap.add_argument("--forms", default="all", help=f"loop forms of the swept grid: one of {FORMS} or flags "
+                    f"joined by '+' ({'/'.join(FORM_FLAGS)}); --refine re-times the best with the others")
     args = ap.parse_args()
 
     import bitsandbytes as bnb
@@ -180,15 +212,18 @@ def main() -> None:
                     return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
                                                         decode=decode, levels=s.levels))
 
-                for name, kw in variants(m, n, k, sms):
+                for name, kw in variants(m, n, k, sms, args.forms):
                     timed(name, ours(kw["config"], kw["decode"]))
                 ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("ours:"))
                 for _, key in ranked[:args.refine]:
-                    cfg, _ = config_of(key)
+                    cfg, _, forms = config_of(key)
                     for stages in (2, 4):
-                        timed(key.replace("/st3/", f"/st{stages}/"),
-                              ours(MMConfig(cfg.block_n, cfg.block_k, cfg.split, cfg.warps, stages, cfg.dot), "asm"))
-                    timed(key.replace(":asm:", ":gather:"), ours(cfg, "gather"))
+                        staged = cfg.replace(stages=stages)
+                        timed(key_of(staged, "asm", forms), ours(staged, "asm"))
+                    timed(key_of(cfg, "gather", forms), ours(cfg, "gather"))
+                    for other in FORMS:
+                        if other != forms:
+                            timed(key_of(with_forms(cfg, other), "asm", other), ours(with_forms(cfg, other), "asm"))
                 if m == 1:
                     timed("nf4_gemv", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels,
                                                                                nested=s.nested())))
@@ -223,21 +258,23 @@ def main() -> None:
     print_table(doc)
 
 
-def config_of(key: str) -> tuple[Any, str]:
-    """'ours:<decode>:<BN>x<BK>/s<split>/w<warps>/st<stages>/<dot|fma>' -> (MMConfig, decode)."""
+def config_of(key: str) -> tuple[Any, str, str]:
+    """'ours:<decode>:<BN>x<BK>/s<split>/w<warps>/st<stages>/<dot|fma>[/<forms>]' -> (MMConfig, decode, forms);
+    keys without forms (earlier records) are the older loop ('base')."""
     from llm_core.fast.kernels.nf4_mm import MMConfig
 
     _, decode, rest = key.split(":")
-    tile, split, warps, stages, form = rest.split("/")
+    tile, split, warps, stages, form, *forms = rest.split("/")
     bn, bk = (int(v) for v in tile.split("x"))
-    return MMConfig(bn, bk, int(split[1:]), int(warps[1:]), int(stages[2:]), form == "dot"), decode
+    cfg = MMConfig(bn, bk, int(split[1:]), int(warps[1:]), int(stages[2:]), form == "dot")
+    return with_forms(cfg, forms[0] if forms else "base"), decode, forms[0] if forms else "base"
 
 
 def compile_info(key: str, s: WeightSet, x: torch.Tensor) -> dict[str, Any]:
     """Registers, spills and shared memory of a config's compiled kernel (Triton's compile metadata)."""
     from llm_core.fast.kernels.nf4_mm import nf4_mm
 
-    cfg, decode = config_of(key)
+    cfg, decode, _ = config_of(key)
     got: list[Any] = []
     nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg, decode=decode, levels=s.levels, compiled=got)
     kern = got[0]
@@ -250,6 +287,9 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = doc["meta"]["copy_bytes_per_s"]
     fams = {"ours": lambda key: key.startswith("ours"), "ours-default": lambda key: key == "ours-default:asm",
+            "ours-default-base": lambda key: key == "ours-default-base:asm",
+            **{f"ours-{forms}": (lambda key, forms=forms: key.startswith("ours:") and key.endswith("/" + forms))
+               for forms in FORMS},
             "llm_core-old": lambda key: key in ("nf4_gemv", "nf4_rows"),
             "bnb": lambda key: key == "bnb.matmul_4bit", "dequant+matmul": lambda key: key == "dequant+matmul",
             "bf16": lambda key: key == "bf16_cublas"}
@@ -284,6 +324,12 @@ def print_table(doc: dict[str, Any]) -> None:
                   f"{r.get('ours_over_m1', 0):4.2f} {r.get('ours-default_us', 0):7.1f} "
                   f"{r.get('llm_core-old_us', 0):6.1f} {r.get('bnb_us', 0):6.1f} {r.get('dequant+matmul_us', 0):6.1f} "
                   f"{r.get('bf16_us', 0):6.1f}  {len(r['linears'])} linears")
+    print("loop forms, per layer µs (default rule: with all forms / without; best config of each form):")
+    for arch, rows in doc.get("summary", {}).items():
+        for m, r in rows.items():
+            best = " ".join(f"{forms} {r.get(f'ours-{forms}_us', 0):6.1f}" for forms in FORMS)
+            print(f"{arch:10s} {m:>2s} default {r.get('ours-default_us', 0):6.1f} / "
+                  f"{r.get('ours-default-base_us', 0):6.1f}  {best}")
 
 
 if __name__ == "__main__":

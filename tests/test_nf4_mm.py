@@ -9,7 +9,9 @@ builds (parts' rows concatenated, each keeping its own second-level scale and of
 Error bound: against bitsandbytes' own dequantize_4bit then an fp32 matmul, the relative L2 error is at most 1e-2
 (the weights rounded to bf16 as dequantize_4bit does, and the output rounded to bf16: ~2e-3 measured); against
 nf4_mm_reference (the kernel's own arithmetic in torch) the output is the same to one bf16 rounding of the fp32
-sum (summation order), checked as |diff| <= 2^-7 |ref| + 1e-3 element-wise. GPU tests (marked `gpu`) run every M and
+sum (summation order), checked as |diff| <= 2^-7 |ref| + 1e-3 element-wise (MMConfig.scale16: against the
+reference's scale16 form, level and absmax rounded to bf16 before their product; the other loop forms, even and
+xvec, must give the same bits as the older loop). GPU tests (marked `gpu`) run every M and
 both decodes on the device against the same references; the "asm" decode holds the levels rounded to bf16, so it
 meets the 1e-2 bound against bitsandbytes (H200: 2.8e-3) but not the element-wise one.
 """
@@ -71,6 +73,13 @@ def _run(p: Any, x: torch.Tensor, config: mm.MMConfig | None = None, decode: str
 FAMILIES = {"plain": ((80,), 320), "qkv": ((64, 32, 32), 512), "gate_up": ((128, 128), 256), "down": ((48,), 1024)}
 CONFIGS = {"dot": mm.MMConfig(32, 256, 1, 4, 2, True), "split3": mm.MMConfig(64, 128, 3, 4, 2, True),
            "cuda_cores": mm.MMConfig(16, 64, 2, 4, 2, False)}
+# the loop forms (MMConfig.even / xvec / scale16 / asm_scale, the last a no-op in "gather") on: K = 256, 512 and
+# 1024 are whole steps of 128 and 256 (EVEN_K taken), 320 is not; N = 80 and 48 are not whole tiles, 128 + 128
+# is (EVEN_N taken at BLOCK_N = 32 / 64)
+FORMS = {"dot+forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, True),
+         "split3+forms": mm.MMConfig(64, 128, 3, 4, 2, True, True, True, True),
+         "cuda_cores+forms": mm.MMConfig(16, 64, 2, 4, 2, False, True, True, True),
+         "dot+exact_forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, False, True)}
 
 
 @pytest.fixture
@@ -82,14 +91,19 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     exact_bf16(monkeypatch)
 
 
+def _reference(p: Any, x: torch.Tensor, scale16: bool = False) -> torch.Tensor:
+    absmax_flat = absmax_2d(p.spec, p.tensors).reshape(-1)
+    return mm.nf4_mm_reference(x, p.tensors[0], absmax_flat, code_of(p.spec, p.tensors).to(x.device),
+                               p.spec.blocksize, scale16=scale16)
+
+
 def _cases(family: str, absmax: str) -> Any:
     """(packed linear, bitsandbytes' dequantized weight, x, the reference form's output) for every M in MS."""
     splits, k = FAMILIES[family]
     p, w = _packed(splits, k, absmax)
-    absmax_flat = absmax_2d(p.spec, p.tensors).reshape(-1)
     for m in MS:
         x = torch.randn(m, k, dtype=torch.bfloat16)
-        yield p, w, x, mm.nf4_mm_reference(x, p.tensors[0], absmax_flat, code_of(p.spec, p.tensors), p.spec.blocksize)
+        yield p, w, x, _reference(p, x)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -106,13 +120,17 @@ def test_interpreted_kernel_matches_its_reference_and_bitsandbytes(interpreter: 
                                                                    absmax: str) -> None:
     for p, w, x, ref in _cases(family, absmax):
         m = x.shape[0]
-        for name, cfg in CONFIGS.items():
+        ref16 = _reference(p, x, scale16=True)
+        for name, cfg in {**CONFIGS, **FORMS}.items():
             if not cfg.dot and m > 4:
                 continue
             got = _run(p, x, cfg)
             assert got.shape == (m, p.spec.n) and got.dtype == torch.bfloat16
-            assert _close_to_reference(got, ref), (family, m, name)
+            assert _close_to_reference(got, ref16 if cfg.scale16 else ref), (family, m, name)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (family, m, name)
+            if name in FORMS:  # even, xvec and asm_scale change no bits
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)
+                assert torch.equal(got, _run(p, x, older)), (family, m, name)
 
 
 def test_interpreted_kernel_adds_the_bias_once_across_splits(interpreter: None) -> None:
@@ -120,7 +138,7 @@ def test_interpreted_kernel_adds_the_bias_once_across_splits(interpreter: None) 
     p = pack_linears([m_], FastDecodeOptions(), "nf4")
     x = torch.randn(5, 512, dtype=torch.bfloat16)
     ref = x.float() @ dequantized(m_).T + m_.bias.detach().float()
-    for cfg in (CONFIGS["dot"], CONFIGS["split3"]):
+    for cfg in (CONFIGS["dot"], CONFIGS["split3"], FORMS["split3+forms"]):
         s, ts = p.spec, p.tensors
         words = words_view(ts[0])
         assert words is not None
@@ -152,30 +170,33 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs() -> None:
     assert mm.default_config(8, 4096, 11008).split > 1  # 128 tiles of 32 rows for 132 SMs
     assert mm.default_config(8, 22016, 4096).split == 1  # 688 tiles of 32 rows
     assert mm.default_config(32, 12288, 4096).block_n == 64
-    cfg = mm.MMConfig(16, 128, 4, 8, 3, False)
+    cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True)
     assert mm.MMConfig.from_list(cfg.as_list()) == cfg
+    assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older list
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
 @pytest.mark.parametrize(("nested", "split"), [(True, 1), (True, 2), (False, 1)])
-def test_kernel_compiles_for_hopper_with_the_pointers_the_wrapper_passes(nested: bool, split: int) -> None:
+@pytest.mark.parametrize("decode", mm.DECODES)
+@pytest.mark.parametrize("forms", ["", "even", "xvec", "scale16", "asm_scale", "even+xvec+scale16"])
+def test_kernel_compiles_for_hopper_with_the_pointers_the_wrapper_passes(nested: bool, split: int, decode: str,
+                                                                         forms: str) -> None:
     """Compile (not run) for sm_90 on CPU, with the argument types nf4_mm gives the kernel: with double quant the
     absmax pointer is the bf16 output buffer standing in, so a helper that types both branches fails to compile
-    (the interpreter accepts it)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    (the interpreter accepts it). Every loop form, both decodes: the "asm" decode (inline PTX, assembled by ptxas
+    here) never runs under the interpreter."""
+    flags = {f: f in forms.split("+") for f in ("even", "xvec", "scale16", "asm_scale")}
+    cfg = mm.MMConfig(32, 256, split, 4, 2, True, **flags)
+    kern = mm.compile_without_device(8, 4096, 4096, 64, cfg, decode, _levels(), nested)
+    assert kern.asm["cubin"]
 
-    out = "*bf16" if split == 1 else "*fp32"
-    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
-                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "code_ptr": "*fp32",
-                 "bias_ptr": out, "y_ptr": out, "M": "i32", "N": "i32", "K": "i32", "KW": "i32", "NBLK": "i32"}
-    constexprs = dict(BS=64, NESTED=nested, HAS_BIAS=False, DECODE="gather", ASM="", MP=16, BLOCK_N=32,
-                      BLOCK_K=256, SPLIT=split, DOT=True, STAGES=2)
-    signature.update({name: "constexpr" for name in constexprs})
-    mm.triton.compile(ASTSource(fn=mm._nf4_mm_kernel, signature=signature, constexprs=constexprs),
-                      target=GPUTarget("cuda", 90, 32))
+
+def _levels() -> list[float]:
+    """The 16 NF4 levels as host floats, as the fast path's spec holds them."""
+    p, _ = _packed((16,), 64, "fp32")
+    return list(p.spec.levels)
 
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and mm.triton is not None),
@@ -191,16 +212,21 @@ def test_gpu_kernel_matches_reference_at_every_m(decode: str, absmax: str, shape
                                                  ) -> None:
     splits, k = shape
     p, w = _packed(splits, k, absmax, device="cuda")
-    absmax_flat = absmax_2d(p.spec, p.tensors).reshape(-1)
     for m in range(1, 33):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        ref = mm.nf4_mm_reference(x, p.tensors[0], absmax_flat, code_of(p.spec, p.tensors), p.spec.blocksize)
-        for cfg in (None, *CONFIGS.values()):
+        ref, ref16 = _reference(p, x), _reference(p, x, scale16=True)
+        for cfg in (None, *CONFIGS.values(), *FORMS.values()):
             if cfg is not None and not cfg.dot and m > 4:
                 continue
             got = _run(p, x, cfg, decode)
-            # "asm" holds the 16 levels rounded to bf16 (as bitsandbytes' own kernels do): same bound vs bnb only
-            assert decode == "asm" or _close_to_reference(got, ref), (m, cfg, decode)
+            scale16 = (cfg or mm.default_config(m, p.spec.n, k)).scale16
+            # "asm" holds the 16 levels rounded to bf16 (as bitsandbytes' own kernels do): without scale16 the same
+            # bound vs bnb only; with it both decodes compute the scale16 reference's form
+            assert (decode == "asm" and not scale16) or _close_to_reference(got, ref16 if scale16 else ref), (
+                m, cfg, decode)
+            if cfg is not None and not cfg.scale16 and (cfg.even or cfg.xvec or cfg.asm_scale):
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)  # the same bits as the older loop
+                assert torch.equal(got, _run(p, x, older, decode)), (m, cfg, decode)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (m, cfg, decode)
 
 

@@ -27,6 +27,7 @@ bits on every run (the start-up pick's accuracy check and the tests compare exac
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,7 +49,19 @@ DECODES = ("gather", "asm")
 @dataclass(frozen=True)
 class MMConfig:
     """One launch shape: tile sizes (BLOCK_N weight rows x BLOCK_K inputs per step), K splits, warps, pipeline
-    stages, and whether the rows go through a tensor-core dot (False: CUDA-core multiply-adds, M <= 4 only)."""
+    stages, and whether the rows go through a tensor-core dot (False: CUDA-core multiply-adds, M <= 4 only).
+
+    Loop forms (False: the older form, kept selectable; docs/fast_decode.md "Fewer instructions per weight"):
+      even:    no per-element masks in the K loop where the shape allows it (K a multiple of BLOCK_K, so every
+               split's range is whole steps; N a multiple of BLOCK_N); the same result bits.
+      xvec:    activation rows clamped to M - 1 instead of masked (the padding rows' outputs are never stored) and
+               the K mask made uniform over 8 inputs, so x loads as 16-byte vectors; the same result bits.
+      scale16: the block scale rounded to bf16 and applied to bf16 pairs (`mul.rn.bf16x2` inside the "asm" decode,
+               the same bf16 arithmetic in "gather"): one rounding more than dequantize_4bit's fp32 product,
+               as bitsandbytes' own 4-bit kernels do (bf16 absmax times bf16 level).
+      asm_scale: (without scale16) the "asm" decode takes the fp32 block scale and hands out bf16 weights: the
+               older arithmetic and the same bits (bf16 level widened, fp32 product, rounded to bf16), but the
+               weights reach the dot in bf16 from the asm ("gather": no effect)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -56,25 +69,37 @@ class MMConfig:
     warps: int = 4
     stages: int = 3
     dot: bool = True
+    even: bool = False
+    xvec: bool = False
+    scale16: bool = False
+    asm_scale: bool = False
 
     def as_list(self) -> list[int]:
-        return [self.block_n, self.block_k, self.split, self.warps, self.stages, int(self.dot)]
+        return [self.block_n, self.block_k, self.split, self.warps, self.stages, int(self.dot), int(self.even),
+                int(self.xvec), int(self.scale16), int(self.asm_scale)]
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> MMConfig:
-        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), bool(v[5]))
+        """The inverse of as_list; a shorter list (from before the loop forms) keeps the older forms."""
+        flags = [bool(f) for f in v[6:10]] + [False] * (10 - max(6, len(v)))
+        return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), bool(v[5]), *flags)
+
+    def replace(self, **kw: Any) -> MMConfig:
+        return dataclasses.replace(self, **kw)
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     """A launch shape for (M, N, K) without tuning, fit to the H200 sweep (bench/results/2026-12-01-h200-small-m-*):
     32 x 256 tiles with 4 warps up to 16 rows, 64 x 128 at 17-32 (the 32-row accumulator), 2 pipeline stages, and
-    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs)."""
+    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs); every
+    loop form on (the fewest loop instructions on sm_90: bench/nf4_mm_sass.py; not yet timed on a GPU)."""
     block_n, block_k = (32, 256) if m <= 16 else (64, 128)
     tiles = -(-n // block_n)
     split = 1
     while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
         split *= 2
-    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True)
+    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True, even=True,
+                    xvec=True, scale16=True, asm_scale=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -83,6 +108,14 @@ def _sm_count(index: int) -> int:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _k_order(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Eight (BLOCK_N, BLOCK_K/8) planes, plane q holding weight k = 8j + q of word j -> (BLOCK_N, BLOCK_K)."""
+        # join nests the planes as [..., i1, i2, i3] with q = 4 i1 + 2 i2 + i3, so the reshape puts k = 8j + q
+        a = tl.join(tl.join(p0, p4), tl.join(p2, p6))
+        b = tl.join(tl.join(p1, p5), tl.join(p3, p7))
+        return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))
 
     @triton.jit
     def _decode_levels(w, table, asm_code, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -97,10 +130,7 @@ if triton is not None:
             p2, p3 = (r1 << 16).to(tl.float32, bitcast=True), (r1 & -65536).to(tl.float32, bitcast=True)
             p4, p5 = (r2 << 16).to(tl.float32, bitcast=True), (r2 & -65536).to(tl.float32, bitcast=True)
             p6, p7 = (r3 << 16).to(tl.float32, bitcast=True), (r3 & -65536).to(tl.float32, bitcast=True)
-            # join nests the planes as [..., i1, i2, i3] with q = 4 i1 + 2 i2 + i3, so the reshape puts k = 8j + q
-            a = tl.join(tl.join(p0, p4), tl.join(p2, p6))
-            b = tl.join(tl.join(p1, p5), tl.join(p3, p7))
-            return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))
+            return _k_order(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N, BLOCK_K)
         else:
             q = tl.arange(0, 8)
             shift = (q // 2) * 8 + (1 - q % 2) * 4  # k = 8j + q: byte q // 2, high nibble for even q
@@ -108,13 +138,46 @@ if triton is not None:
             flat = tl.reshape(idx, (BLOCK_N * BLOCK_K,))
             return tl.reshape(tl.gather(table, flat, 0), (BLOCK_N, BLOCK_K))
 
+    @triton.jit
+    def _dequantize(w, scale, table, asm_code, DECODE: tl.constexpr, SCALE16: tl.constexpr, ASM_SCALE: tl.constexpr,
+                    BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Words (BLOCK_N, BLOCK_K/8) and their blocks' fp32 absmax (BLOCK_N, BLOCK_K/BS) -> the bf16 weights
+        (BLOCK_N, BLOCK_K) in k order. SCALE16 False: level times absmax in fp32, rounded to bf16
+        (dequantize_4bit's value); True: bf16 level times bf16 absmax, rounded to bf16 (bitsandbytes' kernels).
+        ASM_SCALE (or SCALE16) with "asm": the asm applies the scale and hands out bf16."""
+        if (SCALE16 or ASM_SCALE) and DECODE == "asm":
+            # one scale per word (a word's 8 weights are in one block): the asm multiplies the decoded pairs by it
+            # (as bf16x2 or in fp32, _asm_for) and hands out the 8 bf16 weights
+            sw = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 8)),
+                            (BLOCK_N, BLOCK_K // 8))
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                asm_code, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, sw], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+            wv = _k_order(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N, BLOCK_K)
+        else:
+            lv = _decode_levels(w, table, asm_code, DECODE, BLOCK_N, BLOCK_K)
+            scale_k = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS)),
+                                 (BLOCK_N, BLOCK_K))
+            if SCALE16:  # the product of two bf16 is exact in fp32, so this rounds once, as the bf16x2 multiply
+                wv = (lv.to(tl.bfloat16).to(tl.float32) * scale_k.to(tl.bfloat16).to(tl.float32)).to(tl.bfloat16)
+            else:
+                wv = (lv * scale_k).to(tl.bfloat16)  # dequantize_4bit's value: fp32 product rounded to bf16
+        return wv
+
+    @triton.jit
+    def _all_true(SIZE: tl.constexpr):
+        return tl.full((SIZE,), 1, tl.int1)
+
     @triton.jit(do_not_specialize=["M"])  # one compile for every M of a row bucket (M = 1 and 16 | M included)
     def _nf4_mm_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, code_ptr, bias_ptr,
                        y_ptr, M, N, K, KW, NBLK, BS: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr):
+                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
+                       EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
+                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
-        (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes."""
+        (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
+        split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
+        XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale."""
         rows, rmask, mi, mmask, pid_k = tile_rows(N, M, BLOCK_N, MP)
         kk = tl.arange(0, BLOCK_K)
         wj = tl.arange(0, BLOCK_K // 8)
@@ -122,21 +185,34 @@ if triton is not None:
         per_split = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
         k_lo = pid_k * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
+        if XVEC:
+            k_hi = tl.multiple_of(k_hi, 8)  # K and every split's start are multiples of BS >= 8 (the wrapper checks)
+            xrows = tl.minimum(mi, M - 1)  # padding rows read row M - 1 again; their outputs are not stored
+            xrmask = _all_true(MP)
+        else:
+            xrows = mi
+            xrmask = mmask
+        nmask = _all_true(BLOCK_N) if EVEN_N else rmask
         table = tl.load(code_ptr + tl.arange(0, 16))
         acc = tl.zeros((MP, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             wcol = k0 // 8 + wj
-            wmask = rmask[:, None] & (wcol * 8 < k_hi)[None, :]
-            w = tl.load(w_ptr + rows[:, None] * KW + wcol[None, :], mask=wmask, other=0)
             blk = k0 // BS + bj
-            bmask = rmask[:, None] & (blk * BS < k_hi)[None, :]
-            flat = rows[:, None] * NBLK + blk[None, :]  # (BLOCK_N, BLOCK_K / BS) quant block index
-            scale = block_scale(flat, bmask, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, NESTED)
-            lv = _decode_levels(w, table, ASM, DECODE, BLOCK_N, BLOCK_K)
-            scale_k = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS)), (BLOCK_N, BLOCK_K))
-            wv = (lv * scale_k).to(tl.bfloat16)  # dequantize_4bit's value: fp32 product rounded to bf16
             kcol = k0 + kk
-            xt = tl.load(x_ptr + mi[:, None] * K + kcol[None, :], mask=mmask[:, None] & (kcol < k_hi)[None, :],
+            if EVEN_K:
+                wkmask = _all_true(BLOCK_K // 8)
+                bkmask = _all_true(BLOCK_K // BS)
+                xkmask = _all_true(BLOCK_K)
+            else:
+                wkmask = wcol * 8 < k_hi
+                bkmask = blk * BS < k_hi
+                xkmask = kcol < k_hi
+            w = tl.load(w_ptr + rows[:, None] * KW + wcol[None, :], mask=nmask[:, None] & wkmask[None, :], other=0)
+            flat = rows[:, None] * NBLK + blk[None, :]  # (BLOCK_N, BLOCK_K / BS) quant block index
+            scale = block_scale(flat, nmask[:, None] & bkmask[None, :], absmax_ptr, q8_ptr, absmax2_ptr,
+                                offsets_ptr, code2_ptr, NESTED)
+            wv = _dequantize(w, scale, table, ASM, DECODE, SCALE16, ASM_SCALE, BS, BLOCK_N, BLOCK_K)
+            xt = tl.load(x_ptr + xrows[:, None] * K + kcol[None, :], mask=xrmask[:, None] & xkmask[None, :],
                          other=0.0)
             if DOT:
                 acc += tl.dot(xt, tl.trans(wv))
@@ -165,8 +241,72 @@ if triton is not None:
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...]) -> str:
-    return unpack8_asm(list(code))
+def _asm_for(code: tuple[float, ...], scale: str = "") -> str:
+    """The "asm" decode's PTX: unpack8_asm (word $4 -> four bf16x2 pairs $0..$3), or that lookup followed by the
+    block scale ($8 the word, $9 its fp32 scale; the 8 bf16 weights out as $0..$7, weight 2p the low half of pair
+    p): scale "bf16" rounds it once to a bf16x2 pair and multiplies it into each level pair (fma with -0.0: the
+    exact product rounded once, sm_80 and later); "fp32" widens each level, multiplies in fp32 and rounds the pair
+    to bf16 (the older path's bits)."""
+    text = unpack8_asm(list(code))
+    if not scale:
+        return text
+    body = text.replace("$4", "$8")
+    for p in range(4):
+        body = body.replace(f"${p}", f"o{p}")
+    if scale == "bf16":
+        head = "cvt.rn.bf16x2.f32 sc, $9, $9;\nmov.b32 nz, 0x80008000;\n"
+        pair = "fma.rn.bf16x2 o{p}, o{p}, sc, nz;\n"
+    elif scale == "fp32":
+        head = ""
+        pair = ("shl.b32 fl, o{p}, 16;\nand.b32 fh, o{p}, 0xffff0000;\nmul.rn.f32 fl, fl, $9;\n"
+                "mul.rn.f32 fh, fh, $9;\ncvt.rn.bf16x2.f32 o{p}, fh, fl;\n")
+    else:
+        raise ValueError(f"scale must be '', 'bf16' or 'fp32', got {scale!r}")
+    tail = head + "".join(pair.format(p=p) + f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, o{p};\n" for p in range(4))
+    return "{\n.reg .b32 o0, o1, o2, o3, sc, nz, fl, fh;\n" + body + "\n" + tail + "}"
+
+
+def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
+                      levels: Sequence[float] | None, nested: bool, has_bias: bool) -> dict[str, Any]:
+    """The kernel's constexpr arguments for a launch (what nf4_mm passes; bench/nf4_mm_sass.py compiles with the
+    same): the K step at least one quant block, the splits no more than the steps, the loop forms where the shape
+    allows them."""
+    block_k = max(cfg.block_k, blocksize)
+    split = max(1, min(cfg.split, -(-k // block_k)))
+    scale = "bf16" if cfg.scale16 else "fp32" if cfg.asm_scale else ""
+    asm = _asm_for(tuple(float(v) for v in levels), scale) if decode == "asm" and levels is not None else ""
+    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, DECODE=decode, ASM=asm,
+                MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m),
+                BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages,
+                EVEN_K=cfg.even and k % block_k == 0, EVEN_N=cfg.even and n % cfg.block_n == 0, XVEC=cfg.xvec,
+                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale)
+
+
+def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
+                           levels: Sequence[float] | None, nested: bool, has_bias: bool = False,
+                           arch: int = 90, divisibility: bool = True) -> Any:
+    """Compile (not run) the kernel for sm_`arch` on any machine, with the argument types nf4_mm passes (with
+    double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums) and the
+    16-divisibility Triton's launcher specializes on (torch's buffers are 16-byte aligned; N, K, K/8, K/blocksize
+    where they divide; divisibility=False: none, as the first SASS counts in docs/fast_decode.md were taken). For
+    the compile test and bench/nf4_mm_sass.py."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias)
+    out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
+    ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
+    signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
+                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "code_ptr": "*fp32",
+                 "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out, **{name: "i32" for name in ints}}
+    names = list(_nf4_mm_kernel.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
+    attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in ints.items() if a != "M" and v % 16 == 0})
+    if not divisibility:
+        attrs = {}
+    signature.update({name: "constexpr" for name in meta})
+    return triton.compile(ASTSource(fn=_nf4_mm_kernel, signature=signature, constexprs=meta, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.warps})
 
 
 def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Tensor, *,
@@ -188,24 +328,18 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
     cfg = config or default_config(m, n, k, _sm_count(x.device.index or 0) if x.is_cuda else 132)
     if not cfg.dot and m > 4:
-        cfg = MMConfig(cfg.block_n, cfg.block_k, cfg.split, cfg.warps, cfg.stages, True)
-    block_k = max(cfg.block_k, blocksize)
-    split = max(1, min(cfg.split, -(-k // block_k)))
-    asm = ""
-    if decode == "asm":
-        if levels is None:
-            raise ValueError("decode='asm' needs the levels as host floats")
-        asm = _asm_for(tuple(float(v) for v in levels))
+        cfg = cfg.replace(dot=True)
+    if decode == "asm" and levels is None:
+        raise ValueError("decode='asm' needs the levels as host floats")
+    meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested is not None, bias is not None)
+    split = meta["SPLIT"]
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     q8, absmax2, offsets, code2 = nested if nested is not None else (out, out, out, out)
     kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
-        bias if bias is not None else out, out, m, n, k, kw, k // blocksize,
-        BS=blocksize, NESTED=nested is not None, HAS_BIAS=bias is not None, DECODE=decode, ASM=asm,
-        MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
-        BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages, num_warps=cfg.warps)
+        bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
     if compiled is not None:
         compiled.append(kernel)
     if split > 1:
@@ -216,12 +350,16 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
 
 
 def nf4_mm_reference(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
-                     blocksize: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+                     blocksize: int, bias: torch.Tensor | None = None, scale16: bool = False) -> torch.Tensor:
     """The kernel's arithmetic in torch: packed (N, K/2) uint8 (high nibble first), absmax (N * K / blocksize)
-    fp32 -> levels * absmax in fp32, rounded to x's dtype, then x @ W.T with fp32 accumulation (+ bias)."""
+    fp32 -> levels * absmax in fp32 (scale16: both rounded to bf16 first, MMConfig.scale16), rounded to x's
+    dtype, then x @ W.T with fp32 accumulation (+ bias)."""
     n = packed.shape[0]
     idx = torch.stack(((packed >> 4) & 0xF, packed & 0xF), dim=-1).reshape(n, -1).long()
-    w = code.float()[idx].view(n, -1, blocksize) * absmax.float().view(n, -1, 1)
+    levels, scale = code.float(), absmax.float()
+    if scale16:
+        levels, scale = levels.bfloat16().float(), scale.bfloat16().float()
+    w = levels[idx].view(n, -1, blocksize) * scale.view(n, -1, 1)
     y = x.float() @ w.reshape(n, -1).to(x.dtype).float().T
     if bias is not None:
         y = y + bias.float()
