@@ -6,7 +6,8 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
                             [--forms all] [--refine 3]
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
-with and without them (ours-default / ours-default-base), and the best --refine configs again with each of base,
+without them (ours-default: the library's rule keeps them off until timed) and with them (ours-default-all,
+ours-default-even+xvec+asm_scale), and the best --refine configs again with each of base,
 even+xvec, even+xvec+asm_scale (the older bits), scale16 and all; the summary's ours-<forms>_us is each form's best
 per layer.
 
@@ -127,14 +128,17 @@ def key_of(cfg: Any, decode: str, forms: str) -> str:
 
 
 def variants(m: int, n: int, k: int, sms: int, forms: str = "all") -> list[tuple[str, dict[str, Any]]]:
-    """The library's launch rule (default_config: every loop form on; and '-base': the same tile with none, the
-    rule before them), then the tile x split grid with `forms`."""
+    """The library's launch rule (default_config: no loop form until timed), the same tile with every form
+    ('-all') and with the bit-identical ones ('-even+xvec+asm_scale'), then the tile x split grid with `forms`."""
     from llm_core.fast.kernels.nf4_mm import MMConfig, default_config
 
     default = default_config(m, n, k, sms)
     out: list[tuple[str, dict[str, Any]]] = [("ours-default:asm", {"config": default, "decode": "asm"}),
-                                             ("ours-default-base:asm", {"config": with_forms(default, "base"),
-                                                                        "decode": "asm"})]
+                                             ("ours-default-all:asm", {"config": with_forms(default, "all"),
+                                                                       "decode": "asm"}),
+                                             ("ours-default-even+xvec+asm_scale:asm", {
+                                                 "config": with_forms(default, "even+xvec+asm_scale"),
+                                                 "decode": "asm"})]
     tiles = [(t, True) for t in DOT_TILES] + ([(t, False) for t in FMA_TILES] if m <= 4 else [])
     for (bn, bk, warps), dot in tiles:
         for split in SPLITS:
@@ -287,7 +291,8 @@ def summarize(doc: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     bw = doc["meta"]["copy_bytes_per_s"]
     fams = {"ours": lambda key: key.startswith("ours"), "ours-default": lambda key: key == "ours-default:asm",
-            "ours-default-base": lambda key: key == "ours-default-base:asm",
+            "ours-default-all": lambda key: key == "ours-default-all:asm",
+            "ours-default-even+xvec+asm_scale": lambda key: key == "ours-default-even+xvec+asm_scale:asm",
             **{f"ours-{forms}": (lambda key, forms=forms: key.startswith("ours:") and key.endswith("/" + forms))
                for forms in FORMS},
             "llm_core-old": lambda key: key in ("nf4_gemv", "nf4_rows"),
@@ -324,12 +329,13 @@ def print_table(doc: dict[str, Any]) -> None:
                   f"{r.get('ours_over_m1', 0):4.2f} {r.get('ours-default_us', 0):7.1f} "
                   f"{r.get('llm_core-old_us', 0):6.1f} {r.get('bnb_us', 0):6.1f} {r.get('dequant+matmul_us', 0):6.1f} "
                   f"{r.get('bf16_us', 0):6.1f}  {len(r['linears'])} linears")
-    print("loop forms, per layer µs (default rule: with all forms / without; best config of each form):")
+    print("loop forms, per layer µs (default rule: without forms / all / bit-identical ones; best config per form):")
     for arch, rows in doc.get("summary", {}).items():
         for m, r in rows.items():
             best = " ".join(f"{forms} {r.get(f'ours-{forms}_us', 0):6.1f}" for forms in FORMS)
             print(f"{arch:10s} {m:>2s} default {r.get('ours-default_us', 0):6.1f} / "
-                  f"{r.get('ours-default-base_us', 0):6.1f}  {best}")
+                  f"{r.get('ours-default-all_us', 0):6.1f} / {r.get('ours-default-even+xvec+asm_scale_us', 0):6.1f}  "
+                  f"{best}")
 
 
 if __name__ == "__main__":

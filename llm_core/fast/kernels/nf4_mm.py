@@ -91,15 +91,16 @@ class MMConfig:
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     """A launch shape for (M, N, K) without tuning, fit to the H200 sweep (bench/results/2026-12-01-h200-small-m-*):
     32 x 256 tiles with 4 warps up to 16 rows, 64 x 128 at 17-32 (the 32-row accumulator), 2 pipeline stages, and
-    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs); every
-    loop form on (the fewest loop instructions on sm_90: bench/nf4_mm_sass.py; not yet timed on a GPU)."""
+    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs). The loop
+    forms (even, xvec, asm_scale, scale16: 712 -> 435 loop instructions on sm_90, bench/nf4_mm_sass.py) stay off
+    here until a GPU has run and timed them (`bash bench/h200_small_m.sh` sweeps them against this rule): the
+    asm decode's new forms have only been compiled, and scale16 changes the bits within the tests' bound."""
     block_n, block_k = (32, 256) if m <= 16 else (64, 128)
     tiles = -(-n // block_n)
     split = 1
     while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
         split *= 2
-    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True, even=True,
-                    xvec=True, scale16=True, asm_scale=True)
+    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True)
 
 
 @functools.lru_cache(maxsize=8)
