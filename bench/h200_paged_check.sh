@@ -7,7 +7,7 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-timeout 150 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
+timeout -s INT -k 15 150 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
 grep -E "^E |Error|passed|failed" "$OUT/paged-gpu-tests.txt" | cut -c1-400 | head -30
 for layout in slots paged; do
   timeout "$([ "$layout" = slots ] && echo 170 || echo 120)" python3 -m bench.batched --no-reference --chats 1,8 --new-tokens 64 --kv-layout "$layout" --profile \
