@@ -551,3 +551,39 @@ def test_re_sizing_the_cache_leaves_no_memory_behind(tmp_path: Any) -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated() - before <= 2 * 2**20, torch.cuda.memory_allocated() - before
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_later_prefill_chunks_read_the_prefix_back_a_head_group_at_a_time(tmp_path: Any, kv_cache: str) -> None:
+    """A model with 16 K/V heads (more than PREFIX_HEADS): a prompt prefilled in 64-token chunks reads the cached
+    prefix back 8 heads at a time (a quarter of the temporary for a 32-head model). The last position's scores equal
+    the same chunks read back all heads at once exactly, and equal one whole-prompt pass (fp32, bf16 cache), or
+    within the int8 cache's rounding."""
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
+    from llm_core.fast import FastDecodeOptions
+    from llm_core.fast import layer as layer_module
+
+    shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=16,
+                 num_key_value_heads=16, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5)
+    folder = make_random_checkpoint(shape, tmp_path / "mha", torch.device("cpu"), 1024)
+    loaded = load(str(folder), "none", "cpu", tmp_path / "cache", "float32")
+    ids = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0))
+
+    def scores(chunk: int | None, heads: int) -> torch.Tensor:
+        options = FastDecodeOptions(prefill_chunk_tokens=chunk, kv_cache=kv_cache)
+        dec = FastDecoder(loaded, compile=False, max_cache_len=512, options=options)
+        dec.warmup()
+        old, layer_module.PREFIX_HEADS = layer_module.PREFIX_HEADS, heads
+        try:
+            with dec.outside_reply():
+                return dec.prefill_scores(ids, penalties=False).clone()
+        finally:
+            layer_module.PREFIX_HEADS = old
+
+    grouped, together, whole = scores(64, 8), scores(64, 16), scores(None, 8)
+    assert torch.equal(grouped, together)
+    if kv_cache == "bf16":
+        torch.testing.assert_close(grouped, whole, rtol=1e-4, atol=1e-4)
+    else:
+        assert (grouped - whole).norm() / whole.norm() < 0.05
