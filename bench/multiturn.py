@@ -107,6 +107,14 @@ def chat(engine: Any, messages: list[str], new_tokens: int, replay: list[Any] | 
     return histories, results
 
 
+def first_difference(a: list[int], b: list[int]) -> dict[str, Any] | None:
+    """Where two replies part (new-token index) and the two tokens there; None when they are the same."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return {"index": i, "on": x, "off": y}
+    return None if len(a) == len(b) else {"index": min(len(a), len(b)), "lengths": [len(a), len(b)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -180,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         decode_tokens_per_s_off=[r["decode_tokens_per_s"] for r in off],
         last_over_turns_2_3_on=ratio(on), last_over_turns_2_3_off=ratio(off),
         tokens_identical_per_turn=identical, all_identical=all(identical),
+        first_difference=[first_difference(a["token_ids"], b["token_ids"]) for a, b in zip(on, off, strict=True)],
         load_avg_after=os.getloadavg())
     return 0 if all(identical) else 1
 
