@@ -18,6 +18,7 @@ from .tables import embed_rows
 # the same for every chunk length (compiled with a dynamic length, it must not depend on it).
 PREFIX_HEADS = 8
 
+
 def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T for one row x (1, K) and NF4 weights W (N, K), in torch ops that inductor fuses into a single
