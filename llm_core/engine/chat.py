@@ -83,15 +83,19 @@ class _TimedStreamer(TextIteratorStreamer):
         self.every_token = every_token
 
     def put(self, value: torch.Tensor) -> None:
-        prompt = self.skip_prompt and self.next_tokens_are_prompt
-        if not prompt:
-            self.clock.on_tokens(value.reshape(-1).tolist())
-        super().put(value)
-        if self.every_token and not prompt and self.token_cache:
-            text = str(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
-            if len(text) > self.print_len and not text.endswith("\ufffd"):
-                self.on_finalized_text(text[self.print_len:])
-                self.print_len = len(text)
+        if self.skip_prompt and self.next_tokens_are_prompt:
+            super().put(value)  # the prompt: skipped
+            return
+        ids = value.reshape(-1).tolist()
+        self.clock.on_tokens(ids)
+        if not self.every_token:
+            super().put(value)
+            return
+        self.token_cache.extend(ids)  # one decode per token, as the base class does; end() flushes the rest
+        text = str(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
+        if len(text) > self.print_len and not text.endswith("\ufffd"):
+            self.on_finalized_text(text[self.print_len:])
+            self.print_len = len(text)
 
 
 class WorkerThreads:
