@@ -373,7 +373,7 @@ def test_the_compiled_paged_write_touches_only_the_written_rows() -> None:
     numel = blocks * block_size * heads * dim
 
     def step(pool: torch.Tensor, dest: torch.Tensor, rows: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        write_paged_rows(pool, dest, rows)
+        write_paged_rows(pool, (dest // block_size, dest % block_size), rows)
         return _read_pool(q, pool)
 
     stacked = torch.zeros(layers, blocks, block_size, heads, dim)

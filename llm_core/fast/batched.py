@@ -133,26 +133,27 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     return out.reshape(rows, spec.n_heads * spec.head_dim).to(q.dtype)
 
 
-def write_paged_rows(pool: torch.Tensor, dest: torch.Tensor, rows: torch.Tensor) -> None:
-    """pool (num_blocks, block_size, Hkv, row)[dest // block_size, dest % block_size] = rows (B, Hkv, row), in place.
+def write_paged_rows(pool: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+    """pool (num_blocks, block_size, Hkv, row)[blocks, offsets] = rows (B, Hkv, row), in place; dest = (blocks,
+    offsets), each (B,) int64: where each row's position lives.
     Indexed on the pool itself, not through a flattened view of it: compiled, a write through a view of a graph input
     that a custom op then reads made Inductor copy the whole pool (twice per K and V, every layer, every step: the
     paged step was ~6x slower than the slots one on the H200; tests/test_paged_kv.py checks the compiled code)."""
-    block_size = pool.shape[1]
-    pool.index_put_((dest // block_size, dest % block_size), rows)
+    pool.index_put_(dest, rows)
 
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                pos: torch.Tensor, last: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                w: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0, span: int | None = None,
-               table: torch.Tensor | None = None, dest: torch.Tensor | None = None
+               table: torch.Tensor | None = None, dest: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """llm_core.fast.layer.layer_decode for B rows, one token each: h, hn (B, H); cos/sin (B, D); pos (B,) int64
     where row b's K/V is written; last (B,) the last cache row it attends to (= pos for a live row; 0 for an idle
     slot, which writes to its slot's scratch row and whose output is thrown away); k/v_cache (B, L, Hkv, row): the
     rows' slots of this layer; span: cache rows the attention reads (None: all; eager torch form only). Paged:
     k/v_cache are this layer's pool (num_blocks, block_size, Hkv, row), table (B, max_blocks) int32 the rows' block
-    tables and dest (B,) the pool row each row writes (SlotDecoder.step computes it once for every layer)."""
+    tables and dest (blocks, offsets), each (B,), where each row writes (SlotDecoder.step computes it once for
+    every layer)."""
     rows = h.shape[0]
     lins = _split_linears(spec, w)
     rest = lins[-1]
@@ -482,7 +483,7 @@ class SlotDecoder:
             def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                       last: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, w: list[torch.Tensor],
                       span: int | None = None, table: torch.Tensor | None = None,
-                      dest: torch.Tensor | None = None) -> Any:
+                      dest: tuple[torch.Tensor, torch.Tensor] | None = None) -> Any:
                 return layer_rows(spec, h, hn, cos, sin, pos, last, kc, vc, w, rows_max, span, table, dest)
             return layer
 
@@ -578,10 +579,10 @@ class SlotDecoder:
     def resume(self, slot: int) -> None:
         self.active[slot] = 1
 
-    def _pool_rows(self, slot: int, start: int, end: int) -> torch.Tensor:
-        """Paged: the pool rows (block id * block size + offset, int64) of row `slot`'s positions start..end-1."""
+    def _pool_places(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Paged: where row `slot`'s positions start..end-1 live in the pool: (block ids, offsets), int64."""
         p = torch.arange(start, end, device=self.device)
-        return self.table[slot, p // self.block_size].long() * self.block_size + p % self.block_size
+        return self.table[slot, p // self.block_size].long(), p % self.block_size
 
     # --- prefill ---------------------------------------------------------------------------------------------------
     def prefill(self, slot: int, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -598,7 +599,7 @@ class SlotDecoder:
         fns = f._prefill_fns if compiled else f._prefill_eager_fns
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
             end = start + ids.numel()
-            dest = self._pool_rows(slot, start, end) if self.paged else None
+            dest = self._pool_places(slot, start, end) if self.paged else None
             for i, (fn, w) in enumerate(zip(fns, f._layer_weights, strict=True)):
                 if dest is not None:  # paged: the same prefill layer over the row's positions gathered in order
                     kc, vc = self._gathered(self.k[i], slot, start, end), self._gathered(self.v[i], slot, start, end)
@@ -641,7 +642,8 @@ class SlotDecoder:
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         if self.paged:  # each prompt's real rows go to its blocks; the padding stays in the temporary
             index = torch.arange(len(prompts), device=self.device)
-            dest = torch.cat([self._pool_rows(slot, 0, n) for slot, n in zip(slots, lengths, strict=True)])
+            places = [self._pool_places(slot, 0, n) for slot, n in zip(slots, lengths, strict=True)]
+            dest = (torch.cat([b for b, _ in places]), torch.cat([o for _, o in places]))
             real = torch.arange(ids.shape[1], device=self.device)[None, :] < torch.tensor(lengths, device=self.device
                                                                                            )[:, None]
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
@@ -679,8 +681,8 @@ class SlotDecoder:
         if self.paged:  # from the static table, so a graph replays with the blocks copied in since capture
             table = self.table[rows]
             block = table.gather(1, (pos // self.block_size).clamp(max=table.shape[1] - 1)[:, None])[:, 0]
-            live = block.long() * self.block_size + pos % self.block_size
-            dest = torch.where(active.bool(), live, self.num_blocks * self.block_size)
+            live = active.bool()  # an idle row writes to the scratch block (num_blocks), at its offset 0
+            dest = (torch.where(live, block.long(), self.num_blocks), torch.where(live, pos % self.block_size, 0))
             for i, (fn, w) in enumerate(zip(self._layer_fns, f._layer_weights, strict=True)):
                 h, hn = fn(h, hn, cos, sin, pos, last, self.k[i], self.v[i], w, span, table, dest)
         else:
