@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench.harness import Recorder, make_random_checkpoint
+from bench.harness import Recorder, checkpoint_ready, make_random_checkpoint
 
 GiB = 2**30
 WORDS = ("the river model memory cache token answer question light garden window city music number paper story "
@@ -127,19 +127,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/multiturn-ckpt"))
     parser.add_argument("--first", choices=("on", "off"), default="on",
                         help="which PREFIX_CACHE run chats first (the other replays its conversation)")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for both engines beyond the defaults (repeatable), e.g. KV_LAYOUT=paged")
     args = parser.parse_args(argv)
 
     env: dict[str, str] = {"HISTORY_TURNS": "64"}  # every turn kept: the history grows by one exchange per turn
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--set takes NAME=VALUE, not {item!r}")
+        env[name] = value
+    settings = "defaults + " + ", ".join(f"{k}={v}" for k, v in env.items())
     meta: dict[str, Any] = {"command": "python -m bench.multiturn " + " ".join(argv or sys.argv[1:]),
                             "machine": machine(), "turns": args.turns, "message_tokens": args.message_tokens,
-                            "new_tokens": args.new_tokens, "settings": "defaults + HISTORY_TURNS=64",
+                            "new_tokens": args.new_tokens, "settings": settings,
                             "first": args.first,
                             "ttft": "stream_chat called -> first token on the host (ChatEngine's ttft_s)"}
     if args.random:
         if not torch.cuda.is_available():
             parser.error("--random runs on CUDA (an emulated card)")
-        folder = make_random_checkpoint(args.random, args.ckpt_dir / args.random, torch.device("cuda"),
-                                        args.max_positions)
+        folder = args.ckpt_dir / f"{args.random}-{args.max_positions}"
+        if not checkpoint_ready(folder):  # a finished one from an earlier run is reused (13+ GB to write)
+            make_random_checkpoint(args.random, folder, torch.device("cuda"), args.max_positions)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.card_gib * GiB / total))
         env.update(MODEL_ID=str(folder), VRAM_BUDGET=f"{args.card_gib - 0.5}GiB",
