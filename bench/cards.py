@@ -222,6 +222,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                 first_over_second=(first.get("ttft_s") or 0) / max(last.stats.ttft_s or 1e-9, 1e-9),
                 decode_tokens_per_s=last.stats.decode_tokens_per_s, **_prefill_timing(engine),
                 first_first_token_s=first.get("first_token_s"))
+    engine.close()
     del engine, decoder
     release()
 

@@ -219,8 +219,7 @@ class Bench:
             summary["within_budget"] = together["peak_vram_reserved_bytes"] <= budget
         summary["meets_4x"] = bool(summary["speedup_vs_single"] and summary["speedup_vs_single"] >= 4.0)
         self.summary(**summary)
-        if engine.scheduler is not None:
-            engine.scheduler.close()
+        engine.close()
         del engine
         free_memory(self.device)
         if args.serial_baseline:

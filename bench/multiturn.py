@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             messages = [english(t, args.message_tokens, count) for t in range(1, args.turns + 1)]
         histories, runs[mode] = chat(engine, messages, args.new_tokens, replay, rec, mode)
         replay = histories
+        engine.close()  # its batch loop's thread would keep the weights and KV alive for the next engine
         del engine
         gc.collect()
         if torch.cuda.is_available():

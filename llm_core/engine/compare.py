@@ -345,6 +345,7 @@ class EnginePool:
             device = engine.loaded.device
             with engine.exclusive():  # wait for a reply in progress on it to finish
                 before = memory_in_use(device)
+                engine.close()  # a batch loop's thread would keep its weights, KV and graphs alive
                 engine.loaded.model = None
                 engine.loaded.extra.clear()
             del engine
