@@ -134,7 +134,7 @@ def test_paged_kernel_compiles_for_hopper(rows: str, page: int) -> None:
         pytest.skip("compiles in the suite's own process")
     cache = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}[rows]
     signature = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "table_ptr": "*i32", "pos_ptr": "*i64",
-                 "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "chunk": "i32",
+                 "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32",
                  "stride_b": "i32", "stride_l": "i32", "stride_h": "i32", "stride_t": "i32", "B": "i32"}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=rows == "int8", INT4=rows == "int4",
                       GROUP4=16, PAGE=page)

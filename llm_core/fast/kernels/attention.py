@@ -75,12 +75,15 @@ if triton is not None:
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
     @triton.jit
-    def _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, h, sp, length, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b,
+    def _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, h, sp, length, o_ptr, m_ptr, l_ptr, scale, stride_b,
                     stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
                     INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
         """Flash-decoding, step 1, for program (row b, kv head h, split s): row b's G query heads over its cache
-        rows [s*chunk, min((s+1)*chunk, length)); writes unnormalized output, running max and sum. PAGE = 0: row b's
+        rows [s*chunk, min((s+1)*chunk, length)); writes unnormalized output, running max and sum. chunk is row b's
+        own: its length over the grid's splits, in whole BLOCK_L steps, so every split of a short row works too (a
+        chunk fixed by the captured capacity left a 640-token row in one split of 17 over a 32k pool: 2.5x the time
+        of the same row in a 4k slot on the H200). PAGE = 0: row b's
         own slot at b*stride_b; PAGE > 0: position i lives in block table[b, i // PAGE] (int32, row stride stride_t)
         at offset i % PAGE, stride_b then being one block's. Rows past length are never read; a split past it reads
         nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes and, at
@@ -96,6 +99,7 @@ if triton is not None:
         m_i = tl.full((GP,), float("-inf"), tl.float32)
         l_i = tl.zeros((GP,), tl.float32)
         acc = tl.zeros((GP, D), tl.float32)
+        chunk = tl.cdiv(tl.cdiv(length, tl.num_programs(2)), BLOCK_L) * BLOCK_L
         start = sp * chunk
         end = tl.minimum(start + chunk, length)
         base = b.to(tl.int64) * stride_b
@@ -138,7 +142,7 @@ if triton is not None:
         tl.store(l_ptr + row, l_i, mask=qmask)
 
     @triton.jit
-    def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk, stride_b, stride_l,
+    def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b, stride_l,
                                 stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
                                 INT4: tl.constexpr, GROUP4: tl.constexpr):
@@ -147,20 +151,20 @@ if triton is not None:
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, k_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr, l_ptr,
-                    scale, chunk, stride_b, stride_l, stride_h, 0, B, HKV, G, GP, D, BLOCK_L, IEEE, INT8, INT4,
+                    scale, stride_b, stride_l, stride_h, 0, B, HKV, G, GP, D, BLOCK_L, IEEE, INT8, INT4,
                     GROUP4, 0)
 
     @triton.jit
-    def _attn_paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, chunk,
-                                 stride_b, stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr,
-                                 GP: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr,
-                                 INT8: tl.constexpr, INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
+    def _attn_paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b,
+                                 stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                                 D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
+                                 INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
         """Step 1 over a pool of blocks (num_blocks, PAGE, Hkv, row), row b's positions 0..pos[b] through its block
         table (B, max_blocks) int32 (_attn_split)."""
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr,
-                    l_ptr, scale, chunk, stride_b, stride_l, stride_h, stride_t, B, HKV, G, GP, D, BLOCK_L, IEEE,
+                    l_ptr, scale, stride_b, stride_l, stride_h, stride_t, B, HKV, G, GP, D, BLOCK_L, IEEE,
                     INT8, INT4, GROUP4, PAGE)
 
     def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
@@ -173,7 +177,7 @@ if triton is not None:
         if k.dtype in QUANTIZED_DTYPES:  # rows of codes + their scales + padding (llm_core.fast.kvquant)
             dim = q.shape[2]
         hq = q.shape[1]
-        chunk, nsplit = _attention_splits(length, rows * hkv, k.device)
+        nsplit = _attention_splits(length, rows * hkv, k.device)
         o = torch.empty(nsplit, rows * hq, dim, dtype=torch.float32, device=q.device)
         m = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
         lsum = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
@@ -185,14 +189,14 @@ if triton is not None:
                       GROUP4=INT4_GROUP)
         if table is None:
             _attn_rows_split_kernel[(rows, hkv, nsplit)](
-                q.contiguous(), k, v, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2), rows,
+                q.contiguous(), k, v, pos, o, m, lsum, scale, k.stride(0), k.stride(1), k.stride(2), rows,
                 **shapes)
         else:
             if page not in PAGED_BLOCK_SIZES or table.dtype != torch.int32 or table.stride(1) != 1:
                 raise GenerationError(f"paged decode attention takes blocks of {PAGED_BLOCK_SIZES} tokens and an "
                                       f"int32 block table, not {page}-token blocks and a {table.dtype} table")
             _attn_paged_split_kernel[(rows, hkv, nsplit)](
-                q.contiguous(), k, v, table, pos, o, m, lsum, scale, chunk, k.stride(0), k.stride(1), k.stride(2),
+                q.contiguous(), k, v, table, pos, o, m, lsum, scale, k.stride(0), k.stride(1), k.stride(2),
                 table.stride(0), rows, **shapes, PAGE=page)
         out = torch.empty(rows * hq, dim, dtype=q.dtype, device=q.device)
         _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
@@ -245,12 +249,12 @@ def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return blocks.reshape(table.shape[0], -1, *pool.shape[2:])
 
 
-def _attention_splits(length: int, kv_heads: int, device: torch.device) -> tuple[int, int]:
-    """(rows per split, splits) so that kv_heads * splits is about 4 programs per SM (fixed per bucket length)."""
+def _attention_splits(length: int, kv_heads: int, device: torch.device) -> int:
+    """Splits per (row, kv head) so that kv_heads * splits is about 4 programs per SM, at most one per BLOCK_L of the
+    capacity `length` (fixed per captured shape); each row divides its own length among them (_attn_split)."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
     target = max(1, -(-4 * sms // kv_heads))
-    chunk = max(ATTENTION_BLOCK, round_up(-(-length // target), ATTENTION_BLOCK))
-    return chunk, -(-length // chunk)
+    return min(target, -(-length // ATTENTION_BLOCK))
 
 
 def round_up(n: int, multiple: int) -> int:
