@@ -644,8 +644,8 @@ class SlotDecoder:
             index = torch.arange(len(prompts), device=self.device)
             places = [self._pool_places(slot, 0, n) for slot, n in zip(slots, lengths, strict=True)]
             dest = (torch.cat([b for b, _ in places]), torch.cat([o for _, o in places]))
-            real = torch.arange(ids.shape[1], device=self.device)[None, :] < torch.tensor(lengths, device=self.device
-                                                                                           )[:, None]
+            real = (torch.arange(ids.shape[1], device=self.device)[None, :]
+                    < torch.tensor(lengths, device=self.device)[:, None]).nonzero(as_tuple=True)  # once, not per layer
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
             for i, (spec, w) in enumerate(zip(f._layer_specs, f._layer_weights, strict=True)):
                 if not self.paged:
