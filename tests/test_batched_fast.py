@@ -57,14 +57,16 @@ def fast_batched(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
 
 
 def staggered(engine: ChatEngine, prompts: list[str], max_new: list[int], delay_s: float,
-              **options: Any) -> dict[int, ReplyUpdate]:
-    """Each prompt from its own thread, the i-th after i * delay_s; returns the final updates."""
+              controls: list[Any] | None = None, **options: Any) -> dict[int, ReplyUpdate]:
+    """Each prompt from its own thread, the i-th after i * delay_s; returns the final updates. `controls`: each
+    reply's own RowControl (one per prompt: a control holds one reply's state, e.g. its logprobs)."""
     out: dict[int, ReplyUpdate] = {}
 
     def ask(i: int) -> Callable[[], None]:
         def run() -> None:
             time.sleep(delay_s * i)
-            gen = engine.request_options(max_new_tokens=max_new[i], **options)
+            own = {} if controls is None else {"control": controls[i]}
+            gen = engine.request_options(max_new_tokens=max_new[i], **options, **own)
             out[i] = drain(engine.stream_chat(prompts[i], [], gen=gen, system_prompt=SYSTEM))
         return run
 

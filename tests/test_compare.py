@@ -160,7 +160,6 @@ def test_command_line_twin_writes_the_same_json(tmp_path: Path, monkeypatch: pyt
 
 
 def test_stop_and_chat_never_wait_for_a_load_in_progress(pool: EnginePool) -> None:
-    import threading
     import time
 
     loading = threading.Event()

@@ -5,7 +5,6 @@ memory accounting, auto's choice on given budgets, and (GPU) the fast path decod
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -308,8 +307,8 @@ def test_gpu_int4_fast_path_decodes_within_bounds_of_bf16_graphs_and_slots_inclu
     from llm_core.fast.generate import FastDecoder
     from llm_core.fast.options import FastDecodeOptions
     from llm_core.loading import load_model
-    from tests.conftest import drain, make_settings, run_threads
-    from tests.test_batched_fast import PROMPTS, SYSTEM
+    from tests.conftest import drain, make_settings
+    from tests.test_batched_fast import PROMPTS, SYSTEM, staggered
 
     shape = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
@@ -346,15 +345,10 @@ def test_gpu_int4_fast_path_decodes_within_bounds_of_bf16_graphs_and_slots_inclu
     alone_logs = [logged() for _ in PROMPTS[:2]]
     alone = [ask(p, c) for p, c in zip(PROMPTS[:2], alone_logs, strict=True)]
     together_logs = [logged() for _ in PROMPTS[:2]]
-    together: dict[int, ReplyUpdate] = {}
-
-    def run(i: int) -> Callable[[], None]:
-        return lambda: together.__setitem__(i, ask(PROMPTS[i], together_logs[i]))
-
+    together = staggered(engine, PROMPTS[:2], [16] * 2, 0.0, controls=together_logs, min_new_tokens=16,
+                         repetition_penalty=1.0)
     scheduler = engine.fast_scheduler
-    assert scheduler is not None
-    run_threads([run(0), run(1)])
-    assert scheduler.snapshot().max_rows_in_step == 2, "the two replies never shared a step"
+    assert scheduler is not None and scheduler.snapshot().max_rows_in_step == 2, "the replies never shared a step"
     assert all(r.stats.kv_cache == "int4" and r.stats.decode_path == "fast-batched" for r in alone)
     for i in range(2):
         a, t = alone_logs[i].logprobs, together_logs[i].logprobs
@@ -367,4 +361,4 @@ def test_gpu_int4_fast_path_decodes_within_bounds_of_bf16_graphs_and_slots_inclu
             assert dict(et.top).get(ea.token_id, -1e9) >= et.logprob - 0.2, (i, ea, et)
             assert dict(ea.top).get(et.token_id, -1e9) >= ea.logprob - 0.2, (i, ea, et)
             break
-    scheduler.close()
+    engine.close()
