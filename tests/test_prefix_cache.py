@@ -331,3 +331,29 @@ def test_cuda_fast_decoder_reply_after_a_cached_prefix_equals_a_cold_one(tmp_pat
     cold = dec.generate(turn2, None, gen, None, threading.Event(), 24, info=cold_info)
     assert cold_info["cached_prompt_tokens"] == 0
     assert warm.tolist() == cold.tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kv_heads", [8, 2])  # Llama-2-like (no grouping) / grouped K/V (Llama-3-like)
+def test_a_later_chunk_attends_by_flash_as_by_the_explicit_mask(kv_heads: int) -> None:
+    """LayerSpec.prefix_flash: a later prefill chunk's attention over the cached prefix by flash attention with a
+    bottom-right causal mask = SDPA with the explicit (S, T) mask (computed in fp32 as the reference), in bf16."""
+    from llm_core.fast import layer
+
+    assert layer.prefix_flash_ok(torch.device("cuda"), torch.bfloat16, 128)
+    assert not layer.prefix_flash_ok(torch.device("cuda"), torch.float32, 128)
+    heads, dim, start, seq = 8, 128, 700, 300
+    spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, seq, dim, device="cuda", generator=gen).bfloat16()
+    keys, values = (torch.randn(1, kv_heads, start + seq, dim, device="cuda", generator=gen).bfloat16()
+                    for _ in range(2))
+    mask = torch.arange(start + seq, device="cuda")[None, :] <= torch.arange(start, start + seq, device="cuda")[:, None]
+    ref = layer._prefill_attention(spec, q.float(), keys.float(), values.float(), mask)
+    got = layer._prefix_flash_attention(spec, q, keys, values)
+    assert got.shape == ref.shape == (1, seq, heads * dim)
+    assert (got.float() - ref).abs().max().item() < 2e-2
+    # the first query sees the prefix and itself only: not the chunk's later keys (a top-left mask would hide
+    # all but the first key from it)
+    assert (got[0, 0].float() - ref[0, 0]).abs().max().item() < 2e-2

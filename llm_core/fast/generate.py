@@ -35,6 +35,7 @@ from .layer import (
     layer_decode,
     layer_prefill,
     linear_decode,
+    prefix_flash_ok,
     rms_norm,
 )
 from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOptions
@@ -212,6 +213,7 @@ class FastDecoder(DecoderWarmup):
         a, opts = self._arch, self.options
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
+        prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
@@ -228,7 +230,7 @@ class FastDecoder(DecoderWarmup):
                 qk_eps = float(_eps(attn.q_norm))
             spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention)
+                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)

@@ -135,6 +135,11 @@ class LayerSpec:
     linears: tuple[LinSpec, ...]  # (qkv,) or (q, k, v); o; (gate_up,) or (gate, up); down
     fused: bool
     attention: str  # triton (custom kernel) | reduce (torch, written for inductor) | matmul (torch, eager)
+    # A later prefill chunk's attention over the cached prefix as flash attention with its causal mask aligned
+    # bottom-right (the chunk's last query sees every key), no mask tensor: set where flash attention runs (CUDA,
+    # sm80+, half precision, head_dim a multiple of 8 up to 256; prefix_flash_ok). Else SDPA with an explicit mask,
+    # which flash attention refuses: memory-efficient attention reading an (S, T) bias instead.
+    prefix_flash: bool = False
 
 
 def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -261,7 +266,9 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
         last = min(first + PREFIX_HEADS, spec.n_kv_heads)
         keys = from_cache(k_cache[:end, first:last], q.dtype).transpose(0, 1)[None]
         values = from_cache(v_cache[:end, first:last], q.dtype).transpose(0, 1)[None]
-        parts.append(_prefill_attention(spec, q[:, first * groups:last * groups], keys, values, mask))
+        q_part = q[:, first * groups:last * groups]
+        parts.append(_prefix_flash_attention(spec, q_part, keys, values) if spec.prefix_flash
+                     else _prefill_attention(spec, q_part, keys, values, mask))
     return _prefill_out(spec, h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), lins, used)
 
 
@@ -315,6 +322,30 @@ def _prefill_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor, val
         gqa = {"enable_gqa": True} if groups > 1 else {}
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           scale=spec.scale, **gqa)
+    return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
+
+
+def prefix_flash_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether a later prefill chunk may use _prefix_flash_attention on `device` (LayerSpec.prefix_flash)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim % 8 or head_dim > 256:
+        return False
+    return torch.backends.cuda.is_flash_attention_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _prefix_flash_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+                            ) -> torch.Tensor:
+    """A later chunk's attention: q (1, H, S, D) at the last S of T positions over keys/values (1, Hkv, T, D), each
+    query seeing every key up to its own position -> (1, S, H * D). PyTorch's flash attention op aligns its causal
+    mask bottom-right when S < T (torch.nn.attention.bias.causal_lower_right dispatches to it so; that class cannot
+    be built inside a compiled function). The same values as _prefill_attention with the explicit mask, without
+    the (S, T) bias that memory-efficient attention reads: at 3k new tokens over 27k cached, 162 MB per call."""
+    rows, heads, seq = q.shape[0], q.shape[1], q.shape[2]
+    groups = spec.n_heads // spec.n_kv_heads
+    if groups > 1:  # the op takes as many K/V heads as query heads (as repeat_kv makes them)
+        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
+        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
+    attn = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False,
+                                                              scale=spec.scale)[0]
     return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
 
 
