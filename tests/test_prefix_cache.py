@@ -357,3 +357,32 @@ def test_a_later_chunk_attends_by_flash_as_by_the_explicit_mask(kv_heads: int) -
     # the first query sees the prefix and itself only: not the chunk's later keys (a top-left mask would hide
     # all but the first key from it)
     assert (got[0, 0].float() - ref[0, 0]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_chunked_prefill_compiles_the_flash_prefix_attention_and_scores_as_the_masked_one(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path in bf16 on CUDA: a prompt prefilled in 256-token chunks runs its later chunks through the
+    compiled flash form (LayerSpec.prefix_flash; the warm-up compiled it, no eager fall-back), and its last
+    position's scores equal, within bf16 rounding, a decoder whose later chunks use the explicit mask."""
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
+    from llm_core.fast import FastDecodeOptions, FastDecoder, generate
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 4096)
+    loaded = load(str(folder), "none", "cuda", tmp_path / "cache", "bfloat16")
+    ids = torch.randint(3, 500, (1000,), generator=torch.Generator().manual_seed(0)).cuda()
+    scores = {}
+    for flash in (True, False):
+        if not flash:
+            monkeypatch.setattr(generate, "prefix_flash_ok", lambda *args: False)
+        dec = FastDecoder(loaded, max_cache_len=2048,
+                          options=FastDecodeOptions(prefill_graph_tokens=128, prefill_chunk_tokens=256))
+        dec.warmup()
+        assert all(spec.prefix_flash == flash for spec in dec._layer_specs)
+        assert dec._prefill_compiled_ok, dec.notes
+        with dec.outside_reply():
+            scores[flash] = torch.log_softmax(dec.prefill_scores(ids, penalties=False).float(), dim=-1)
+        del dec
+    assert (scores[True] - scores[False]).abs().max().item() < 0.05
