@@ -5,7 +5,7 @@ trim), the int8 static cache against the bf16 one, no compile inside a reply, an
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from typing import Any
 
 import pytest
@@ -448,6 +448,7 @@ def test_a_learned_reserve_shrinks_the_cache_instead_of_refusing_messages() -> N
     engine = ChatEngine(loaded, _fast_settings(_budget_for_cache(loaded, 512, "bf16")))
     engine.warmup()
     assert engine.fast_decoder.cache_len == 512
+    started = engine.path
     block = engine.memory_facts.static_kv_tokens * static_kv_bytes(engine.memory_facts, 1)
     engine.memory_facts = replace(engine.memory_facts,
                                   reserve_fixed_bytes=engine.memory_facts.reserve_fixed_bytes + block // 2)
@@ -457,6 +458,11 @@ def test_a_learned_reserve_shrinks_the_cache_instead_of_refusing_messages() -> N
     assert last is not None and last.done and last.stats.decode_path == "fast"
     shrunk = engine.fast_decoder.cache_len
     assert 16 < shrunk <= 512 - 256 + 16 and engine.memory_facts.static_kv_tokens == shrunk
+    # the re-plan swapped in a new path; the start-up record is frozen, not edited in place
+    assert engine.path is not started and engine.path.facts.static_kv_tokens == shrunk
+    assert started.facts.static_kv_tokens == 512
+    with pytest.raises(FrozenInstanceError):
+        engine.path.backend = started.plain  # type: ignore[misc]
     pred = predict_peak_bytes(engine.memory_facts, shrunk - 16, 16, prefill_chunk_tokens=96)
     assert pred.total_bytes <= engine.memory_budget.budget_bytes
 
