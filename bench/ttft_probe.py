@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             decoder = FastDecoder(engine.loaded, max_cache_len=engine_decoder.max_cache_len,
                                   options=replace(engine_decoder.options, prefill_attention=choice))
             decoder.warmup()
-            engine.backend = FastBackend(decoder, engine.backend.reason)
+            engine.path = replace(engine.path, backend=FastBackend(decoder, engine.backend.reason))
         rec: dict[str, Any] = {"setup_s": round(time.perf_counter() - t1, 2)}
         ttfts = []
         for _ in range(args.repeats + 1):  # the first reply at this length is listed, not left out

@@ -15,6 +15,7 @@ import torch
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.engine.fast_runner import FastRunner
 from llm_core.engine.scheduler import Scheduler
+from llm_core.engine.startup import PathBuilder
 from llm_core.errors import ContextBudgetError
 from llm_core.fast.batched import (
     BATCH_BUCKETS,
@@ -210,7 +211,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
     scheduler = engine.fast_scheduler
     slots = scheduler.runner.decoder
     try:
-        engine._size_fast_slots(lambda _m: None)  # warms the slots; CPU: no measurement
+        engine._replan(lambda start: start.size_fast_slots(lambda _m: None))  # warms the slots; CPU: no measurement
         gen = engine.request_options(max_new_tokens=8)
         before = drain(engine.stream_chat("Name a colour.", [], gen=gen, system_prompt=SYSTEM)).text
         profile = slots.profile_worst_reply(engine.prefill_chunk_tokens)
@@ -239,7 +240,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
     monkeypatch.setattr(slots, "profile_worst_reply", simulated)
     try:
         slots.warmup()
-        engine._measure_fast_slots(lambda _m: None)
+        engine._replan(lambda start: start.measure_fast_slots(lambda _m: None))
         assert sizes[0] == planned and slots.slot_tokens < planned
         assert fixed + per_slot_token * slots.slot_tokens <= budget - MEASURED_SAFETY_BYTES
         assert slots.slot_tokens >= 0.85 * (planned // 2)
@@ -258,7 +259,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
     monkeypatch.setattr(slots, "profile_worst_reply", lambda chunk: full)
     slots.warmup()
     with pytest.raises(ContextBudgetError, match="MAX_BATCH_SIZE"):
-        engine._measure_fast_slots(lambda _m: None)
+        engine._replan(lambda start: start.measure_fast_slots(lambda _m: None))
 
 
 def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp32_engine: ChatEngine,
@@ -451,7 +452,7 @@ def test_slots_that_do_not_fit_at_start_up_fall_back_to_the_eager_batch(fp32_eng
     """Start-up never fails for weights that fit: when the measured sizing finds no room for the batched fast
     path's slots (DECODE_PATH=auto), its loop and slots are released and transformers' forward batches the replies,
     with the reason in the model panel; with DECODE_PATH=fast the error stands."""
-    def no_room(say: Any) -> None:
+    def no_room(*_a: Any) -> None:
         raise ContextBudgetError("The fast decode path does not fit a useful KV cache (simulated).")
 
     from dataclasses import replace
@@ -461,7 +462,7 @@ def test_slots_that_do_not_fit_at_start_up_fall_back_to_the_eager_batch(fp32_eng
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
     assert engine.backend.name == "fast-batched"
     engine.settings = replace(engine.settings, model=replace(engine.settings.model, decode_path="auto"))
-    monkeypatch.setattr(engine, "_size_fast_slots", no_room)
+    monkeypatch.setattr(PathBuilder, "size_fast_slots", no_room)  # what warm-up runs for the slots
     engine.warmup()
     assert engine.backend.name == "batched" and engine.fast_scheduler is None
     assert "no room for the batched fast path's KV slots" in engine.backend.reason
@@ -471,7 +472,6 @@ def test_slots_that_do_not_fit_at_start_up_fall_back_to_the_eager_batch(fp32_eng
     assert done.done and done.stats.new_tokens > 0
 
     strict = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
-    monkeypatch.setattr(strict, "_size_fast_slots", no_room)
     try:
         with pytest.raises(ContextBudgetError, match="simulated"):
             strict.warmup()

@@ -5,7 +5,7 @@ trim), the int8 static cache against the bf16 one, no compile inside a reply, an
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 from typing import Any
 
 import pytest
@@ -15,6 +15,7 @@ from transformers import LlamaConfig
 from bench.probes import forced_scores
 from llm_core.config import GenerationSettings
 from llm_core.engine.chat import ChatEngine
+from llm_core.engine.startup import PathBuilder
 from llm_core.errors import ContextBudgetError
 from llm_core.fast import FastDecodeOptions, FastDecoder, kvquant, layer
 from llm_core.history import Turn
@@ -281,13 +282,15 @@ def test_a_measured_cache_answers_every_message_that_fits_it(fp32_loaded: Loaded
     engine.memory_budget = replace(engine.memory_budget, budget_bytes=tiny)
     with pytest.raises(ContextBudgetError):
         engine.prepare("Hello there", [], gen=engine.settings.generation, history_turns=8, system_prompt=None)
-    engine._fast_profile = {"peak_reserved_bytes": tiny, "peak_allocated_bytes": tiny, "tokens": 512}
+    engine._adopt(replace(engine.path, profile={"peak_reserved_bytes": tiny, "peak_allocated_bytes": tiny,
+                                                "tokens": 512}, facts=engine.memory_facts))
     long_turns = [Turn("word " * 300, "reply " * 50) for _ in range(30)]  # ~11k tokens: more than the cache
     prepared = engine.prepare("Hello there", long_turns, gen=engine.settings.generation, history_turns=64,
                               system_prompt=None)
     assert prepared.input_ids.shape[-1] + prepared.gen.max_new_tokens <= engine.context_limit
     assert prepared.fitted.dropped_turns > 0 and prepared.predicted is not None
-    engine._held_free_bytes = 10**8  # CUDA: graph pools + fragments, reserved but never allocated
+    # CUDA: graph pools + fragments, reserved but never allocated
+    engine._adopt(replace(engine.path, held_free_bytes=10**8, facts=engine.memory_facts))
     again = engine.prepare("Hello there", [], gen=engine.settings.generation, history_turns=64, system_prompt=None)
     plain = predict_peak_bytes(engine.memory_facts, int(again.input_ids.shape[-1]), again.gen.max_new_tokens,
                                prefill_chunk_tokens=96)
@@ -361,7 +364,7 @@ def test_a_fast_path_that_cannot_fit_at_start_up_falls_back_to_plain_generate(
     def no_room(*_a: Any, **_k: Any) -> bool:
         raise ContextBudgetError("measured: no room")
 
-    monkeypatch.setattr(engine, "_fit_fast_cache", no_room)
+    monkeypatch.setattr(PathBuilder, "fit_fast_cache", no_room)  # what warm-up runs on CPU
     engine.warmup()
     assert engine.backend.name == "plain" and engine.fast_decoder is None
     assert "no room for the fast path's KV cache" in engine.report.decode_path_reason
@@ -371,7 +374,6 @@ def test_a_fast_path_that_cannot_fit_at_start_up_falls_back_to_plain_generate(
         last = update
     assert last is not None and last.done and last.stats.decode_path == "plain"
     strict = ChatEngine(fp32_loaded, settings)  # DECODE_PATH=fast: the operator asked for it, so it says why
-    monkeypatch.setattr(strict, "_fit_fast_cache", no_room)
     with pytest.raises(ContextBudgetError, match="no room"):
         strict.warmup()
 
@@ -446,6 +448,7 @@ def test_a_learned_reserve_shrinks_the_cache_instead_of_refusing_messages() -> N
     engine = ChatEngine(loaded, _fast_settings(_budget_for_cache(loaded, 512, "bf16")))
     engine.warmup()
     assert engine.fast_decoder.cache_len == 512
+    started = engine.path
     block = engine.memory_facts.static_kv_tokens * static_kv_bytes(engine.memory_facts, 1)
     engine.memory_facts = replace(engine.memory_facts,
                                   reserve_fixed_bytes=engine.memory_facts.reserve_fixed_bytes + block // 2)
@@ -455,6 +458,11 @@ def test_a_learned_reserve_shrinks_the_cache_instead_of_refusing_messages() -> N
     assert last is not None and last.done and last.stats.decode_path == "fast"
     shrunk = engine.fast_decoder.cache_len
     assert 16 < shrunk <= 512 - 256 + 16 and engine.memory_facts.static_kv_tokens == shrunk
+    # the re-plan swapped in a new path; the start-up record is frozen, not edited in place
+    assert engine.path is not started and engine.path.facts.static_kv_tokens == shrunk
+    assert started.facts.static_kv_tokens == 512
+    with pytest.raises(FrozenInstanceError):
+        engine.path.backend = started.plain  # type: ignore[misc]
     pred = predict_peak_bytes(engine.memory_facts, shrunk - 16, 16, prefill_chunk_tokens=96)
     assert pred.total_bytes <= engine.memory_budget.budget_bytes
 
@@ -615,14 +623,14 @@ def test_the_engine_prefills_in_the_chunks_auto_resolves_for_its_card(fp32_loade
                                                   VRAM_BUDGET=str(tight_budget), PREFILL_CHUNK_TOKENS="300"))
     assert roomy.settings.memory.prefill_chunk_tokens is None
     assert (roomy.prefill_chunk_tokens, tight.prefill_chunk_tokens, fixed.prefill_chunk_tokens) == (2048, 1024, 300)
-    assert [e._plain.prefill_chunk_tokens for e in (roomy, tight, fixed)] == [2048, 1024, 300]
+    assert [e.path.plain.prefill_chunk_tokens for e in (roomy, tight, fixed)] == [2048, 1024, 300]
     assert "long prompts prefilled in 1,024-token chunks" in tight.memory_plan  # what the Model panel shows
     assert tight.memory_plan.startswith("budget ") and "(VRAM_BUDGET)" in tight.memory_plan
 
 
 def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: LoadedModel,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """ChatEngine._profile_fast_cache, what CUDA start-up runs, with the decoder's worst-reply profile simulated
+    """PathBuilder.profile_fast_cache, what CUDA start-up runs, with the decoder's worst-reply profile simulated
     (fixed bytes + the cache's bytes per token, out of memory above budget + 64 MiB): the planned cache that does not
     fit shrinks until its peak is MEASURED_SAFETY_BYTES under the budget, the memory facts follow and the engine
     still replies (the re-sized cache's contents are overwritten before they are read)."""
@@ -640,7 +648,7 @@ def test_the_start_up_sizes_the_fast_cache_from_a_measured_peak(fp32_loaded: Loa
         return {"peak_reserved_bytes": peak, "peak_allocated_bytes": peak, "tokens": decoder.cache_len}
 
     monkeypatch.setattr(decoder, "profile_worst_reply", simulated)
-    engine._profile_fast_cache(decoder, lambda _m: None)
+    engine._replan(lambda start: start.profile_fast_cache(decoder, lambda _m: None))
     kept = decoder.cache_len
     assert kept < planned and fixed + per_token * kept <= budget - MEASURED_SAFETY_BYTES
     assert kept >= 0.85 * (planned // 3) // 16 * 16
@@ -680,7 +688,7 @@ def test_a_re_size_that_runs_out_of_memory_counts_as_not_fitting(fp32_loaded: Lo
 
     monkeypatch.setattr(decoder, "resize_cache", resize)
     monkeypatch.setattr(decoder, "profile_worst_reply", simulated)
-    engine._profile_fast_cache(decoder, lambda _m: None)
+    engine._replan(lambda start: start.profile_fast_cache(decoder, lambda _m: None))
     # grew, ran out of memory, halved, ran out again, and allocated the size that fitted again
     assert sizes[0] > 2 * start and sizes[1] == sizes[0] // 2 // 16 * 16 > 1.5 * start and sizes[2:] == [start]
     assert decoder.cache_len == start and engine.memory_facts.static_kv_tokens == start

@@ -104,13 +104,13 @@ def _forget(engine: ChatEngine) -> None:
     decoder = getattr(engine.backend, "decoder", None)
     if decoder is not None:
         decoder.prefix_cache.invalidate()
-    if engine._plain_prefix is not None:
-        engine._plain_prefix.drop()
+    if engine.path.plain_prefix is not None:
+        engine.path.plain_prefix.drop()
 
 
 def _prefix_ids(engine: ChatEngine) -> tuple[int, ...]:
     decoder = getattr(engine.backend, "decoder", None)
-    return decoder.prefix_cache.ids if decoder is not None else engine._plain_prefix.prefix.ids
+    return decoder.prefix_cache.ids if decoder is not None else engine.path.plain_prefix.prefix.ids
 
 
 def _prompt(engine: ChatEngine, message: str, history: list[Turn], turns: int, system: str) -> list[int]:
@@ -284,7 +284,7 @@ def test_reallocating_the_cpu_cache_forgets_the_prefix(cpu_fp32: ChatEngine) -> 
 
 def test_prefix_cache_off_prefills_every_prompt_whole() -> None:
     engine = _engine("plain", PREFIX_CACHE="off")
-    assert engine._plain_prefix is None
+    assert engine.path.plain_prefix is None
     first = _reply(engine, "Say hello.", [])
     again = _reply(engine, "Say hello.", [])
     assert first.stats.cached_prompt_tokens == again.stats.cached_prompt_tokens == 0

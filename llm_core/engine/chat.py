@@ -1,7 +1,9 @@
-"""The chat engine: fit_history -> encode_chat -> start_stream -> iterate -> stats. Knows nothing about Gradio.
+"""The chat engine, the request path only: admit -> prepare (history -> budget -> ids) -> submit -> stream -> stats.
+Knows nothing about Gradio.
 
-Start-up (backend selection, warm-up, sizing by measurement, fall-backs) is llm_core.engine.startup's DecodeStartup,
-which ChatEngine inherits; the runners behind DecodeBackend are llm_core.engine.runners.
+What serves the replies is a DecodePath that start-up returned (llm_core.engine.startup: select, warm up, size by
+measurement, fall back); ChatEngine holds it as `path` and swaps it whole (a re-plan of the fast path's cache is a new
+path). The runners behind DecodeBackend are llm_core.engine.runners.
 
 Generation runs on one of the engine's long-lived worker threads feeding a `TextIteratorStreamer` with a
 timeout; the caller iterates text updates. Stop sets a per-request event checked by a stopping criterion, so
@@ -35,18 +37,25 @@ from ..errors import (
 )
 from ..history import Turn, build_messages, clean_text, clean_turns, fit_history
 from ..loading import Progress, load_model
-from ..memory.budget import MemoryBudget, ReplyPlan, max_context_tokens, plan_reply, refit_reserve, require_fit
-from ..memory.device import OOMInjector, PeakMeter, device_allocated_bytes, free_memory, is_oom_error
+from ..memory.budget import ReplyPlan, max_context_tokens, plan_reply, refit_reserve, require_fit
+from ..memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, make_cache
 from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
 from ..types import LoadedModel
 from .admission import ReplySlots
-from .plain_prefix import PlainPrefixCache
-from .runners import DecodeBackend, FastBackend, PreparedPrompt
+from .runners import DecodeBackend, PreparedPrompt
 from .scheduler import Scheduler
 from .serving import RowKV
-from .startup import DecodeStartup, _cached_free_bytes
+from .startup import (
+    DecodePath,
+    PathBuilder,
+    cached_free_bytes,
+    memory_budget_for,
+    replan,
+    select_decode_path,
+    warm_decode_path,
+)
 
 if TYPE_CHECKING:
     from .eager_runner import EagerRunner
@@ -155,43 +164,31 @@ class WorkerThreads:
                 del job  # thread waits for the next one, that must not keep an unloaded model's memory alive
 
 
-class ChatEngine(DecodeStartup):
-    """Holds one loaded model for the life of the process and serves streamed chat replies, one at a time."""
+class ChatEngine:
+    """Holds one loaded model for the life of the process and serves streamed chat replies from its DecodePath."""
+
+    path: DecodePath  # what start-up chose (llm_core.engine.startup); replaced whole, never piece by piece
+    memory_facts: ModelMemoryFacts  # the path's facts, then the allocator's reserve each reply teaches (refit_reserve)
 
     def __init__(self, loaded: LoadedModel, settings: Settings) -> None:
         self.loaded = loaded
         self.settings = settings
-        # Replies in the engine at once: 1 (serial), or MAX_BATCH_SIZE when batching; per session one running and
-        # SESSION_MAX_WAITING waiting, served least-recently-served session first.
+        # Replies in the engine at once: 1 (serial), or what the path serves at once (MAX_BATCH_SIZE, the fast path's
+        # slots); per session one running and SESSION_MAX_WAITING waiting, served least-recently-served session first.
         self._lock = ReplySlots(1, session_max_waiting=settings.server.session_max_waiting)
         self._workers = WorkerThreads(1)
+        self._path_lock = threading.RLock()  # a re-plan and its swap; the memory facts a reply refits
         self._tokenizer_lock = threading.Lock()
         self._fit_lock = threading.Lock()
         self._fit_cache: dict[tuple[ModelMemoryFacts, int, int, str, int | None], int] = {}
         self._stops: dict[str, list[threading.Event]] = {}  # session -> stop events of its running/waiting requests
         self._stops_lock = threading.Lock()
         self.oom_injector = OOMInjector()  # tests arm it to prove OOM recovery; never fires otherwise
-        self.memory_facts = ModelMemoryFacts.from_loaded(loaded)
-        budget = settings.memory.budget_bytes
-        self.memory_budget = MemoryBudget(budget, "VRAM_BUDGET") if budget else MemoryBudget.from_device(
-            loaded.device, settings.memory.margin_bytes)
-        self._kv_choice = self._choose_kv_cache()  # (KV_CACHE as resolved, the sentence that says why)
-        self._prefill_chunk_tokens = self._resolve_prefill_chunk_tokens()  # PREFILL_CHUNK_TOKENS (None = one pass)
-        # PREFIX_CACHE: each single-reply path keeps the ids whose KV its cache holds and prefills only the rest
-        self._prefix_cache = settings.memory.prefix_cache
-        self._plain_prefix = PlainPrefixCache(loaded.model) if self._prefix_cache else None
-        self.backend: DecodeBackend = self._plain_backend(
-            "DECODE_PATH=plain" if settings.model.decode_path == "plain" else "")
-        self._plain = self.backend  # quantized/offloaded KV caches always run on the plain path
-        self.scheduler: Scheduler[EagerRunner] | None = None  # when transformers' forward batches the replies
-        self.fast_scheduler: Scheduler[FastRunner] | None = None  # when the fast path batches them
-        self._fast_profile: dict[str, int] | None = None  # CUDA fast path: the start-up memory profile
-        self._prefill_graph_tokens = 0  # resolved PREFILL_GRAPH_TOKENS (the fast path's; 0 elsewhere)
-        self._held_free_bytes = 0  # CUDA fast path: graph pools + fragments, reserved but free (measured)
+        self.memory_budget = memory_budget_for(loaded, settings)
         self._reply_s_ema: float | None = None  # seconds a reply takes end to end, averaged (for wait estimates)
-        self._plain_facts = self.memory_facts  # the memory facts of plain generate (restored on a fallback)
-        self._allocated_before_decode = device_allocated_bytes(loaded.device)  # resident_extra_bytes measured from here
-        self._configure_decode()
+        # what serves, planned from arithmetic; warmup() warms, measures and may replace it
+        self._adopt(select_decode_path(loaded, settings, self.memory_budget,
+                                       lambda point: self.oom_injector.check(point)))
 
     # --- construction --------------------------------------------------------------------------
     @classmethod
@@ -204,85 +201,117 @@ class ChatEngine(DecodeStartup):
             engine.warmup(progress)
         return engine
 
-    def _choose_kv_cache(self) -> tuple[str, str]:
-        """KV_CACHE resolved for this engine: auto is decided where the start-up sizes the fast path's cache
-        (llm_core.memory.plan.choose_kv_cache) on CUDA; the plain and CPU paths keep bf16 for auto."""
-        from ..memory.plan import choose_kv_cache
+    def warmup(self, progress: Progress | None = None) -> float:
+        """Run once at start-up (never per request): llm_core.engine.startup.warm_decode_path warms the path up
+        (kernel repacking, compile, graphs), sizes its KV cache and falls back where it does not fit; the path it
+        returns serves from then on. Returns the seconds it took (also in the load report)."""
+        say = progress or (lambda _m: None)
+        say(f"Warming up ({self.backend.name} decode path)…")
+        t0 = time.perf_counter()
+        self._adopt(warm_decode_path(self.path, self.loaded, self.settings, self.memory_budget, self.memory_facts,
+                                     self._warm_reply, say))
+        warmup_s = time.perf_counter() - t0
+        self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
+                                     decode_path=self.backend.name, decode_path_reason=self.backend.reason,
+                                     memory_plan=self.memory_plan)
+        say(f"Ready ({warmup_s:.1f} s warm-up).")
+        return warmup_s
 
-        model = self.settings.model
-        return choose_kv_cache(self.settings.generation.kv_cache, replace(self.memory_facts, fast_prefill=True),
-                               self.memory_budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
-                               prefill_chunk_tokens=self.settings.memory.prefill_chunk_tokens,
-                               prefill_graph_tokens=model.prefill_graph_tokens,
-                               fast_path=self.loaded.device.type == "cuda" and model.decode_path != "plain")
+    def _warm_reply(self, path: DecodePath) -> tuple[DecodePath, ModelMemoryFacts]:
+        """warm_decode_path's reply: two greedy tokens on `path`, through the whole request path; the path and the
+        memory facts as the reply left them."""
+        self._adopt(path)
+        gen = replace(self.settings.generation, max_new_tokens=2, do_sample=False)
+        for _ in self.stream_chat("Hi", [], gen=gen, history_turns=0, system_prompt=None):
+            pass
+        return self.path, self.memory_facts
+
+    def _adopt(self, path: DecodePath) -> None:
+        """Serve from `path` (what start-up or a re-plan returned): one swap under the path lock; the engine's memory
+        facts start over from the path's, and the reply slots follow the replies it serves at once."""
+        with self._path_lock:
+            if path.replies != self._lock.n:  # only at start-up: no reply holds a slot yet
+                self._lock = ReplySlots(path.replies, session_max_waiting=self.settings.server.session_max_waiting)
+                self._workers.grow(path.replies)
+            self.path = path
+            self.memory_facts = path.facts
+
+    def _replan(self, step: Callable[[PathBuilder], object]) -> None:
+        """A start-up step (a startup.PathBuilder method) run again on the path as it is, with the memory facts as
+        they are now; the path it leaves is swapped in whole."""
+        with self._path_lock:
+            self._adopt(replan(self.path, self.loaded, self.settings, self.memory_budget, self.memory_facts, step))
+
+    def _refit_fast_cache(self, max_new_tokens: int) -> None:
+        """The one re-plan after start-up: the reserve learned from replies may ask for a smaller static cache
+        (PathBuilder.fit_fast_cache: a recapture, never a compile). A comparison when nothing changed."""
+        with self._path_lock:
+            path = self.path
+            if path.fast_decoder is None or path.fitted_for == (self.memory_facts, max_new_tokens):
+                return
+            self._replan(lambda builder: builder.fit_fast_cache(max_new_tokens))
+
+    # --- what start-up chose (read-only views of the path) ----------------------------------------------------------
+    @property
+    def backend(self) -> DecodeBackend:
+        """What serves the replies of the default KV mode (the path's)."""
+        return self.path.backend
 
     @property
-    def _fast_kv_cache(self) -> str:
-        """The fast path's static cache: KV_CACHE as resolved (so int8/int4 chats keep the graphed step); bf16 for
-        offload, whose replies run on the plain path."""
-        kv = self._kv_choice[0]
-        return kv if kv in ("bf16", "int8", "int4") else "bf16"
+    def scheduler(self) -> Scheduler[EagerRunner] | None:
+        """The batch scheduler when transformers' forward batches the replies, else None."""
+        return self.path.scheduler
+
+    @property
+    def fast_scheduler(self) -> Scheduler[FastRunner] | None:
+        """The batch scheduler when the fast path batches the replies, else None."""
+        return self.path.fast_scheduler
 
     @property
     def kv_cache_reason(self) -> str:
         """One sentence for the Model panel: which KV cache replies get by default, and why."""
-        from ..memory.plan import AUTO_ON_PLAIN
-
-        if self.backend.name in ("fast", "fast-batched") or self.settings.generation.kv_cache != "auto":
-            return self._kv_choice[1]
-        return AUTO_ON_PLAIN
+        return self.path.kv_cache_reason
 
     @property
     def kv_cache(self) -> str:
         """The KV cache a reply asking for auto gets: the fast path's, else bf16 where KV_CACHE=auto."""
-        if self.backend.name in ("fast", "fast-batched"):
-            return self._kv_choice[0]
-        return "bf16" if self.settings.generation.kv_cache == "auto" else self._kv_choice[0]
-
-    def _fast_serves(self, kv_cache: str) -> bool:
-        """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
-        return self.backend.name in ("fast", "fast-batched") and kv_cache == self._fast_kv_cache
-
-    def _backend_for(self, kv_cache: str) -> DecodeBackend:
-        """The fast path for the KV mode of its static cache, the plain path for other modes; other backends
-        (plain, batched) serve the bf16 cache themselves."""
-        if self.backend.name in ("fast", "fast-batched"):
-            return self.backend if self._fast_serves(kv_cache) else self._plain
-        return self.backend if kv_cache == "bf16" else self._plain
+        return self.path.kv_cache
 
     @property
     def memory_plan(self) -> str:
         """One line for the Model panel: the memory budget and where it comes from, the fast path's KV cache (and
         whether start-up measured it), and how long prompts are prefilled."""
+        path = self.path
         parts = [f"budget {human_bytes(self.memory_budget.budget_bytes)} ({self.memory_budget.source})"]
-        decoder = getattr(self.backend, "decoder", None)
-        slots = self.fast_scheduler.runner.decoder if self.fast_scheduler is not None else None
+        decoder = getattr(path.backend, "decoder", None)
+        slots = path.fast_scheduler.runner.decoder if path.fast_scheduler is not None else None
         if slots is not None:
             parts.append(f"{slots.slots} KV slots of {slots.slot_tokens:,} tokens")
         elif decoder is not None and getattr(decoder, "max_cache_len", None):
             parts.append(f"KV cache {int(decoder.max_cache_len):,} tokens")
-        if self._fast_profile:
-            parts[-1] += f", sized by measurement (peak {human_bytes(self._fast_profile['peak_reserved_bytes'])})"
-        chunk = self._prefill_chunk_tokens
+        if path.profile:
+            parts[-1] += f", sized by measurement (peak {human_bytes(path.profile['peak_reserved_bytes'])})"
+        chunk = path.prefill_chunk_tokens
         parts.append(f"long prompts prefilled in {chunk:,}-token chunks" if chunk else "prompts prefilled in one pass")
-        return "; ".join(parts) + ". " + self.kv_cache_reason
+        return "; ".join(parts) + ". " + path.kv_cache_reason
 
     @property
     def prefill_chunk_tokens(self) -> int | None:
         """Long prompts are prefilled in chunks of this many tokens (None: in one pass): PREFILL_CHUNK_TOKENS, or
         what auto resolved it to for this model, card and KV mode."""
-        return self._prefill_chunk_tokens
+        return self.path.prefill_chunk_tokens
 
     @property
     def fast_memory_profile(self) -> dict[str, int] | None:
         """CUDA fast path: the start-up measurement that sized its KV cache (peak reserved/allocated bytes of the
         worst reply the cache allows, and its tokens); None elsewhere (the plan's arithmetic is the bound there)."""
-        return dict(self._fast_profile) if self._fast_profile else None
+        profile = self.path.profile
+        return dict(profile) if profile else None
 
     @property
     def fast_decoder(self) -> Any | None:
         """The llm_core.fast FastDecoder when the fast path serves replies, else None."""
-        return self.backend.decoder if isinstance(self.backend, FastBackend) else None
+        return self.path.fast_decoder
 
     @property
     def context_limit(self) -> int:
@@ -391,11 +420,13 @@ class ChatEngine(DecodeStartup):
                 render_prompt: RenderPrompt | None = None) -> PreparedPrompt:
         """fit_history + encode_chat: the prompt for this request within the context budget (raw_prompt: the
         message as text to continue, no chat template, no history; render_prompt: see stream_chat)."""
-        kv = self.kv_cache if gen.kv_cache == "auto" else gen.kv_cache
-        fast = self._fast_serves(kv)
-        measured = fast and self._fast_profile is not None  # the cache is the memory bound (_profile_fast_cache)
+        path = self.path
+        kv = path.kv_cache if gen.kv_cache == "auto" else gen.kv_cache
+        fast = path.serves_fast(kv)
+        measured = fast and path.profile is not None  # the cache is the memory bound (PathBuilder.profile_fast_cache)
         if fast and not measured:  # the reserve learned from earlier replies may ask for a smaller cache: re-plan
-            self._fit_fast_cache(self.settings.generation.max_new_tokens)
+            self._refit_fast_cache(self.settings.generation.max_new_tokens)
+            path = self.path
         context = self.context_limit if fast else self.loaded.context_length
         budget_tokens = context - gen.max_new_tokens
         if budget_tokens <= 0:
@@ -412,7 +443,7 @@ class ChatEngine(DecodeStartup):
                              budget_tokens=budget_tokens, count_tokens=count, **steps)
         # Memory guard: predict this reply's peak; drop more old turns, then lower max_new_tokens, else refuse.
         self.oom_injector.check("plan")
-        chunk = self._prefill_chunk_tokens
+        chunk = path.prefill_chunk_tokens
         newest_only = count(build_messages(system_prompt, [], message)) if fitted.kept_turns else (
             fitted.prompt_tokens)  # what can never be dropped: system prompt + newest message
         if measured:  # fits the cache, so fits the card: the start-up profile measured the worst such reply
@@ -420,7 +451,7 @@ class ChatEngine(DecodeStartup):
                                            prefill_chunk_tokens=chunk)
             # the graph pools' and fragments' bytes are reserved, never allocated: as reserve, so that the panel's
             # predicted allocated peak compares with torch's allocated one
-            held = self._held_free_bytes
+            held = path.held_free_bytes
             predicted = replace(predicted, reserve_bytes=predicted.reserve_bytes + held)
             plan = ReplyPlan(True, fitted.prompt_tokens, gen.max_new_tokens, predicted, "",
                              budget_bytes=self.memory_budget.budget_bytes)
@@ -433,9 +464,7 @@ class ChatEngine(DecodeStartup):
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
         encoded = self._encode(fitted.messages, memo, raw_prompt, render_prompt)
         device = self.loaded.device
-        switched = "" if fast or self.backend.name not in ("fast", "fast-batched") else (
-            f"KV cache {kv} asked for this reply: the plain path serves it, not the fast path (whose cache is "
-            f"{self._fast_kv_cache}).")
+        switched = path.switch_note(kv)  # a KV mode the fast path's cache does not hold: said, not silent
         notes = tuple(n for n in (fitted.describe(), plan.message, switched) if n)
         fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, kv, chunk)
         allowed = plan.allowed_new_tokens
@@ -534,7 +563,9 @@ class ChatEngine(DecodeStartup):
                                   every_token=gen.control is not None and gen.control.spec.json)
         peak = PeakMeter(loaded.device)
         report = loaded.report
-        backend = self._backend_for(prepared.kv_cache)
+        path = self.path
+        backend = path.backend_for(prepared.kv_cache)
+        plain_prefix = path.plain_prefix
         stats = ReplyStats(
             model=report.model, revision=report.revision, quantization=report.quantization,
             quantization_requested=report.quantization_requested,
@@ -546,9 +577,8 @@ class ChatEngine(DecodeStartup):
             predicted_peak_bytes=prepared.predicted.peak_allocated_bytes if prepared.predicted else None,
             memory_budget_bytes=self.memory_budget.budget_bytes, context_fit_tokens=prepared.context_fit_tokens,
         )
-        if backend is self._plain:  # the kept cache when it serves this reply (run() gives it back), else a new one
-            claimed = self._plain_prefix.claim(stop_event) if self._plain_prefix and prepared.kv_cache == "bf16" \
-                else None
+        if backend is path.plain:  # the kept cache when it serves this reply (run() gives it back), else a new one
+            claimed = plain_prefix.claim(stop_event) if plain_prefix and prepared.kv_cache == "bf16" else None
             cache = claimed if claimed is not None else make_cache(
                 prepared.kv_cache, self.loaded.model, capacity_tokens=stats.prompt_tokens + gen.max_new_tokens)
         else:
@@ -564,10 +594,10 @@ class ChatEngine(DecodeStartup):
                 errors.append(exc)
                 streamer.end()
             finally:  # the kept plain cache, if run() did not give it back (it was replaced): dropped
-                if self._plain_prefix is not None:
-                    self._plain_prefix.release(stop_event, None)
+                if plain_prefix is not None:
+                    plain_prefix.release(stop_event, None)
 
-        cached_free = _cached_free_bytes(loaded.device)
+        cached_free = cached_free_bytes(loaded.device)
         if not getattr(backend, "measures_peak", False):  # overlapping replies: the backend records each one's peak
             peak.start()
         worker_done = self._workers.submit(work)
@@ -591,8 +621,8 @@ class ChatEngine(DecodeStartup):
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
             stats = replace(stats, cached_prompt_tokens=cached[0] if cached else 0)
-            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend,
-                                          cached_free)
+            final = self._final_stats(stats, clock, peak, cache, stop_event, prepared, loaded, backend, path,
+                                      cached_free)
             if gen.control is not None:
                 final = replace(final, **gen.control.stats_fields())
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
@@ -605,7 +635,7 @@ class ChatEngine(DecodeStartup):
 
     def _final_stats(self, stats: ReplyStats, clock: TokenClock, peak: PeakMeter, cache: Any,
                      stop_event: threading.Event, prepared: PreparedPrompt, loaded: LoadedModel,
-                     backend: DecodeBackend, cached_free: int = 0) -> ReplyStats:
+                     backend: DecodeBackend, path: DecodePath, cached_free: int = 0) -> ReplyStats:
         timing = clock.snapshot()
         count, rate = timing["new_tokens"], timing["decode_tokens_per_s"]
         if loaded.device.type == "cuda":
@@ -631,13 +661,14 @@ class ChatEngine(DecodeStartup):
         if isinstance(cache, RowKV) and cache.peak_batch_rows is not None:
             measured["peak_batch_rows"] = cache.peak_batch_rows
         reserved = measured.get("peak_vram_reserved_bytes")
-        profiled = backend.name == "fast" and self._fast_profile is not None  # bounded by measurement instead
+        profiled = backend.name == "fast" and path.profile is not None  # bounded by measurement instead
         if reserved and prepared.predicted is not None and not profiled:  # learn the allocator's reserve
             # Blocks already cached and free when the reply started (warm-up's, an earlier longer reply's) are in
             # the reserved peak without being this reply's doing, and the allocator frees them before it would
             # fail: left out, or one long reply (or the warm-up) would inflate every later plan.
-            releasable = max(0, cached_free - self._held_free_bytes)  # pools, fragments: counted
-            self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
+            releasable = max(0, cached_free - path.held_free_bytes)  # pools, fragments: counted
+            with self._path_lock:  # not lost to a re-plan swapping the path (and the facts) in between
+                self.memory_facts = refit_reserve(self.memory_facts, prepared.predicted, reserved - releasable)
         return replace(
             stats, **timing, end_to_end_s=end_to_end_s,
             kv_cache_bytes=kv, finish_reason=reason,
@@ -650,8 +681,9 @@ class ChatEngine(DecodeStartup):
             return exc
         if is_oom_error(exc):
             traceback.clear_frames(exc.__traceback__)  # the failed step's frames still hold activations
-            if self._plain_prefix is not None:  # the kept KV goes first (the static caches' ids are already forgotten)
-                self._plain_prefix.drop()
+            plain_prefix = self.path.plain_prefix
+            if plain_prefix is not None:  # the kept KV goes first (the static caches' ids are already forgotten)
+                plain_prefix.drop()
             free_memory(self.loaded.device)
             return OutOfMemoryError(
                 "The device ran out of memory during this reply. Memory was freed and the conversation kept; "
