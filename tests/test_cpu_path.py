@@ -206,3 +206,16 @@ def test_a_failed_compile_falls_back_to_the_eager_step_with_the_same_tokens(cpu_
     got = decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
     assert decoder.compile_error == "RuntimeError: no C++ compiler"
     assert got == cpu_engine.backend.decoder.generate(ids, None, gen, None, threading.Event(), 6, eos_ids=[2])
+
+
+def test_a_kv_mode_the_cpu_path_does_not_hold_goes_to_plain_generate_and_the_reply_says_so(
+        cpu_engine: ChatEngine) -> None:
+    """A per-request KV mode never silently switches the decode path: the CPU path holds bf16 rows, so an int8 reply
+    runs on plain generate and its notes say which path served it instead; a default reply stays on the CPU path."""
+    switched = greedy(cpu_engine, "Name a color.", 4, kv_cache="int8")
+    assert (switched.stats.decode_path, switched.stats.kv_cache) == ("plain", "int8")
+    assert "KV cache int8 asked for this reply: the plain path serves it, not the cpu path (whose cache is bf16)." \
+        in switched.stats.notes
+    default = greedy(cpu_engine, "Name a color.", 4)
+    assert default.stats.decode_path == "cpu"
+    assert not any("asked for this reply" in note for note in default.stats.notes)

@@ -464,7 +464,7 @@ class ChatEngine:
                                  budget_tokens=plan.allowed_prompt_tokens, count_tokens=count, **steps)
         encoded = self._encode(fitted.messages, memo, raw_prompt, render_prompt)
         device = self.loaded.device
-        switched = path.switch_note(kv)  # a KV mode the fast path's cache does not hold: said, not silent
+        switched = path.switch_note(kv)  # a KV mode the serving path's cache does not hold: said, not silent
         notes = tuple(n for n in (fitted.describe(), plan.message, switched) if n)
         fit_tokens = budget_tokens if measured else self._context_fit(plan.allowed_new_tokens, kv, chunk)
         allowed = plan.allowed_new_tokens

@@ -114,11 +114,14 @@ class DecodePath:
         return self.backend if kv_cache == "bf16" else self.plain
 
     def switch_note(self, kv_cache: str) -> str:
-        """The reply's note when its KV mode moves it off the fast path (its stats say decode_path plain too)."""
-        if self.name not in FAST_NAMES or self.serves_fast(kv_cache):
+        """The reply's note when its KV mode moves it off the path that serves by default (the fast path, the CPU
+        path, the batch): said, never silent (its stats say decode_path plain too)."""
+        serving = self.backend_for(kv_cache)
+        if serving is self.backend:
             return ""
-        return (f"KV cache {kv_cache} asked for this reply: the plain path serves it, not the fast path (whose cache "
-                f"is {self.fast_kv_cache}).")
+        cache = self.fast_kv_cache if self.name in FAST_NAMES else "bf16"
+        return (f"KV cache {kv_cache} asked for this reply: the {serving.name} path serves it, not the {self.name} "
+                f"path (whose cache is {cache}).")
 
 
 def memory_budget_for(loaded: LoadedModel, settings: Settings) -> MemoryBudget:
