@@ -4,16 +4,17 @@
 # flash attention = the explicit mask), bench.prefix_attention (that attention's two forms timed), then
 # bench.batched through ChatEngine twice on the same random Llama-2-7B checkpoint, NF4, 1 and 8 chats of 512 + 64:
 # KV_LAYOUT=slots and KV_LAYOUT=paged (graphs, tokens/s, TTFT, peak, pauses). Run from the repo root; JSON under $OUT.
+# Limits (s): TESTS_S (150), ATTN_S (75), SLOTS_S (170, writes the checkpoint), PAGED_S (120).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-timeout -s INT -k 15 150 python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py tests/test_prefix_cache.py \
+timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py tests/test_prefix_cache.py \
   > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
 grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed" "$OUT/paged-gpu-tests.txt" | cut -c1-400 | head -30
-timeout 75 python3 -m bench.prefix_attention --out "$OUT/prefix-attention.json" 2>&1 | cut -c1-330; echo "prefix_attention rc=$?"
+timeout "${ATTN_S:-75}" python3 -m bench.prefix_attention --out "$OUT/prefix-attention.json" 2>&1 | cut -c1-330; echo "prefix_attention rc=$?"
 for layout in slots paged; do
-  timeout "$([ "$layout" = slots ] && echo 170 || echo 120)" python3 -m bench.batched --no-reference --chats 1,8 --new-tokens 64 --kv-layout "$layout" --profile \
+  timeout "$([ "$layout" = slots ] && echo "${SLOTS_S:-170}" || echo "${PAGED_S:-120}")" python3 -m bench.batched --no-reference --chats 1,8 --new-tokens 64 --kv-layout "$layout" --profile \
     --ckpt /tmp/paged-check-ckpt --out "$OUT/batched-$layout.json" > "$OUT/batched-$layout.log" 2>&1
   echo "$layout rc=$?"
   grep -iE "not captured|graphs off|eager|Traceback|Error" "$OUT/batched-$layout.log" | cut -c1-300 | head -10
