@@ -400,8 +400,8 @@ class ServerSettings:
         "serve the chat endpoint as an MCP tool at /gradio_api/mcp/ (needs gradio[mcp]); unset: "
         "GRADIO_MCP_SERVER if set")
     max_batch_size: int | None = setting("MAX_BATCH_SIZE", None, _parse_opt_int,
-        "replies decoded together in one batch; empty = auto: 8 on CUDA when shared (SHARE/AUTH/non-local HOST), "
-        "else 1; 1 = one at a time", within=MAX_BATCH_SIZE_RANGE)
+        "replies decoded together in one batch; empty = auto: 8 on CUDA (with KV_LAYOUT=slots only when shared: "
+        "SHARE/AUTH/non-local HOST), 1 on CPU; 1 = one at a time", within=MAX_BATCH_SIZE_RANGE)
     session_max_waiting: int = setting("SESSION_MAX_WAITING", 1, _parse_int,
         "requests one person (a login, its API key, or an address without AUTH; all their tabs and clients "
         "together) may have waiting beside their running reply; more are refused, and a free slot goes "
@@ -453,7 +453,7 @@ class MemorySettings:
         "keep the KV of the last reply's tokens and prefill only what a new prompt adds after the longest "
         "common prefix (next chat turn, Regenerate, a shared system prompt); off = prefill every prompt whole")
     # the batched fast path's KV: slots = one fixed slot per row; paged = one pool of 16-token blocks
-    kv_layout: str = setting("KV_LAYOUT", "slots", _parse_choice(KV_LAYOUTS),
+    kv_layout: str = setting("KV_LAYOUT", "paged", _parse_choice(KV_LAYOUTS),
         "batched fast path: slots = each of MAX_BATCH_SIZE rows a fixed share of the KV memory; paged = one pool of "
         "blocks a row takes as it grows (a lone reply may use all of it; full blocks of finished replies stay "
         "cached for the next prompt with that prefix, with PREFIX_CACHE)")

@@ -38,6 +38,7 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
         time.sleep(0.05)
 
 FP32 = {"QUANTIZATION": "none", "COMPUTE_DTYPE": "float32"}
+SLOTS = {"DECODE_PATH": "fast", "KV_LAYOUT": "slots"}  # the batched fast loop on fixed slots
 PROMPTS = [
     "Hi!",
     "Name three colours of the rainbow.",
@@ -50,8 +51,9 @@ MAX_NEW = [14, 5, 10, 7, 9]  # different lengths: rows leave at different steps,
 
 @pytest.fixture(scope="module")
 def fast_batched(fp32_engine: ChatEngine) -> Iterator[ChatEngine]:
-    """The fp32 reference model (same weights object as `fp32_engine`) served by the batched fast loop, 4 slots."""
-    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4"))
+    """The fp32 reference model (same weights object as `fp32_engine`) served by the batched fast loop, 4 slots
+    (KV_LAYOUT=slots: these tests are about the slots; tests/test_paged_kv.py serves the paged pool)."""
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, **SLOTS, MAX_BATCH_SIZE="4"))
     assert engine.backend.name == "fast-batched"
     yield engine
     engine.fast_scheduler.close()
@@ -109,7 +111,7 @@ def test_newcomers_prefilled_together_equal_their_replies_alone(fp32_engine: Cha
     from llm_core.streams import Finished
 
     own = kv_cache != "bf16"
-    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, **SLOTS, MAX_BATCH_SIZE="4",
                                                           KV_CACHE=kv_cache)) if own else fast_batched
     scheduler = engine.fast_scheduler
     options = SamplingOptions.of(engine.request_options(max_new_tokens=8, min_new_tokens=8, repetition_penalty=1.05))
@@ -207,7 +209,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
     facts and reason follow. Where not even 256 tokens per slot fit, the error says to lower MAX_BATCH_SIZE."""
     from llm_core.memory.plan import MEASURED_SAFETY_BYTES
 
-    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, **SLOTS, MAX_BATCH_SIZE="2"))
     scheduler = engine.fast_scheduler
     slots = scheduler.runner.decoder
     try:
@@ -222,7 +224,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
     finally:
         scheduler.close()
 
-    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, **SLOTS, MAX_BATCH_SIZE="2"))
     scheduler, slots = engine.fast_scheduler, engine.fast_scheduler.runner.decoder
     per_slot_token = slots.slots * slots.kv_bytes_per_token()
     budget = engine.memory_budget.budget_bytes
@@ -267,7 +269,7 @@ def test_a_slot_resize_whose_graphs_no_longer_capture_counts_as_out_of_memory(fp
     """Graphs captured at the old slot length but not at the new one (the capture ran out of memory, which the
     capture itself only notes): SlotDecoder.resize raises OutOfMemoryError, so the sizing shrinks instead of keeping
     slots whose steps would run without graphs, and the notes do not claim the graphs are off."""
-    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, **SLOTS, MAX_BATCH_SIZE="2"))
     slots = engine.fast_scheduler.runner.decoder
 
     def capture() -> None:  # stands in for the CUDA capture: fits up to 512-token slots

@@ -111,11 +111,14 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 # --- settings and small parts ------------------------------------------------------------------------------------
 
 
-def test_max_batch_size_auto_is_8_on_a_shared_cuda_demo_and_serial_otherwise() -> None:
-    """Auto batches where several users are expected; one user's GPU keeps the single-reply fast loop, whose one
-    cache gets the whole memory budget (the batched loop's fixed slots would split it); a number always wins."""
+def test_max_batch_size_auto_is_8_on_cuda_with_the_paged_pool_or_a_shared_demo_and_serial_otherwise() -> None:
+    """Auto batches on CUDA where the paged pool lets a lone reply use all of it, or where several users are expected;
+    with fixed slots one user's GPU keeps the single-reply fast loop, whose one cache gets the whole memory budget
+    (the slots would split it); CPU serves one at a time; a number always wins."""
     assert resolve_max_batch_size(None, torch.device("cuda", 0), "auto", shared=True) == 8
-    assert resolve_max_batch_size(None, torch.device("cuda", 0), "auto", shared=False) == 1
+    assert resolve_max_batch_size(None, torch.device("cuda", 0), "auto", shared=False) == 1  # slots: one cache
+    assert resolve_max_batch_size(None, torch.device("cuda", 0), "auto", shared=False, paged=True) == 8  # one pool
+    assert resolve_max_batch_size(None, torch.device("cpu"), "auto", shared=True, paged=True) == 1
     assert resolve_max_batch_size(None, torch.device("cuda", 0), "fast", shared=True) == 8  # the fast path batches
     assert resolve_max_batch_size(8, torch.device("cuda", 0), "auto", shared=False) == 8
     assert resolve_max_batch_size(None, torch.device("cpu"), "auto") == 1

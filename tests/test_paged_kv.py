@@ -206,6 +206,31 @@ def test_paged_rows_equal_their_reply_alone_while_rows_join_and_leave(fp32_engin
     assert paged_engine.context_limit == min(decoder.reply_tokens, paged_engine.loaded.context_length)
 
 
+def test_newcomers_sharing_a_short_cached_prefix_are_prefilled_together(paged_engine: ChatEngine) -> None:
+    """Four prompts arriving together at an idle loop, each starting with a 16-token block that an earlier reply
+    left cached (as the chat template's first block is shared by every chat): one padded pass prefills all four
+    (FastRunner._recomputable: the short prefix computed again, its shared block not written), not one pass per
+    prompt. Each reply equals its prompt served alone, none counts cached tokens it recomputed, and a later prompt
+    still takes the shared block back and gets its reply alone."""
+    scheduler = paged_engine.fast_scheduler
+    decoder = paged_engine.backend.decoder
+    shared = list(range(300, 320))  # a full 16-token block, then 4 tokens of a partial one
+    prompts = [shared + list(range(400 + 50 * i, 400 + 50 * i + n)) for i, n in enumerate((60, 75, 90, 66))]
+    expected = [_alone(decoder, p, 6) for p in prompts]
+    _tokens(scheduler, scheduler.submit(shared + list(range(900, 960)), GREEDY, 4, threading.Event()))
+    before = scheduler.snapshot()
+    with scheduler._cond:  # all four wait before the loop admits any
+        requests = [scheduler.submit(p, GREEDY, 6, threading.Event()) for p in prompts]
+    got = [_tokens(scheduler, r) for r in requests]
+    after = scheduler.snapshot()
+    assert got == expected
+    assert after.prefills - before.prefills == 4 and after.prefill_chunks - before.prefill_chunks == 1
+    assert [r.cached_prompt_tokens for r in requests] == [0, 0, 0, 0]
+    last = shared + list(range(700, 740))
+    request = scheduler.submit(last, GREEDY, 6, threading.Event())
+    assert _tokens(scheduler, request) == _alone(decoder, last, 6) and request.cached_prompt_tokens == 16
+
+
 def test_paged_rows_equal_slot_rows_token_for_token(paged_engine: ChatEngine) -> None:
     """The same four prompts arriving together on 2 rows (two wait and take the rows the first two free), once on
     slots and once on a paged pool of the same bytes: the same tokens for every prompt."""

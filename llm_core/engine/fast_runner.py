@@ -40,6 +40,10 @@ from ..streams import QueuedReply
 from .kv_pool import BlockPool, BlockTable, PoolExhausted
 from .runners import BoundRunner
 
+# A newcomer whose cached prefix is at most 1/RECOMPUTE_PREFIX_SHARE of its prompt is prefilled with the group that
+# arrived with it, its prefix computed again (FastRunner._recomputable)
+RECOMPUTE_PREFIX_SHARE = 4
+
 
 class FastRequest(QueuedReply):
     """One reply in the batched fast path (`record`: duck-typed nbytes, peak_*_bytes, peak_batch_rows,
@@ -366,7 +370,7 @@ class FastRunner(BoundRunner):
         measured for one chunk bounds it, and each group is one forward instead of one per prompt (fewer host-launched
         prefills: the newcomers' TTFT). A group's failure fails its rows only."""
         cap = int(chunk_cap) if chunk_cap else self.decoder.slot_tokens
-        fresh = sorted((r for r in self._prefilling if r.prefilled == 0 and r.ids.numel() <= cap),
+        fresh = sorted((r for r in self._prefilling if self._recomputable(r) and r.ids.numel() <= cap),
                        key=lambda r: r.ids.numel())
         stats = self.host.stats
         while len(fresh) >= 2:
@@ -375,19 +379,30 @@ class FastRunner(BoundRunner):
                 group.append(fresh.pop(0))
             if len(group) < 2:
                 continue
+            keep = [r.prefilled for r in group] if self.pool is not None else None
             try:
                 hns = self._measure(functools.partial(self.decoder.prefill_rows, [r.slot for r in group],
-                                                      [r.ids for r in group]), len(group))
+                                                      [r.ids for r in group], keep), len(group))
             except Exception as exc:  # noqa: BLE001 - these requests only
                 self._fail_prefill(group, exc)
                 continue
             stats.prefill_chunks += 1
             for row, hn in zip(group, hns, strict=True):
+                if row.prefilled and not row.request.generated:  # computed again: none of it came from the cache
+                    row.request.cached_prompt_tokens = 0
                 row.prefilled = row.ids.numel()
                 stats.prefills += 1
                 with self.host.cond:
                     self._prefilling.remove(row)
                 self._first_token(row, hn)
+
+    @staticmethod
+    def _recomputable(row: _Row) -> bool:
+        """Whether a newcomer may join a group prefilled together from position 0: nothing of it in the slot yet, or
+        (paged) a cached prefix of at most a quarter of its prompt, e.g. the chat template's first block that every
+        chat shares. That prefix is computed again for the group's attention and its shared blocks left as they are:
+        cheaper than prefilling each such row on its own, one pass per row, while the group's first tokens wait."""
+        return row.prefilled == 0 or row.prefilled * RECOMPUTE_PREFIX_SHARE <= row.ids.numel()
 
     def _first_token(self, row: _Row, hn: torch.Tensor) -> None:
         request = row.request

@@ -25,16 +25,18 @@ AUTO_BATCH_SIZE_CUDA = 8
 # --- settings ----------------------------------------------------------------------------------------------------
 
 
-def resolve_max_batch_size(setting: int | None, device: torch.device, decode_path: str, shared: bool = False) -> int:
-    """MAX_BATCH_SIZE as the engine uses it. Empty (None) = auto: 8 on CUDA when the demo is shared (SHARE, AUTH or
-    a non-local HOST: several users at once), else 1. With the fast path a batch is the batched fast loop
-    (llm_core.fast.batched), whose fixed KV slots split the memory budget: on one user's card auto keeps the
-    single-reply loop, whose one cache holds the whole budget (on a 24 GiB card the whole 32k context instead of an
-    eighth of it) and which decodes a lone reply 6% faster (324 vs 306 tok/s, H200). A number set here batches
-    whatever the sharing. 1 on CPU (the CPU path serves one reply at a time). `decode_path` is kept for callers."""
+def resolve_max_batch_size(setting: int | None, device: torch.device, decode_path: str, shared: bool = False,
+                           paged: bool = False) -> int:
+    """MAX_BATCH_SIZE as the engine uses it. Empty (None) = auto: on CUDA 8 when the demo is shared (SHARE, AUTH or a
+    non-local HOST: several users at once) or the batched fast path keeps its KV in one paged pool (KV_LAYOUT=paged:
+    a lone reply may use the whole pool, so batching costs a lone user no context), else 1; 1 on CPU (the CPU path
+    serves one reply at a time). With fixed slots (KV_LAYOUT=slots) a batch splits the KV budget, so an unshared demo
+    keeps the single-reply loop, whose one cache holds the whole budget. The engine batches an unshared demo only
+    where the batched fast path serves (startup.PathBuilder.configure_decode): the eager batch has no paged pool. A
+    number set here batches whatever the sharing. `decode_path` is kept for callers."""
     if setting is not None:
         return int(setting)
-    if device.type != "cuda" or not shared:
+    if device.type != "cuda" or not (shared or paged):
         return 1
     return AUTO_BATCH_SIZE_CUDA
 

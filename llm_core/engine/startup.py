@@ -365,8 +365,9 @@ class PathBuilder:
         from .serving import batching_support, resolve_max_batch_size
 
         loaded = self.loaded
-        size = resolve_max_batch_size(self.settings.server.max_batch_size, loaded.device,
-                                      self.settings.model.decode_path, self.settings.server.is_shared)
+        server = self.settings.server
+        size = resolve_max_batch_size(server.max_batch_size, loaded.device, self.settings.model.decode_path,
+                                      server.is_shared, self.settings.memory.kv_layout == "paged")
         selected = False
         if size > 1 and self.settings.model.decode_path != "plain" and loaded.extra.get("cpu_weights") is None:
             self.select_backend()  # the fast path, when it serves this model here, batches every reply itself
@@ -374,6 +375,8 @@ class PathBuilder:
             if isinstance(self.backend, FastBackend):
                 self.serve_fast_batched(size)
                 return
+        if server.max_batch_size is None and not server.is_shared:
+            size = 1  # auto batched an unshared demo for the paged pool only: the eager batch has none
         ok, why = batching_support(loaded.model) if size > 1 else (False, "")
         if not ok:
             if not selected:

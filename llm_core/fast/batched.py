@@ -624,10 +624,13 @@ class SlotDecoder:
             out[:start] = gather_blocks(pool, self.table[slot:slot + 1, :-(-start // self.block_size)])[0, :start]
         return out
 
-    def prefill_rows(self, slots: Sequence[int], prompts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def prefill_rows(self, slots: Sequence[int], prompts: Sequence[torch.Tensor],
+                     keep: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Whole prompts (each from position 0) of several slots in one pass, right-padded to the longest
         (llm_core.fast.layer.layer_prefill_rows): one launch sequence for all newcomers instead of one per prompt.
-        Returns each row's last real position's final hidden (1, H). Marks each prompt's tokens as seen."""
+        Returns each row's last real position's final hidden (1, H). Marks each prompt's tokens as seen.
+        `keep` (paged): per row, the leading positions whose blocks hold a cached prefix (shared with other rows,
+        so never written): they are computed again for the pass's attention, and only the rest is written."""
         assert self.k is not None and self.v is not None
         f = self.fast
         lengths = [int(p.numel()) for p in prompts]
@@ -642,10 +645,12 @@ class SlotDecoder:
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         if self.paged:  # each prompt's real rows go to its blocks; the padding stays in the temporary
             index = torch.arange(len(prompts), device=self.device)
-            places = [self._pool_places(slot, 0, n) for slot, n in zip(slots, lengths, strict=True)]
+            starts = list(keep) if keep is not None else [0] * len(prompts)
+            places = [self._pool_places(slot, first, n) for slot, first, n in zip(slots, starts, lengths, strict=True)]
             dest = (torch.cat([b for b, _ in places]), torch.cat([o for _, o in places]))
-            real = (torch.arange(ids.shape[1], device=self.device)[None, :]
-                    < torch.tensor(lengths, device=self.device)[:, None]).nonzero(as_tuple=True)  # once, not per layer
+            span = torch.arange(ids.shape[1], device=self.device)[None, :]
+            real = ((span < torch.tensor(lengths, device=self.device)[:, None])
+                    & (span >= torch.tensor(starts, device=self.device)[:, None])).nonzero(as_tuple=True)  # once
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
             for i, (spec, w) in enumerate(zip(f._layer_specs, f._layer_weights, strict=True)):
                 if not self.paged:
