@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One device call (<= 9.5 min): the one-engine issue's chat measurements through ChatEngine with the settings
-# proposed as defaults (MAX_BATCH_SIZE=8, KV_LAYOUT=paged; everything else default): bench.multiturn, a 9-turn chat
+# One device call (<= 9.5 min): the one-engine issue's chat measurements through ChatEngine with the default settings
+# (since 2026-12-05 these batch on the paged pool: MAX_BATCH_SIZE auto = 8 on CUDA, KV_LAYOUT=paged): bench.multiturn, a 9-turn chat
 # of 2k-token messages on a random Llama-2-7B (NF4, 32k positions) on emulated 16 and 8 GiB cards, PREFIX_CACHE on
 # and off in the same run. Run from the repo root with .whl carried; JSON under $OUT.
-# MT_SET overrides the settings (e.g. MT_SET="--set MAX_BATCH_SIZE=8 --set KV_LAYOUT=slots"); MT_CARDS the cards.
+# MT_SET adds settings (e.g. MT_SET="--set KV_LAYOUT=slots", or "--only-first" for a shorter call); MT_CARDS the cards.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-SET=${MT_SET:-"--set MAX_BATCH_SIZE=8 --set KV_LAYOUT=paged"}
+SET=${MT_SET:-}
 for entry in ${MT_CARDS:-"16:280 8:240"}; do
   card=${entry%%:*} limit=${entry##*:}
   timeout -s INT -k 15 "$limit" python3 -m bench.multiturn --random llama-2-7b --card-gib "$card" --message-tokens 2000 \
