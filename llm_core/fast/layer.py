@@ -259,7 +259,8 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     # model with 32 K/V heads (Llama-2-7B) at 9.5k tokens that is 156 MB at once, part of the peak the start-up
     # measures and the KV cache pays for; a quarter of it per group. Softmax is per head: the same values.
     end = start + seq
-    mask = (torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
+    mask = None if spec.prefix_flash else (
+        torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
     groups = spec.n_heads // spec.n_kv_heads
     parts = []
     for first in range(0, spec.n_kv_heads, PREFIX_HEADS):
@@ -315,14 +316,24 @@ def _prefill_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor, val
     rows, heads, seq = q.shape[0], q.shape[1], q.shape[2]
     groups = spec.n_heads // spec.n_kv_heads
     if groups > 1 and q.device.type == "cuda":  # flash attention with grouped K/V: expand (as repeat_kv does)
-        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
-        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
+        keys, values = _expand_kv(spec, heads, keys, values)
         gqa: dict[str, Any] = {}
     else:
         gqa = {"enable_gqa": True} if groups > 1 else {}
     attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=mask is None,
                                           scale=spec.scale, **gqa)
     return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
+
+
+def _expand_kv(spec: LayerSpec, heads: int, keys: torch.Tensor, values: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped K/V (B, Hkv, T, D) -> (B, heads, T, D), each K/V head repeated for its query heads (as repeat_kv)."""
+    groups, rows = spec.n_heads // spec.n_kv_heads, keys.shape[0]
+
+    def expand(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
+
+    return expand(keys), expand(values)
 
 
 def prefix_flash_ok(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -340,10 +351,8 @@ def _prefix_flash_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor
     be built inside a compiled function). The same values as _prefill_attention with the explicit mask, without
     the (S, T) bias that memory-efficient attention reads: at 3k new tokens over 27k cached, 162 MB per call."""
     rows, heads, seq = q.shape[0], q.shape[1], q.shape[2]
-    groups = spec.n_heads // spec.n_kv_heads
-    if groups > 1:  # the op takes as many K/V heads as query heads (as repeat_kv makes them)
-        keys = keys[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
-        values = values[:, :, None].expand(-1, -1, groups, -1, -1).reshape(rows, heads, -1, spec.head_dim)
+    if spec.n_heads > spec.n_kv_heads:  # the op takes as many K/V heads as query heads
+        keys, values = _expand_kv(spec, heads, keys, values)
     attn = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False,
                                                               scale=spec.scale)[0]
     return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
