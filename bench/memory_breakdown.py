@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 GiB = 2**30
+ALLOCATOR_STATS = ("reserved_bytes.all.current", "reserved_bytes.all.peak", "allocated_bytes.all.current",
+                   "allocated_bytes.all.peak", "inactive_split_bytes.all.current", "segment.all.current",
+                   "num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
 OWNERS = ("llm_core/", "bench/", "transformers/", "bitsandbytes/", "accelerate/", "torch/_inductor/")
 
 
@@ -97,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: KV_CACHE not set (the demo's own choice)")
     parser.add_argument("--prompt-words", type=int, default=2800)
     parser.add_argument("--live-switch", action="store_true")
+    parser.add_argument("--no-pickles", action="store_true", help="write the JSON summaries only")
     args = parser.parse_args(argv)
     if not args.live_switch:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -133,10 +137,33 @@ def main(argv: list[str] | None = None) -> int:
     def snap(name: str) -> None:
         torch.cuda.synchronize()
         raw = torch.cuda.memory._snapshot()
-        (args.out.parent / f"{args.out.stem}-{name}.pickle").write_bytes(pickle.dumps(raw))
+        if not args.no_pickles:
+            (args.out.parent / f"{args.out.stem}-{name}.pickle").write_bytes(pickle.dumps(raw))
+        stats = torch.cuda.memory_stats()
         result[name] = summarize_snapshot(raw) | {"max_reserved": torch.cuda.max_memory_reserved(),
-                                                 "max_allocated": torch.cuda.max_memory_allocated()}
+                                                 "max_allocated": torch.cuda.max_memory_allocated(),
+                                                 "allocator": {k: stats.get(k) for k in ALLOCATOR_STATS}}
         args.out.write_text(json.dumps(result, indent=1, default=str))
+
+    # The start-up sizing's worst-reply profile is where the peak the budget is held to is taken: the allocator's
+    # state right after each profile (reserved never shrinks within it) says what the reserved-but-free part is.
+    from llm_core.fast.batched import SlotDecoder
+    from llm_core.fast.generate import FastDecoder
+
+    profiles: list[dict[str, int]] = []
+
+    def wrap(cls: Any) -> None:
+        original = cls.profile_worst_reply
+
+        def profile_worst_reply(self: Any, *a: Any, **k: Any) -> dict[str, int]:
+            peak = original(self, *a, **k)
+            profiles.append(dict(peak))
+            snap(f"after_worst_reply_{len(profiles)}")
+            return peak
+        cls.profile_worst_reply = profile_worst_reply
+
+    wrap(SlotDecoder)
+    wrap(FastDecoder)
 
     t0 = time.perf_counter()
     try:
@@ -153,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                          "token_table_bytes": table_bytes(engine.loaded.model),
                          "token_tables": engine.loaded.extra.get("token_tables"),
                          "fast_memory_profile": engine.fast_memory_profile,
-                         "graph_pool_idle_bytes": decoder.graph_pool_idle_bytes() if decoder else None}
+                         "graph_pool_idle_bytes": decoder.graph_pool_idle_bytes() if decoder else None,
+                         "context_limit": engine.context_limit, "reason": engine.backend.reason,
+                         "worst_reply_profiles": profiles}
     snap("after_startup")
     torch.cuda.reset_peak_memory_stats()
     text = " ".join(f"t{(i * 7919) % 500 + 3}" for i in range(args.prompt_words))
