@@ -3,10 +3,15 @@
 # (bench.memory_breakdown, random Llama-2-7B NF4, 32k positions): the allocator's segments and owners after start-up,
 # right after each worst-reply profile of the start-up sizing (the peak the budget is held to), and after one long
 # turn. Run from the repo root with .whl carried; JSON under $OUT. MB_ARGS adds arguments (e.g. "--kv-cache bf16").
+# TESTS (pytest arguments) runs those GPU tests first, within TESTS_S seconds (default 120).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+if [ -n "${TESTS:-}" ]; then
+  timeout -s INT -k 15 "${TESTS_S:-120}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider $TESTS > "$OUT/gpu-tests.txt" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | head -20
+fi
 timeout -s INT -k 15 "${MB_S:-330}" python3 -m bench.memory_breakdown --model llama-2-7b --positions 32768 --card-gib 8 \
   --kv-cache default --no-pickles ${MB_ARGS:-} --out "$OUT/breakdown-llama-2-7b-8gib.json" > "$OUT/breakdown.log" 2>&1
 echo "breakdown rc=$?"

@@ -55,10 +55,10 @@ def test_weights_estimate_matches_the_loaded_embedded_model() -> None:
 @pytest.mark.parametrize("card_gib", [8, 12, 16, 24])
 @pytest.mark.parametrize("config,name", [(LLAMA2_7B, "llama-2-7b"), (LLAMA3_8B, "llama-3-8b")])
 @pytest.mark.parametrize("kv_cache,per_token", [("bf16", {"llama-2-7b": 524_288, "llama-3-8b": 131_072}),
-                                                ("int8", {"llama-2-7b": 294_912, "llama-3-8b": 73_728})])
+                                                ("int8", {"llama-2-7b": 270_336, "llama-3-8b": 67_584})])
 def test_fit_report_for_each_card(card_gib: int, config: LlamaConfig, name: str, kv_cache: str,
                                   per_token: dict[str, int]) -> None:
-    """Fast path (llama, nf4); KV bytes per token exact (bf16 rows, or int8 rows of 144 bytes); the longest prompt
+    """Fast path (llama, nf4); KV bytes per token exact (bf16 rows, or int8 rows of 132 bytes); the longest prompt
     is exactly the static cache plan's for a budget of card - 512 MiB: at least the seed recipe's from 12 GiB up;
     where it is less (8 GiB, as the H200 card runs measured), the report says plain generate would hold more."""
     report = fit_config(config, card_gib * GiB, model=name, kv_cache=kv_cache)

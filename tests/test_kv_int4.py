@@ -63,7 +63,7 @@ def test_int4_cache_layout_and_accounting_agree() -> None:
 
     row, dtype = kvquant.cache_layout("int4", 128, torch.bfloat16)
     assert (row, dtype) == (80, torch.uint8) and row * dtype.itemsize == static_row_bytes("int4", 128)
-    assert [static_row_bytes(m, 128) for m in ("bf16", "int8", "int4")] == [256, 144, 80]
+    assert [static_row_bytes(m, 128) for m in ("bf16", "int8", "int4")] == [256, 132, 80]
     assert [static_row_bytes("int4", d) for d in (32, 64, 256)] == [32, 48, 160]  # 16-byte rows: groups' 2 bytes
 
 

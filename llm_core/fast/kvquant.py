@@ -2,12 +2,13 @@
 and as the reference for the Triton decode attention kernel's quantized forms (llm_core.fast.kernels.attention).
 
 int8 (an int8 tensor). A cache row is one (token, KV head): head_dim int8 codes, then one int8 exponent e (the row's
-scale is 2^(e/8)), then zero padding to ROW_PAD bytes so rows stay 16-byte aligned for vector loads. Per row:
+scale is 2^(e/8)), then zero padding to ROW_PAD bytes so rows stay 4-byte aligned (16-byte rows cost 12.5% of the
+cache at head_dim 128 for wider loads; 4-byte loads still coalesce across a warp). Per row:
     e     = ceil(8 * log2(amax / 127)), clamped to [-128, 127]     (amax = max |x| over the row's head_dim values)
     codes = round(x / 2^(e/8)), clamped to [-127, 127]
 The scale is a power of 2^(1/8), so it needs no bit-cast to store in an int8 tensor (compiles to plain arithmetic)
 and costs at most 9% of the code range: the worst rounding error is 2^(e/8)/2 <= amax * 2^(1/8) / 254 per value.
-Bytes per row: head_dim + 16 (144 for head_dim 128: 1.78x fewer than bf16).
+Bytes per row: head_dim + 4 (132 for head_dim 128: 1.94x fewer than bf16).
 
 int4 (a uint8 tensor). The row is first rotated by the normalized Walsh-Hadamard matrix H (orthogonal and its own
 inverse), which spreads the few large key channels over all of them (as QuaRot does), so per-token groups quantize

@@ -51,7 +51,7 @@ DEFAULT_CPU_MARGIN_BYTES = 1 * GiB
 BNB_4BIT_BLOCK = 64  # bitsandbytes NF4/FP4 block size: one absmax per 64 weights
 DEQUANT_CHUNK_TOKENS = 8192  # the quantized KV cache dequantizes at most this many tokens per kernel batch
 PLAIN_QUANTIZED = ("int8", "int4")  # KV_CACHE modes the plain path serves with its quantized cache (kv_cache.py)
-STATIC_INT8_ROW_PAD = 16  # bytes after each int8 row of head_dim codes: its scale byte, padded to 16-byte rows
+STATIC_INT8_ROW_PAD = 4  # bytes after each int8 row of head_dim codes: its scale byte, padded to 4-byte rows
 STATIC_INT4_GROUP = 16  # int4 rows: one scale and zero point per this many (rotated) values
 
 
