@@ -342,7 +342,7 @@ class GenerationSettings:
     stream_timeout_s: float = setting("STREAM_TIMEOUT_S", 120.0, _parse_float,
         "fail a reply when no token arrives for this many seconds")
     kv_cache: str = setting("KV_CACHE", "auto", _parse_kv_cache,
-        "auto (bf16 where the card holds the model's context up to 32k in bf16, else int8) | bf16 | int8 (1.8x the "
+        "auto (bf16 where the card holds the model's context up to 32k in bf16, else int8) | bf16 | int8 (1.9x the "
         "context per GiB) | int4 (3.2x, lower quality) | offload (KV in CPU RAM: last resort); dynamic and quantized "
         "are accepted as bf16 and int8")
     # EOS is not allowed before this many new tokens (0 = off). Not a user setting: benchmarks use it to make every

@@ -56,7 +56,7 @@ class FastDecodeOptions:
     # (bench/results/2026-11-30-h200-ttft-probe.json); "flash" keeps it so whatever a later version prefers.
     prefill_attention: str = "flash"
     # The static KV cache: bf16 (the compute dtype) | int8 (per token and KV head, llm_core.fast.kvquant; 1.94x the
-    # tokens per byte at head_dim 128) | int4 (rotated, per group of 32; 3.2x), read by the decode attention kernel
+    # tokens per byte at head_dim 128) | int4 (rotated, per group of 16; 3.2x), read by the decode attention kernel
     kv_cache: str = "bf16"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
