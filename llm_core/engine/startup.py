@@ -575,7 +575,11 @@ class PathBuilder:
                             profile: Callable[[], dict[str, int]], bytes_per_token: int) -> dict[str, int]:
         """llm_core.memory.plan.size_cache_by_measurement over `profile` (the worst moment at the current size; a
         CUDA OOM there counts as over), re-sizing with `resize`; leaves the size it keeps in place and returns its
-        profile."""
+        profile. The allocator's cache is emptied before each profile: blocks that compiling, autotuning and graph
+        captures freed would otherwise stay reserved and count in the peak, though an allocation that needs them
+        gets them back (the allocator empties its cache and retries before it reports an OOM); what empty_cache
+        cannot return (graph pools, fragments) is measured after start-up and planned as held
+        (measure_fast_resident)."""
         from ..memory.plan import size_cache_by_measurement
 
         profiles: dict[int, dict[str, int]] = {}
@@ -589,6 +593,7 @@ class PathBuilder:
                     allocated = False
                     resize(tokens)  # may itself run out of memory (the cache, or capturing its graphs)
                     allocated = True
+                free_memory(self.loaded.device)
                 profiles[tokens] = profile()
             except torch.cuda.OutOfMemoryError as exc:
                 traceback.clear_frames(exc.__traceback__)
