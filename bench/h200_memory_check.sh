@@ -3,7 +3,9 @@
 # (bench.memory_breakdown, random Llama-2-7B NF4, 32k positions): the allocator's segments and owners after start-up,
 # right after each worst-reply profile of the start-up sizing (the peak the budget is held to), and after one long
 # turn. Run from the repo root with .whl carried; JSON under $OUT. MB_ARGS adds arguments (e.g. "--kv-cache bf16").
-# TESTS (pytest arguments) runs those GPU tests first, within TESTS_S seconds (default 120).
+# TESTS (pytest arguments) runs those GPU tests first, within TESTS_S seconds (default 120); CARDS (bench.cards
+# arguments, e.g. "--only llama-2-7b-32768-8gib --words-per-turn 1500") then runs bench.cards within CARDS_S (240).
+# MB_S=0 skips the breakdown.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -12,6 +14,27 @@ if [ -n "${TESTS:-}" ]; then
   timeout -s INT -k 15 "${TESTS_S:-120}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider $TESTS > "$OUT/gpu-tests.txt" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | head -20
 fi
+if [ -n "${CARDS:-}" ]; then
+  timeout -s INT -k 15 "${CARDS_S:-240}" python3 -m bench.cards $CARDS --budget-s $(( ${CARDS_S:-240} - 60 )) \
+    --out "$OUT/cards.json" > "$OUT/cards.log" 2>&1
+  echo "cards rc=$?"; grep -iE "Traceback|Error" "$OUT/cards.log" | cut -c1-300 | head -8
+  python3 - "$OUT/cards.json" <<'P'
+import json, sys
+try:
+    d = json.load(open(sys.argv[1]))
+except (OSError, ValueError) as e:
+    print("no json", e); raise SystemExit
+for r in d["records"]:
+    if r.get("what") in ("startup", "turn"):
+        print({k: r.get(k) for k in ("recipe", "what", "turn", "outcome", "load_s", "static_cache_tokens", "prompt_tokens",
+                                     "context_fit_tokens", "decode_tokens_per_s", "peak_vram_bytes",
+                                     "predicted_peak_vram_bytes", "dropped_turns")})
+        if r.get("what") == "startup":
+            print("   ", str(r.get("reason"))[:400], r.get("fast_memory_profile"), r.get("resident_extra_bytes"))
+print(json.dumps((d.get("summary") or {}).get("cards"), default=str)[:1500])
+P
+fi
+[ "${MB_S:-330}" = 0 ] && exit 0
 timeout -s INT -k 15 "${MB_S:-330}" python3 -m bench.memory_breakdown --model llama-2-7b --positions 32768 --card-gib 8 \
   --kv-cache default --no-pickles ${MB_ARGS:-} --out "$OUT/breakdown-llama-2-7b-8gib.json" > "$OUT/breakdown.log" 2>&1
 echo "breakdown rc=$?"
