@@ -5,7 +5,8 @@
 # turn. Run from the repo root with .whl carried; JSON under $OUT. MB_ARGS adds arguments (e.g. "--kv-cache bf16").
 # TESTS (pytest arguments) runs those GPU tests first, within TESTS_S seconds (default 120); CARDS (bench.cards
 # arguments, e.g. "--only llama-2-7b-32768-8gib --words-per-turn 1500") then runs bench.cards within CARDS_S (240).
-# MB_S=0 skips the breakdown.
+# ATTN (bench.attention_rows arguments, e.g. "--tokens 9000") times the decode attention kernel first. MB_S=0 skips
+# the breakdown.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -13,6 +14,9 @@ python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', 
 if [ -n "${TESTS:-}" ]; then
   timeout -s INT -k 15 "${TESTS_S:-120}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider $TESTS > "$OUT/gpu-tests.txt" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | head -20
+fi
+if [ -n "${ATTN:-}" ]; then  # bench.attention_rows: the decode attention kernel over each row format
+  timeout 120 python3 -m bench.attention_rows --out "$OUT/attention-rows.json" $ATTN 2>&1 | grep -v Warning | cut -c1-300
 fi
 if [ -n "${CARDS:-}" ]; then
   timeout -s INT -k 15 "${CARDS_S:-240}" python3 -m bench.cards $CARDS --budget-s $(( ${CARDS_S:-240} - 60 )) \

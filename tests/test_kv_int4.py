@@ -162,7 +162,7 @@ def test_int4_kernel_compiles_for_hopper() -> None:
     signature = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "pos_ptr": "*i64", "o_ptr": "*fp32",
                  "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_b": "i32",
                  "stride_l": "i32", "stride_h": "i32", "B": "i32"}
-    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16)
+    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16, ALIGN=16)
     signature.update({name: "constexpr" for name in constexprs})
     attention.triton.compile(ASTSource(fn=attention._attn_rows_split_kernel, signature=signature,
                                        constexprs=constexprs), target=GPUTarget("cuda", 90, 32))

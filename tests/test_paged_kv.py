@@ -137,7 +137,7 @@ def test_paged_kernel_compiles_for_hopper(rows: str, page: int) -> None:
                  "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32",
                  "stride_b": "i32", "stride_l": "i32", "stride_h": "i32", "stride_t": "i32", "B": "i32"}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=rows == "int8", INT4=rows == "int4",
-                      GROUP4=16, PAGE=page)
+                      GROUP4=16, PAGE=page, ALIGN={"bf16": 16, "int8": 4, "int4": 16}[rows])
     signature.update({name: "constexpr" for name in constexprs})
     attention.triton.compile(ASTSource(fn=attention._attn_paged_split_kernel, signature=signature,
                                        constexprs=constexprs), target=GPUTarget("cuda", 90, 32))

@@ -78,7 +78,7 @@ if triton is not None:
     def _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, h, sp, length, o_ptr, m_ptr, l_ptr, scale, stride_b,
                     stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                    INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
+                    INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr):
         """Flash-decoding, step 1, for program (row b, kv head h, split s): row b's G query heads over its cache
         rows [s*chunk, min((s+1)*chunk, length)); writes unnormalized output, running max and sum. chunk is row b's
         own: its length over the grid's splits, in whole BLOCK_L steps, so every split of a short row works too (a
@@ -88,7 +88,9 @@ if triton is not None:
         at offset i % PAGE, stride_b then being one block's. Rows past length are never read; a split past it reads
         nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes and, at
         byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers. INT4: rows of
-        rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated back."""
+        rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated back. ALIGN: the
+        elements every row start is a multiple of (the strides' common power of two, at most 16), told to the compiler:
+        a stride it was not told divides by 16 (an int8 row of D + 4 bytes) otherwise loads a byte at a time."""
         hq = HKV * G
         gi = tl.arange(0, GP)
         d = tl.arange(0, D)
@@ -111,6 +113,7 @@ if triton is not None:
                 rows = block.to(tl.int64) * stride_b + (li % PAGE) * stride_l + h * stride_h
             else:
                 rows = base + li * stride_l + h * stride_h
+            rows = tl.multiple_of(rows, ALIGN)
             if INT8 or INT4:
                 k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
             else:
@@ -145,27 +148,27 @@ if triton is not None:
     def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b, stride_l,
                                 stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                                INT4: tl.constexpr, GROUP4: tl.constexpr):
+                                INT4: tl.constexpr, GROUP4: tl.constexpr, ALIGN: tl.constexpr):
         """Step 1 over each row's own cache slot (B, L, Hkv, row) up to pos[b] (_attn_split); rows after pos are
         never read, whatever the captured bucket length. One decode (the single-row path) is this with B = 1."""
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, k_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr, l_ptr,
                     scale, stride_b, stride_l, stride_h, 0, B, HKV, G, GP, D, BLOCK_L, IEEE, INT8, INT4,
-                    GROUP4, 0)
+                    GROUP4, 0, ALIGN)
 
     @triton.jit
     def _attn_paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b,
                                  stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                  D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                                 INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr):
+                                 INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr):
         """Step 1 over a pool of blocks (num_blocks, PAGE, Hkv, row), row b's positions 0..pos[b] through its block
         table (B, max_blocks) int32 (_attn_split)."""
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr,
                     l_ptr, scale, stride_b, stride_l, stride_h, stride_t, B, HKV, G, GP, D, BLOCK_L, IEEE,
-                    INT8, INT4, GROUP4, PAGE)
+                    INT8, INT4, GROUP4, PAGE, ALIGN)
 
     def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
                      table: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,7 +189,7 @@ if triton is not None:
         groups = hq // hkv
         shapes = dict(HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
                       IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8,
-                      GROUP4=INT4_GROUP)
+                      GROUP4=INT4_GROUP, ALIGN=row_alignment(k))
         if table is None:
             _attn_rows_split_kernel[(rows, hkv, nsplit)](
                 q.contiguous(), k, v, pos, o, m, lsum, scale, k.stride(0), k.stride(1), k.stride(2), rows,
@@ -247,6 +250,15 @@ def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     each row's positions in order, (B, max_blocks * block_size, Hkv, row) (a copy)."""
     blocks = pool[table.long()]
     return blocks.reshape(table.shape[0], -1, *pool.shape[2:])
+
+
+def row_alignment(cache: torch.Tensor) -> int:
+    """The largest power of two, at most 16, that divides every stride of `cache` (in elements): what each cache
+    row's start is a multiple of (torch's buffers start 16-byte aligned)."""
+    align = 16
+    while align > 1 and any(s % align for s in cache.stride()[:-1]):
+        align //= 2
+    return align
 
 
 def _attention_splits(length: int, kv_heads: int, device: torch.device) -> int:
