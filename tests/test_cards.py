@@ -283,7 +283,7 @@ def test_a_measured_cache_answers_every_message_that_fits_it(fp32_loaded: Loaded
     with pytest.raises(ContextBudgetError):
         engine.prepare("Hello there", [], gen=engine.settings.generation, history_turns=8, system_prompt=None)
     engine._adopt(replace(engine.path, profile={"peak_reserved_bytes": tiny, "peak_allocated_bytes": tiny,
-                                                "tokens": 512}, facts=engine.memory_facts))
+                                                "peak_need_bytes": tiny, "tokens": 512}, facts=engine.memory_facts))
     long_turns = [Turn("word " * 300, "reply " * 50) for _ in range(30)]  # ~11k tokens: more than the cache
     prepared = engine.prepare("Hello there", long_turns, gen=engine.settings.generation, history_turns=64,
                               system_prompt=None)

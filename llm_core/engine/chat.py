@@ -290,7 +290,7 @@ class ChatEngine:
         elif decoder is not None and getattr(decoder, "max_cache_len", None):
             parts.append(f"KV cache {int(decoder.max_cache_len):,} tokens")
         if path.profile:
-            parts[-1] += f", sized by measurement (peak {human_bytes(path.profile['peak_reserved_bytes'])})"
+            parts[-1] += f", sized by measurement (peak {human_bytes(path.profile['peak_need_bytes'])})"
         chunk = path.prefill_chunk_tokens
         parts.append(f"long prompts prefilled in {chunk:,}-token chunks" if chunk else "prompts prefilled in one pass")
         return "; ".join(parts) + ". " + path.kv_cache_reason

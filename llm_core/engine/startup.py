@@ -196,7 +196,11 @@ def warm_decode_path(path: DecodePath, loaded: LoadedModel, settings: Settings, 
         start()
     path, facts = serve(builder.freeze())
     if decoder is None:
-        return path
+        if path.fast_scheduler is None:
+            return path
+        builder = PathBuilder(path, loaded, settings, budget, facts)  # the batched fast path, after its first reply
+        builder.measure_fast_resident(path.fast_scheduler.runner.decoder)
+        return builder.freeze()
     builder = PathBuilder(path, loaded, settings, budget, facts)
     builder.measure_fast_resident(decoder)
     # unmeasured (CPU): what the warm-up reply taught the reserve re-plans the cache now, not in a reply; a recapture
@@ -499,8 +503,8 @@ class PathBuilder:
         assert isinstance(self.backend, FastBatchedBackend)
         self.backend = replace(self.backend, reason=_fast_batched_reason(base, size, slots.slots, slots.slot_tokens,
                                                                          measured=True))
-        log.info("batched fast path: %d KV slots of %d tokens; worst step's peak reserved %s of %s", slots.slots,
-                 slots.slot_tokens, human_bytes(self.profile["peak_reserved_bytes"]),
+        log.info("batched fast path: %d KV slots of %d tokens; worst step's peak %s (allocated + held) of %s",
+                 slots.slots, slots.slot_tokens, human_bytes(self.profile["peak_need_bytes"]),
                  human_bytes(self.budget.budget_bytes))
 
     def fall_back_to_eager_batch(self, exc: Exception) -> None:
@@ -568,18 +572,21 @@ class PathBuilder:
         self.profile = self.size_by_measurement(lambda: int(decoder.cache_len), resize, decoder.profile_worst_reply,
                                                 decoder.cache_bytes_per_token)
         self.facts = replace(self.facts, static_kv_tokens=decoder.cache_len)
-        log.info("fast path KV cache: %d tokens; worst reply's peak reserved %s of %s", decoder.cache_len,
-                 human_bytes(self.profile["peak_reserved_bytes"]), human_bytes(self.budget.budget_bytes))
+        log.info("fast path KV cache: %d tokens; worst reply's peak %s (allocated + held) of %s", decoder.cache_len,
+                 human_bytes(self.profile["peak_need_bytes"]), human_bytes(self.budget.budget_bytes))
 
     def size_by_measurement(self, current: Callable[[], int], resize: Callable[[int], None],
                             profile: Callable[[], dict[str, int]], bytes_per_token: int) -> dict[str, int]:
         """llm_core.memory.plan.size_cache_by_measurement over `profile` (the worst moment at the current size; a
         CUDA OOM there counts as over), re-sizing with `resize`; leaves the size it keeps in place and returns its
-        profile. The allocator's cache is emptied before each profile: blocks that compiling, autotuning and graph
-        captures freed would otherwise stay reserved and count in the peak, though an allocation that needs them
-        gets them back (the allocator empties its cache and retries before it reports an OOM); what empty_cache
-        cannot return (graph pools, fragments) is measured after start-up and planned as held
-        (measure_fast_resident)."""
+        profile. What a profile needs is its peak of allocated bytes plus what the allocator then holds and cannot
+        give back (graph pools' free bytes, fragments of pages still in use: reserved after empty_cache, less
+        allocated). Blocks it holds free but can give back are not counted: an allocation that needs them gets them
+        (the allocator empties its cache and retries before it reports an OOM; with expandable segments it unmaps
+        free pages). Counting them (the reserved peak) left ~1 GB of an 8 GiB card unused (Llama-2-7B, H100,
+        bench/results/2026-12-05-h100-breakdown-llama-2-7b-8gib.json: 1.19 GB free after the profile, 274 MB in one
+        block), as the caching allocator's extent, not memory any reply held; vLLM sizes by the allocated peak too.
+        The cache is emptied before each profile as well, so blocks from compiling and captures are not in it."""
         from ..memory.plan import size_cache_by_measurement
 
         profiles: dict[int, dict[str, int]] = {}
@@ -594,12 +601,16 @@ class PathBuilder:
                     resize(tokens)  # may itself run out of memory (the cache, or capturing its graphs)
                     allocated = True
                 free_memory(self.loaded.device)
-                profiles[tokens] = profile()
+                peak = profile()
+                torch.cuda.empty_cache()
+                held = cached_free_bytes(self.loaded.device)  # graph pools' free bytes, fragments: not returnable
+                profiles[tokens] = peak | {"held_free_bytes": held,
+                                           "peak_need_bytes": int(peak["peak_allocated_bytes"]) + held}
             except torch.cuda.OutOfMemoryError as exc:
                 traceback.clear_frames(exc.__traceback__)
                 free_memory(self.loaded.device)
                 return None
-            return profiles[tokens]["peak_reserved_bytes"]
+            return profiles[tokens]["peak_need_bytes"]
 
         tokens = size_cache_by_measurement(measure, current(), bytes_per_token, self.budget.budget_bytes,
                                            int(self.loaded.context_length))
@@ -610,10 +621,11 @@ class PathBuilder:
         return profiles[tokens]
 
     def measure_fast_resident(self, decoder: Any) -> None:
-        """What the fast path holds beyond weights and cache, after giving back every cached block the allocator
-        can: its buffers and graph pools, plus the fragments that empty_cache cannot return (free blocks inside
-        segments still in use; ~1 GiB after warm-up under an 8 GiB cap on the H200, bench/results/
-        2026-12-01-h200-cards.json): no reply can count on them, so they are planned as held."""
+        """What the fast path (`decoder`: a FastDecoder, or the batched path's SlotDecoder) holds beyond weights and
+        cache, after giving back every cached block the allocator can: its buffers and graph pools, plus the
+        fragments that empty_cache cannot return (free blocks inside segments still in use): no reply can count on
+        them, so they are planned as held. The batched path counted CUDA_HELD_FREE_BYTES (1.25 GiB) instead until
+        2026-12-05, so its predicted peaks came out 20% over the measured ones on an 8 GiB card."""
         if self.loaded.device.type != "cuda":
             return
         torch.cuda.empty_cache()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..errors import GenerationError
 from . import kvquant
-from .generate import FastDecoder
+from .generate import FastDecoder, pool_idle_bytes
 from .kernels.attention import PAGED_BLOCK_SIZES, gather_blocks, round_up
 from .kernels.nf4_mm import MM_MAX
 from .kvquant import from_cache, is_quantized, to_cache
@@ -260,6 +260,10 @@ class SlotDecoder:
     # --- memory ----------------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
         return int(self.fast.kv_bytes_per_token())
+
+    def graph_pool_idle_bytes(self) -> int:
+        """Bytes the batched step's CUDA graph pool holds free between replays (FastDecoder.graph_pool_idle_bytes)."""
+        return pool_idle_bytes(self.device, (self._pool,))
 
     @property
     def cache_bytes(self) -> int:

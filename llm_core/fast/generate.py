@@ -12,7 +12,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +77,16 @@ class KVCacheView:
 
     layers: list[_KVLayer] = field(default_factory=list)
 
+
+
+def pool_idle_bytes(device: torch.device, handles: Sequence[Any]) -> int:
+    """Bytes the CUDA graph pools `handles` (torch.cuda.graph_pool_handle(); None skipped) hold free; 0 off CUDA."""
+    pools = {tuple(p) for p in handles if p is not None}
+    if device.type != "cuda" or not pools:
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return sum(int(seg["total_size"]) - int(seg["allocated_size"]) for seg in torch.cuda.memory_snapshot()
+               if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools)
 
 
 class FastDecoder(DecoderWarmup):
@@ -340,12 +350,7 @@ class FastDecoder(DecoderWarmup):
     def graph_pool_idle_bytes(self) -> int:
         """Device bytes the CUDA graph pools (decode steps, padded prefills) hold with no live tensor in them: kept
         for the replays, so no other allocation can use them, yet memory_allocated leaves them out. 0 off CUDA."""
-        pools = {tuple(p) for p in (self._pool, self._pf_pool) if p is not None}
-        if self.device.type != "cuda" or not pools:
-            return 0
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        return sum(int(seg["total_size"]) - int(seg["allocated_size"]) for seg in torch.cuda.memory_snapshot()
-                   if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in pools)
+        return pool_idle_bytes(self.device, (self._pool, self._pf_pool))
 
     # --- cache, capture, warm-up -----------------------------------------------------------------------------
     def resize_cache(self, tokens: int, *, strict: bool = False) -> None:
