@@ -143,6 +143,43 @@ def test_paged_kernel_compiles_for_hopper(rows: str, page: int) -> None:
                                        constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
 
 
+@pytest.mark.skipif(attention is None or attention.triton is None, reason="needs the triton package")
+@pytest.mark.parametrize("paged", [False, True])
+def test_int8_rows_of_head_dim_plus_4_bytes_are_copied_in_words(paged: bool) -> None:
+    """The int8 cache's rows are head_dim + 4 bytes (kvquant), so a row's start is 4-byte aligned and the strides
+    are not multiples of 16, which Triton specializes on. Compiled for sm_90 as the launcher specializes it (16-byte
+    aligned buffers; the strides that divide by 16 marked so), the decode attention kernel must still fetch the codes
+    with asynchronous word copies: told nothing (ALIGN=1) it loaded them a byte at a time, without the copy pipeline,
+    and decoded at 55 tok/s at 8.9k tokens on an H100 (bench/results/2026-12-05-h100-cards-8gib-rowpad4-unaligned.json).
+    """
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRETED:
+        pytest.skip("compiles in the suite's own process")
+    row = 128 + 4
+    rows = torch.zeros(2, 16, 8, row, dtype=torch.int8)  # (blocks or slots, tokens, KV heads, row)
+    align = attention.row_alignment(rows)
+    assert align == 4
+    table = {"table_ptr": "*i32"} if paged else {}
+    signature = {"q_ptr": "*bf16", "k_ptr": "*i8", "v_ptr": "*i8", **table, "pos_ptr": "*i64", "o_ptr": "*fp32",
+                 "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_b": "i32", "stride_l": "i32",
+                 "stride_h": "i32", **({"stride_t": "i32"} if paged else {}), "B": "i32"}
+    strides = dict(zip(("stride_b", "stride_l", "stride_h"), rows.stride()[:3], strict=True)) | {"stride_t": 64}
+    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=True, INT4=False, GROUP4=16,
+                      **({"PAGE": 16} if paged else {}), ALIGN=align)
+    fn = attention._attn_paged_split_kernel if paged else attention._attn_rows_split_kernel
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
+    attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in strides.items()
+                  if a in names and v % 16 == 0})
+    signature.update({name: "constexpr" for name in constexprs})
+    ptx = attention.triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert "cp.async" in ptx  # the codes go through the copy pipeline
+    assert ptx.count("ld.global.b8") < 64, ptx.count("ld.global.b8")  # the rows' exponent bytes, not 256 code bytes
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
