@@ -1,7 +1,7 @@
 """Batched serving's settings and engine-facing pieces: MAX_BATCH_SIZE resolved, whether the eager batch can serve a
-model, the eager batch's KV budget, each reply's KV record (RowKV) and the two DecodeBackends over the one scheduler
-(llm_core.engine.scheduler: BatchedBackend with its eager runner, FastBatchedBackend with its fast runner). Knows
-nothing about Gradio.
+model, the eager batch's KV budget, each reply's KV record (RowKV) and the DecodeBackends over the one scheduler
+(llm_core.engine.scheduler: BatchedBackend with its eager runner, FastBatchedBackend with its fast runner; the CPU
+path's, llm_core.engine.cpu_backend, runs through run_on_scheduler too). Knows nothing about Gradio.
 """
 
 from __future__ import annotations
@@ -118,6 +118,18 @@ class RowKV:
         self.nbytes = total or None
 
 
+def run_on_scheduler(scheduler: Scheduler[Any], prepared: Any, streamer: Any, stop_event: threading.Event,
+                     cache: Any, input_ids: torch.Tensor | None = None) -> int:
+    """A DecodeBackend's run() over the one scheduler: the prepared reply as a row of its runner (input_ids: the
+    prompt, when not prepared.input_ids), streamed into `streamer`, its KV recorded in `cache` (a RowKV). Returns the
+    prompt tokens whose KV came from a cache instead of the prefill."""
+    gen = prepared.gen
+    record = cache if isinstance(cache, RowKV) else None
+    scheduler.generate(prepared.input_ids if input_ids is None else input_ids, SamplingOptions.of(gen),
+                       gen.max_new_tokens, streamer, stop_event, record)
+    return record.cached_prompt_tokens if record is not None else 0
+
+
 @dataclass
 class BatchedBackend:
     """The engine's DecodeBackend (llm_core.engine.runners) over the scheduler with an EagerRunner: each reply is a
@@ -131,10 +143,8 @@ class BatchedBackend:
     def make_cache(self) -> RowKV:
         return RowKV()
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
-        gen = prepared.gen
-        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer,
-                                stop_event, cache if isinstance(cache, RowKV) else None)
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        return run_on_scheduler(self.scheduler, prepared, streamer, stop_event, cache)
 
 
 @dataclass
@@ -157,8 +167,4 @@ class FastBatchedBackend:
         self.scheduler.start()
 
     def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
-        gen = prepared.gen
-        record = cache if isinstance(cache, RowKV) else None
-        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
-                                record)
-        return record.cached_prompt_tokens if record is not None else 0
+        return run_on_scheduler(self.scheduler, prepared, streamer, stop_event, cache)
