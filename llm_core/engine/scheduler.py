@@ -1,6 +1,7 @@
 """The one continuous-batching loop: the queue of replies, the order they are admitted in, the loop thread, stop and
 finish, the counters' snapshots. How a row's KV is held, prefilled and stepped is its runner's (runners.BatchRunner:
-eager_runner over transformers, fast_runner over the fast path's slots). Knows nothing about text, torch or Gradio.
+eager_runner over transformers, fast_runner over the fast path's slots, cpu_runner over the CPU path's static cache).
+Knows nothing about text, torch or Gradio.
 
 One background thread owns the device; request threads only queue work and read their tokens (llm_core.streams):
 
