@@ -11,11 +11,11 @@ from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
 from .cpu_runner import CPURunner
 from .scheduler import Scheduler
-from .serving import RowKV, run_on_scheduler
+from .serving import ScheduledBackend
 
 
 @dataclass
-class CPUBackend:
+class CPUBackend(ScheduledBackend):
     """llm_core.fast.cpu: int4/int8 weight-only linears, a static KV cache and a decode step compiled by inductor;
     every reply is the row of the scheduler's CPU runner (one at a time), with the loop's queue, Stop and counters.
     `decoder` holds the CPUDecoder (its runner holds it weakly)."""
@@ -31,21 +31,16 @@ class CPUBackend:
         """Long prompts are prefilled in chunks of this many tokens, one chunk per turn of the loop (None: one pass)."""
         return self.scheduler.runner.prefill_chunk_tokens
 
-    def make_cache(self) -> RowKV:
-        """What the reply's KV held at its end, filled by the runner: the static cache's rows it wrote (the cache is
-        allocated empty, so rows never written are never resident)."""
-        return RowKV()
-
-    def warmup(self) -> None:
-        """Start the loop (the first reply allocates the cache and compiles the step on its thread)."""
-        self.scheduler.start()
-
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
-        """Returns the prompt tokens whose KV came from the cache (not prefilled)."""
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
+            input_ids: Any = None) -> int:
+        """ScheduledBackend.run with the prompt's padding dropped. Its RowKV gets the static cache's rows the reply
+        wrote (the cache is allocated empty, so rows never written are never resident). The first reply allocates
+        the cache and compiles the step on the loop's thread."""
         mask = prepared.attention_mask
-        ids = prepared.input_ids if bool(mask.all()) else prepared.input_ids[mask.bool()][None]  # padding dropped
+        if input_ids is None:
+            input_ids = prepared.input_ids if bool(mask.all()) else prepared.input_ids[mask.bool()][None]
         try:
-            return run_on_scheduler(self.scheduler, prepared, streamer, stop_event, cache, ids)
+            return super().run(prepared, streamer, stop_event, cache, input_ids)
         finally:
             if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
                 self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"

@@ -106,11 +106,11 @@ class CPURunner(BoundRunner):
     def usable(self) -> bool:
         return self._decoder_ref() is not None
 
-    def busy(self) -> bool:
-        return bool(self._rows or self._prefilling)
-
     def decoding(self) -> bool:
         return bool(self._rows)
+
+    def busy(self) -> bool:
+        return self.decoding() or bool(self._prefilling)
 
     def has_free_row(self) -> bool:
         return len(self._rows) + len(self._prefilling) < ROWS
