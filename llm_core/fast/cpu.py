@@ -655,9 +655,10 @@ class CPUDecoder:
 
     def start(self, prompt: Sequence[int], params: Any, max_new_tokens: int, *, min_new_tokens: int = 0,
               eos_ids: Iterable[int] = ()) -> CPUReply:
-        """Take the decoder for one reply (its lock, held until finish or fail; grad off, as the warm-up ran): the
-        penalty's seen ids, the EOS ban until min_new_tokens, the sampler (`params`: GenerationSettings or
-        SamplingOptions), and the prompt tokens whose KV the prefix cache holds (not prefilled again)."""
+        """Take the decoder for one reply (its lock, held until finish or fail): the penalty's seen ids, the EOS ban
+        until min_new_tokens, the sampler (`params`: GenerationSettings or SamplingOptions), and the prompt tokens
+        whose KV the prefix cache holds (not prefilled again). This and the pieces after it run with autograd off
+        outside inference mode, as the warm-up did (the runner's loop_mode, or generate)."""
         self.check_reply(len(prompt), int(max_new_tokens))
         prompt_ids = [int(i) for i in prompt]
         self._lock.acquire()
@@ -742,11 +743,11 @@ class CPUDecoder:
             with torch.inference_mode(False), torch.no_grad():
                 reply = self.start(ids.tolist(), gen, int(max_new_tokens), min_new_tokens=int(min_new_tokens),
                                    eos_ids=eos_ids)
-                if info is not None:
-                    info["cached_prompt_tokens"] = reply.cached_tokens
-                if streamer is not None:
-                    streamer.put(input_ids.cpu())
                 try:
+                    if info is not None:
+                        info["cached_prompt_tokens"] = reply.cached_tokens
+                    if streamer is not None:
+                        streamer.put(input_ids.cpu())
                     token = None
                     while token is None:
                         token = self.prefill_chunk(reply, prefill_chunk)
