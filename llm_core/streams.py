@@ -45,6 +45,7 @@ class QueuedReply:
         self.counted_wait = False  # counted once in the scheduler's waiting statistics
         self.overtaken = 0  # admissions of later requests while this one waited (bounded: runner.max_overtakes)
         self.finished: Finished | None = None
+        self.eos_token_ids: frozenset[int] | None = None  # the ids that end this reply (None: its scheduler's)
 
     @property
     def kv_tokens(self) -> int:

@@ -71,24 +71,26 @@ def test_models_outside_the_configured_list_are_refused(pool: EnginePool) -> Non
         last(Comparison(pool, pool.settings).run([NF4, CompareConfig("gpt2", "none")], "hi", gen))
 
 
-@pytest.mark.parametrize("path", ["single", "fast-batched"])
+@pytest.mark.parametrize("path", ["single", "fast-batched", "cpu"])
 def test_unload_really_frees_memory(path: str) -> None:
-    """After replies (the worker threads that ran them wait for the next job; a batch loop's thread runs on) the
+    """After replies (the worker threads that ran them wait for the next job; a scheduler loop's thread runs on) the
     unloaded engine and its model are gone and their memory released. On the batched fast path the loop's thread held
     the model's weights until unload stopped it (10 MB freed of ~540 MB before; on a GPU the next model ran out of
-    memory)."""
-    batched = {"DECODE_PATH": "fast", "MAX_BATCH_SIZE": "2"} if path == "fast-batched" else {}
-    settings = make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", **batched)
+    memory). The CPU path's loop (its one-row runner over the CPU decoder) is stopped too."""
+    paths = {"fast-batched": ({"DECODE_PATH": "fast", "MAX_BATCH_SIZE": "2"}, "fast-batch"),
+             "cpu": ({"DECODE_PATH": "cpu"}, "cpu-decode")}
+    extra, loop_name = paths.get(path, ({}, None))
+    settings = make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", **extra)
     own_pool = EnginePool(settings)
     earlier = set(threading.enumerate())
     engine, _ = own_pool.get(NONE)
-    assert not batched or engine.backend.name == "fast-batched"
+    assert engine.backend.name == (path if loop_name else "plain")
     last(engine.stream_chat("Hello", [], gen=engine.request_options(max_new_tokens=3)))
     weights = engine.report.weights_bytes
     device = engine.loaded.device
     alive, model = weakref.ref(engine), weakref.ref(engine.loaded.model)
-    loops = [t for t in set(threading.enumerate()) - earlier if t.name == "fast-batch"]  # this engine's loop
-    assert len(loops) == (1 if batched else 0)
+    loops = [t for t in set(threading.enumerate()) - earlier if t.name == loop_name]  # this engine's loop
+    assert len(loops) == (1 if loop_name else 0)
     del engine
     before = memory_in_use(device)
     freed = own_pool.unload(NONE)

@@ -355,13 +355,12 @@ class ChatEngine:
             yield
 
     def close(self) -> None:
-        """Stop the batch loops: a loop's thread holds its runner (the packed weights, the KV slots or pool, the
-        CUDA graphs), so an engine dropped with its loop running keeps all of that alive and a second model loaded
-        after it runs out of memory. Requests still queued end with an error. Idempotent; EnginePool.unload calls
-        it, and so should anyone who drops an engine and goes on in the same process."""
-        for scheduler in (self.fast_scheduler, self.scheduler):
-            if scheduler is not None:
-                scheduler.close()
+        """Stop the scheduler loops: a loop's thread holds its runner (the packed weights, the KV slots or pool, the
+        CUDA graphs, the CPU path's decoder), so an engine dropped with its loop running keeps all of that alive and
+        a second model loaded after it runs out of memory. Requests still queued end with an error. Idempotent;
+        EnginePool.unload calls it, and so should anyone who drops an engine and goes on in the same process."""
+        for scheduler in self.path.loops:
+            scheduler.close()
 
     # --- requests ------------------------------------------------------------------------------
     def request_options(self, **options: Any) -> GenerationSettings:

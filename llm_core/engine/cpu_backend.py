@@ -1,4 +1,5 @@
-"""The CPU decode backend: ChatEngine's DecodeBackend over llm_core.fast.cpu.CPUDecoder; knows nothing of Gradio."""
+"""The CPU decode backend: ChatEngine's DecodeBackend over the one scheduler (llm_core.engine.scheduler) with a
+CPURunner (llm_core.engine.cpu_runner) over llm_core.fast.cpu.CPUDecoder; knows nothing of Gradio."""
 
 from __future__ import annotations
 
@@ -8,39 +9,41 @@ from typing import Any
 
 from ..prefix_cache import PrefixCache
 from ..types import LoadedModel
-from .serving import RowKV
+from .cpu_runner import CPURunner
+from .scheduler import Scheduler
+from .serving import ScheduledBackend
 
 
 @dataclass
-class CPUBackend:
-    """llm_core.fast.cpu: int4/int8 weight-only linears, a static KV cache and a decode step compiled by inductor."""
+class CPUBackend(ScheduledBackend):
+    """llm_core.fast.cpu: int4/int8 weight-only linears, a static KV cache and a decode step compiled by inductor;
+    every reply is the row of the scheduler's CPU runner (one at a time), with the loop's queue, Stop and counters.
+    `decoder` holds the CPUDecoder (its runner holds it weakly)."""
 
+    scheduler: Scheduler[CPURunner]
     decoder: Any  # llm_core.fast.cpu.CPUDecoder
     reason: str
-    prefill_chunk_tokens: int | None
     name: str = "cpu"
     cache_at_start: bool = True
 
-    def make_cache(self) -> RowKV:
-        """What the reply's KV held at its end, filled by run(): the static cache's rows it wrote (the cache is
-        allocated empty, so rows never written are never resident)."""
-        return RowKV()
+    @property
+    def prefill_chunk_tokens(self) -> int | None:
+        """Long prompts are prefilled in chunks of this many tokens, one chunk per turn of the loop (None: one pass)."""
+        return self.scheduler.runner.prefill_chunk_tokens
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
-        """Returns the prompt tokens whose KV came from the cache (not prefilled)."""
-        gen = prepared.gen
-        info: dict[str, int] = {}
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
+            input_ids: Any = None) -> int:
+        """ScheduledBackend.run with the prompt's padding dropped. Its RowKV gets the static cache's rows the reply
+        wrote (the cache is allocated empty, so rows never written are never resident). The first reply allocates
+        the cache and compiles the step on the loop's thread."""
+        mask = prepared.attention_mask
+        if input_ids is None:
+            input_ids = prepared.input_ids if bool(mask.all()) else prepared.input_ids[mask.bool()][None]
         try:
-            self.decoder.generate(prepared.input_ids, prepared.attention_mask, gen, streamer, stop_event,
-                                  gen.max_new_tokens, min_new_tokens=gen.min_new_tokens,
-                                  eos_ids=self.decoder.loaded.eos_token_ids, prefill_chunk=self.prefill_chunk_tokens,
-                                  info=info)
-            return info.get("cached_prompt_tokens", 0)
+            return super().run(prepared, streamer, stop_event, cache, input_ids)
         finally:
             if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
                 self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
-            if isinstance(cache, RowKV):
-                cache.nbytes = self.decoder.rows_used * self.decoder.kv_bytes_per_token()
 
 
 def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_chunk_tokens: int | None, *,
@@ -63,4 +66,6 @@ def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_ch
                 "then the head")
     reason = (f"CPU path: {what}; static KV cache ({str(decoder.cache_dtype).removeprefix('torch.')}); decode step "
               f"{'eager' if decoder.compile_mode == 'off' else compiled} (docs/cpu.md)")
-    return CPUBackend(decoder, reason, prefill_chunk_tokens)
+    scheduler = Scheduler(CPURunner(decoder, prefill_chunk_tokens=prefill_chunk_tokens),
+                          eos_token_ids=sorted(loaded.eos_token_ids))
+    return CPUBackend(scheduler, decoder, reason)

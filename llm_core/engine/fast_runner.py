@@ -26,8 +26,8 @@ import functools
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -38,7 +38,7 @@ from ..fast.batched import PREFILL_TOKENS_PER_STEP, SlotDecoder, batch_bucket
 from ..sampling import SamplingOptions, host_pick, sample_from_scores, sampling_generator
 from ..streams import QueuedReply
 from .kv_pool import BlockPool, BlockTable, PoolExhausted
-from .runners import BoundRunner
+from .runners import BoundRunner, grad_off
 
 # A newcomer whose cached prefix is at most 1/RECOMPUTE_PREFIX_SHARE of its prompt is prefilled with the group that
 # arrived with it, its prefix computed again (FastRunner._recomputable)
@@ -120,6 +120,15 @@ class BatchStats:
     def mean_step_s(self) -> float:
         return self.step_s / self.decode_steps if self.decode_steps else 0.0
 
+    def count_step(self, rows: int, bucket: int, step_s: float) -> None:
+        """One decode step of `rows` live rows in a batch of `bucket` rows, `step_s` seconds on the host."""
+        self.step_s += step_s
+        self.decode_steps += 1
+        self.rows_decoded += rows
+        self.padded_rows += bucket
+        self.max_rows_in_step = max(self.max_rows_in_step, rows)
+        self.rows_by_bucket[bucket] = self.rows_by_bucket.get(bucket, 0) + 1
+
 
 class FastRunner(BoundRunner):
     """The BatchRunner (llm_core.engine.runners) over SlotDecoder (see the module docstring). A request whose prompt
@@ -192,10 +201,8 @@ class FastRunner(BoundRunner):
         self.decoder.resize(slot_tokens)
         self.pool = self._new_pool()
 
-    @contextmanager
-    def loop_mode(self) -> Iterator[None]:
-        with torch.inference_mode(False), torch.no_grad():  # the warm-up's mode: no recompile of the step
-            yield
+    def loop_mode(self) -> AbstractContextManager[None]:
+        return grad_off()  # the warm-up's mode: no recompile of the step
 
     def usable(self) -> bool:
         return True
@@ -477,13 +484,7 @@ class FastRunner(BoundRunner):
             self.decoder.tok[slot:slot + 1].copy_(
                 sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))
         tokens = self.decoder.tok[:bucket].tolist()  # the step's one host sync
-        s = self.host.stats
-        s.step_s += time.perf_counter() - t0
-        s.decode_steps += 1
-        s.rows_decoded += len(rows)
-        s.padded_rows += bucket
-        s.max_rows_in_step = max(s.max_rows_in_step, len(rows))
-        s.rows_by_bucket[bucket] = s.rows_by_bucket.get(bucket, 0) + 1
+        self.host.stats.count_step(len(rows), bucket, time.perf_counter() - t0)
         for slot, row in rows.items():
             row.length += 1
             request = row.request

@@ -1,13 +1,13 @@
 """The runners: what produces the tokens of one prepared prompt (transformers' generate, the fast path's static
 cache), behind the DecodeBackend interface the engine streams from; and BatchRunner, what the one batch scheduler
-(llm_core.engine.scheduler) drives: eager_runner (transformers' forward) and fast_runner (the fast path's slots or
-paged pool). Knows nothing of history, text or Gradio."""
+(llm_core.engine.scheduler) drives: eager_runner (transformers' forward), fast_runner (the fast path's slots or
+paged pool) and cpu_runner (the CPU path's static cache). Knows nothing of history, text or Gradio."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -97,6 +97,14 @@ class BoundRunner:
     def host(self) -> RowHost:
         assert self._bound is not None, "bind() the runner to its scheduler first"
         return self._bound
+
+
+@contextmanager
+def grad_off() -> Iterator[None]:
+    """The mode a compiled decoder's warm-up ran in, so no step recompiles: autograd off, not inference mode (the
+    fast and CPU runners' loop_mode)."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 class BatchRunner(Protocol):

@@ -1,6 +1,7 @@
 """The one continuous-batching loop: the queue of replies, the order they are admitted in, the loop thread, stop and
 finish, the counters' snapshots. How a row's KV is held, prefilled and stepped is its runner's (runners.BatchRunner:
-eager_runner over transformers, fast_runner over the fast path's slots). Knows nothing about text, torch or Gradio.
+eager_runner over transformers, fast_runner over the fast path's slots, cpu_runner over the CPU path's static cache).
+Knows nothing about text, torch or Gradio.
 
 One background thread owns the device; request threads only queue work and read their tokens (llm_core.streams):
 
@@ -127,9 +128,10 @@ class Scheduler(TokenStreams, Generic[R]):
     def deliver(self, request: QueuedReply, token: int, new_tokens: int, min_new_tokens: int = 0) -> str | None:
         """Stream a row's new token (its `new_tokens`-th) to its request; the reason the row ends with it, if any:
         eos (once min_new_tokens are out: the fast path bans EOS until then, the eager one has no such minimum)
-        or length."""
+        or length. The request's own eos_token_ids, when set, replace the scheduler's."""
         request.items.put(token)
-        if token in self.eos_token_ids and new_tokens >= min_new_tokens:
+        eos = request.eos_token_ids if request.eos_token_ids is not None else self.eos_token_ids
+        if token in eos and new_tokens >= min_new_tokens:
             return "eos"
         if new_tokens >= request.max_new_tokens:
             return "length"

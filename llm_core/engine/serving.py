@@ -1,7 +1,7 @@
 """Batched serving's settings and engine-facing pieces: MAX_BATCH_SIZE resolved, whether the eager batch can serve a
-model, the eager batch's KV budget, each reply's KV record (RowKV) and the two DecodeBackends over the one scheduler
-(llm_core.engine.scheduler: BatchedBackend with its eager runner, FastBatchedBackend with its fast runner). Knows
-nothing about Gradio.
+model, the eager batch's KV budget, each reply's KV record (RowKV) and the DecodeBackends over the one scheduler
+(llm_core.engine.scheduler: BatchedBackend with its eager runner, FastBatchedBackend with its fast runner; the CPU
+path's, llm_core.engine.cpu_backend, is a ScheduledBackend too). Knows nothing about Gradio.
 """
 
 from __future__ import annotations
@@ -118,8 +118,32 @@ class RowKV:
         self.nbytes = total or None
 
 
+class ScheduledBackend:
+    """What every DecodeBackend over the one scheduler shares (the eager batch's, the batched fast path's, the CPU
+    path's): each reply is a row of `scheduler`'s runner, its KV recorded in a RowKV."""
+
+    scheduler: Scheduler[Any]
+
+    def make_cache(self) -> RowKV:
+        return RowKV()
+
+    def warmup(self) -> None:
+        """Start the loop (idempotent): the runner warms up first (the fast path: slots, compile, graphs)."""
+        self.scheduler.start()
+
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
+            input_ids: torch.Tensor | None = None) -> int:
+        """The prepared reply (input_ids: its prompt, when not prepared.input_ids) as a row, streamed into
+        `streamer`. Returns the prompt tokens whose KV came from a cache instead of the prefill."""
+        gen = prepared.gen
+        record = cache if isinstance(cache, RowKV) else None
+        self.scheduler.generate(prepared.input_ids if input_ids is None else input_ids, SamplingOptions.of(gen),
+                                gen.max_new_tokens, streamer, stop_event, record)
+        return record.cached_prompt_tokens if record is not None else 0
+
+
 @dataclass
-class BatchedBackend:
+class BatchedBackend(ScheduledBackend):
     """The engine's DecodeBackend (llm_core.engine.runners) over the scheduler with an EagerRunner: each reply is a
     row of the batch."""
 
@@ -128,17 +152,9 @@ class BatchedBackend:
     name: str = "batched"
     cache_at_start: bool = True
 
-    def make_cache(self) -> RowKV:
-        return RowKV()
-
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> None:
-        gen = prepared.gen
-        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer,
-                                stop_event, cache if isinstance(cache, RowKV) else None)
-
 
 @dataclass
-class FastBatchedBackend:
+class FastBatchedBackend(ScheduledBackend):
     """The engine's DecodeBackend over the scheduler with a FastRunner (llm_core.engine.fast_runner): every reply,
     alone or not, is a row of the batched fast step. `decoder` is the FastDecoder whose packed weights it runs (its
     max_cache_len is the slot length: the context one reply may span)."""
@@ -149,16 +165,3 @@ class FastBatchedBackend:
     name: str = "fast-batched"
     cache_at_start: bool = True
     measures_peak: bool = True  # the scheduler records each reply's peak (RowKV); the engine resets nothing
-
-    def make_cache(self) -> RowKV:
-        return RowKV()
-
-    def warmup(self) -> None:
-        self.scheduler.start()
-
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
-        gen = prepared.gen
-        record = cache if isinstance(cache, RowKV) else None
-        self.scheduler.generate(prepared.input_ids, SamplingOptions.of(gen), gen.max_new_tokens, streamer, stop_event,
-                                record)
-        return record.cached_prompt_tokens if record is not None else 0

@@ -76,6 +76,13 @@ class DecodePath:
         return self.backend.reason
 
     @property
+    def loops(self) -> list[Scheduler[Any]]:
+        """Every scheduler loop this path runs (the eager or fast batch's, the CPU path's): each loop's thread holds
+        its runner, so ChatEngine.close() stops them."""
+        found = (self.scheduler, self.fast_scheduler, getattr(self.backend, "scheduler", None))
+        return list({id(s): s for s in found if isinstance(s, Scheduler)}.values())
+
+    @property
     def fast_kv_cache(self) -> str:
         """The fast path's static cache: KV_CACHE as resolved (so int8/int4 chats keep the graphed step); bf16 for
         offload, whose replies run on the plain path."""

@@ -22,7 +22,9 @@ step (or a few) removes the Python per op. The pipeline:
   extern-kernel checks) that 2 threads do not share; measured in docs/cpu.md.
 - select: greedy reads the head graph's argmax; sampling runs llm_core.sampling's warpers and multinomial on the
   head graph's (penalized) fp32 scores.
-- stream: each token goes to the streamer as it is produced; Stop is checked before every step.
+- a reply in pieces (start, a prefill chunk, a step, finish/fail): the CPU runner (llm_core.engine.cpu_runner) runs
+  them as the one row of the engine's scheduler loop, so each token goes out as it is made and Stop is honoured
+  between prefill chunks and steps.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -442,9 +444,11 @@ class Selection:
 class CPUDecoder:
     """Static KV cache, quantized weights and the compiled decode step of one loaded (CPU-quantized) model.
 
-    One reply at a time (a lock). `generate` has FastDecoder's contract: it streams token ids into a
-    TextIteratorStreamer-like object and honours a stop event. With a `prefix_cache`, a reply prefills only the
-    prompt tokens after the longest prefix whose KV the last reply left in the static cache."""
+    One reply at a time (a lock, taken by start() and given back by finish() or fail()). A reply runs as pieces:
+    start, prefill_chunk until the prompt is in (its first token), step per new token, finish or fail; the engine's
+    CPU runner (llm_core.engine.cpu_runner) calls them from the one scheduler's loop, `generate` in one loop. With a
+    `prefix_cache`, a reply prefills only the prompt tokens after the longest prefix whose KV the last reply left in
+    the static cache."""
 
     def __init__(self, loaded: Any, weights: CPUWeights, *, max_cache_len: int | None = None,
                  compile: str = "graphs", layers_per_graph: int | None = None,
@@ -564,6 +568,11 @@ class CPUDecoder:
         n = self._rows_used
         return KVCacheView([_KVLayer(k[:n], v[:n]) for k, v in zip(self._k, self._v, strict=True)])
 
+    @property
+    def cache_bytes(self) -> int:
+        """The static cache as allocated (its pages count in RSS only once written)."""
+        return int(self._k[0].shape[0]) * self.kv_bytes_per_token() if self._k else 0
+
     def kv_bytes_per_token(self) -> int:
         s = self.spec
         return 2 * s.n_layers * s.n_kv_heads * s.head_dim * torch.empty((), dtype=self.cache_dtype).element_size()
@@ -632,76 +641,149 @@ class CPUDecoder:
                 rows.append(self._decode(int(token), ids.numel() + j, sel)[0])
             return torch.cat(rows, 0)
 
+    # --- one reply, in pieces (the CPU runner, llm_core.engine.cpu_runner, calls them between its loop's turns) ----
+    def check_reply(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        """GenerationError for a reply this decoder could never hold (checked before it waits for its turn)."""
+        if prompt_tokens == 0:
+            raise GenerationError("The prompt is empty.")
+        if max_new_tokens < 1:
+            raise GenerationError("max_new_tokens must be at least 1.")
+        if prompt_tokens + max_new_tokens > self.max_cache_len:
+            raise GenerationError(f"The prompt ({prompt_tokens:,} tokens) plus max new tokens ({max_new_tokens:,}) "
+                                  f"exceed the CPU path's KV cache ({self.max_cache_len:,} tokens); shorten the "
+                                  "history.")
+
+    def start(self, prompt: Sequence[int], params: Any, max_new_tokens: int, *, min_new_tokens: int = 0,
+              eos_ids: Iterable[int] = ()) -> CPUReply:
+        """Take the decoder for one reply (its lock, held until finish or fail): the penalty's seen ids, the EOS ban
+        until min_new_tokens, the sampler (`params`: GenerationSettings or SamplingOptions), and the prompt tokens
+        whose KV the prefix cache holds (not prefilled again). This and the pieces after it run with autograd off
+        outside inference mode, as the warm-up did (the runner's loop_mode, or generate)."""
+        self.check_reply(len(prompt), int(max_new_tokens))
+        prompt_ids = [int(i) for i in prompt]
+        self._lock.acquire()
+        try:
+            if not self._k:
+                self._allocate(self.max_cache_len)
+            vocab, eos = self.weights.head.n, frozenset(int(i) for i in eos_ids)
+            ids = torch.tensor(prompt_ids, dtype=torch.long)
+            sel = Selection(torch.zeros(1, vocab, dtype=torch.bool), torch.tensor([float(params.repetition_penalty)]),
+                            torch.zeros(1, vocab))
+            sel.seen[0, ids] = True  # prompt + new ids: what the penalty reads
+            no_ban, ban = sel.bias, torch.zeros(1, vocab)
+            ban[0, sorted(i for i in eos if 0 <= i < vocab)] = float("-inf")
+            if min_new_tokens > 0 and eos:
+                sel.bias = ban
+            first = self.prefix_cache.begin(prompt_ids) if self.prefix_cache is not None else 0
+        except BaseException:
+            self._lock.release()
+            raise
+        reply = CPUReply(ids, int(max_new_tokens), int(min_new_tokens), eos, params, sel, no_ban,
+                         logits_processors(params, penalty=False),  # the penalty is applied with the head
+                         sampling_generator(params), cached_tokens=first, prefilled=first)
+        self._rows_used = reply.rows_used = ids.numel()
+        return reply
+
+    def prefill_chunk(self, reply: CPUReply, chunk: int | None) -> int | None:
+        """Prefill the reply's next `chunk` prompt tokens (None: all that are left); once the whole prompt is in, its
+        first new token (picked as step() picks), else None."""
+        total = reply.ids.numel()
+        end = min(total, reply.prefilled + chunk) if chunk else total
+        logits = self._prefill(reply.ids[:end], None, reply.prefilled)
+        reply.prefilled = end
+        if end < total:
+            return None
+        return self._pick(reply, *select_scores(logits, reply.sel.seen, reply.sel.penalty, reply.sel.bias))
+
+    def step(self, reply: CPUReply) -> int:
+        """Feed the reply's last new token (its KV written at the next row) and pick the one after it."""
+        if len(reply.out) >= reply.min_new_tokens:
+            reply.sel.bias = reply.no_ban
+        self._rows_used = reply.rows_used = reply.ids.numel() + len(reply.out)
+        return self._pick(reply, *self._decode(reply.out[-1], reply.rows_used - 1, reply.sel))
+
+    def _pick(self, reply: CPUReply, scores: torch.Tensor, best: torch.Tensor) -> int:
+        """The next token from the head's (penalized, EOS-banned) scores: greedy reads the head's argmax; sampling or
+        an output control go through llm_core.sampling."""
+        params = reply.params
+        control = getattr(params, "control", None)
+        token = int(next_token(scores, params.do_sample, reply.warpers, None, reply.generator, control)
+                    if params.do_sample or control is not None else best)
+        reply.sel.seen[0, token] = True
+        reply.out.append(token)
+        return token
+
+    def finish(self, reply: CPUReply) -> None:
+        """The reply ended cleanly (EOS, length, Stop after a token): the prefix cache learns what the static cache
+        holds (the prompt and every new id but the last, never fed back); the decoder is free again."""
+        try:
+            if self.prefix_cache is not None:
+                self.prefix_cache.commit(reply.ids[:reply.prefilled].tolist() + reply.out[:-1])
+        finally:
+            self._lock.release()
+
+    def fail(self, reply: CPUReply) -> None:
+        """The reply ended half-way (an error, a Stop inside the prefill): nothing of the cache is reused."""
+        try:
+            self._forget()
+        finally:
+            self._lock.release()
+
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
                  streamer: Any, stop_event: threading.Event, max_new_tokens: int, *,
                  min_new_tokens: int = 0, eos_ids: Sequence[int] = (), prefill_chunk: int | None = None,
                  info: dict[str, Any] | None = None) -> list[int]:
-        """Like model.generate for batch 1 (repetition penalty, sampling, min_new_tokens as generate applies them):
-        streamer.put(prompt), then every new token as it is made, then streamer.end() (also on stop or error).
-        Returns the new token ids; `info` (if given) gets cached_prompt_tokens: the prompt tokens not prefilled
-        because their KV was in the cache."""
+        """The pieces above in one loop on the calling thread, for tests and probes (the engine serves replies
+        through the CPU runner): streamer.put(prompt), then every new token as it is made, then streamer.end() (also
+        on stop or error). Returns the new token ids; `info` (if given) gets cached_prompt_tokens."""
         try:
-            with self._lock, torch.inference_mode(False), torch.no_grad():
+            if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+                raise GenerationError(f"The CPU decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
+            ids = input_ids[0] if attention_mask is None else input_ids[0][attention_mask[0].bool()]
+            with torch.inference_mode(False), torch.no_grad():
+                reply = self.start(ids.tolist(), gen, int(max_new_tokens), min_new_tokens=int(min_new_tokens),
+                                   eos_ids=eos_ids)
                 try:
-                    return self._generate(input_ids, attention_mask, gen, streamer, stop_event, int(max_new_tokens),
-                                          int(min_new_tokens), set(eos_ids), prefill_chunk, info)
+                    if info is not None:
+                        info["cached_prompt_tokens"] = reply.cached_tokens
+                    if streamer is not None:
+                        streamer.put(input_ids.cpu())
+                    token = None
+                    while token is None:
+                        token = self.prefill_chunk(reply, prefill_chunk)
+                    while True:
+                        if streamer is not None:
+                            streamer.put(torch.tensor([token]))
+                        if reply.ended(token) or stop_event.is_set():
+                            self.finish(reply)
+                            return reply.out
+                        token = self.step(reply)
                 except BaseException:  # a half-written cache: nothing of it is reused
-                    self._forget()
+                    self.fail(reply)
                     raise
         finally:
             if streamer is not None:
                 streamer.end()
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, gen: GenerationSettings,
-                  streamer: Any, stop_event: threading.Event, limit: int, min_new: int, eos: set[int],
-                  prefill_chunk: int | None, info: dict[str, Any] | None) -> list[int]:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-            raise GenerationError(f"The CPU decode path takes one prompt (batch 1), got {tuple(input_ids.shape)}.")
-        ids = input_ids[0]
-        if attention_mask is not None and not bool(attention_mask.all()):
-            ids = ids[attention_mask[0].bool()]
-        prompt_len = ids.numel()
-        if prompt_len == 0:
-            raise GenerationError("The prompt is empty.")
-        if limit < 1:
-            raise GenerationError("max_new_tokens must be at least 1.")
-        if prompt_len + limit > self.max_cache_len:
-            raise GenerationError(f"The prompt ({prompt_len:,} tokens) plus max new tokens ({limit:,}) exceed the "
-                                  f"CPU path's KV cache ({self.max_cache_len:,} tokens); shorten the history.")
-        if not self._k:
-            self._allocate(self.max_cache_len)
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        warpers = logits_processors(gen, penalty=False)  # the penalty is applied with the head (select_scores)
-        generator = sampling_generator(gen)
-        vocab = self.weights.head.n
-        sel = Selection(torch.zeros(1, vocab, dtype=torch.bool), torch.tensor([float(gen.repetition_penalty)]),
-                        torch.zeros(1, vocab))
-        sel.seen[0, ids] = True  # prompt + new ids: what the penalty reads
-        no_ban, ban = sel.bias, torch.zeros(1, vocab)
-        ban[0, sorted(i for i in eos if 0 <= i < vocab)] = float("-inf")
-        if min_new > 0 and eos:
-            sel.bias = ban
-        self._rows_used = prompt_len
-        prompt = ids.tolist()
-        first = self.prefix_cache.begin(prompt) if self.prefix_cache is not None else 0
-        if info is not None:
-            info["cached_prompt_tokens"] = first
-        scores, best = select_scores(self._prefill(ids.to(torch.long), prefill_chunk, first), sel.seen, sel.penalty,
-                                     sel.bias)
-        out: list[int] = []
-        while True:
-            token = int(next_token(scores, gen.do_sample, warpers, None, generator, gen.control)
-                        if gen.do_sample or gen.control is not None else best)
-            sel.seen[0, token] = True
-            out.append(token)
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            if token in eos or len(out) >= limit or stop_event.is_set():
-                if self.prefix_cache is not None:  # every id but the last was fed: its KV is in rows 0..P+n-2
-                    self.prefix_cache.commit(prompt + out[:-1])
-                return out
-            if len(out) >= min_new:
-                sel.bias = no_ban
-            self._rows_used = prompt_len + len(out)
-            scores, best = self._decode(token, prompt_len + len(out) - 1, sel)
+
+@dataclass
+class CPUReply:
+    """One reply's state between CPUDecoder's pieces: start -> prefill_chunk ... -> step ... -> finish | fail."""
+
+    ids: torch.Tensor  # (P,) long: the prompt
+    max_new_tokens: int
+    min_new_tokens: int  # EOS is banned (sel.bias) until this many new tokens are out
+    eos: frozenset[int]
+    params: Any  # the sampling options: do_sample, temperature, top_k, top_p, repetition_penalty, seed, control
+    sel: Selection
+    no_ban: torch.Tensor  # sel.bias once min_new_tokens are out
+    warpers: Any  # transformers LogitsProcessorList: temperature, top-k, top-p (the penalty is the head's)
+    generator: torch.Generator | None
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held: not prefilled
+    prefilled: int = 0  # prompt tokens whose KV is in the cache
+    rows_used: int = 0  # cache rows holding this reply's KV (prompt + new tokens fed back)
+    out: list[int] = field(default_factory=list)  # the new tokens
+
+    def ended(self, token: int) -> bool:
+        """Whether `token`, the last of `out`, ends the reply: EOS or max_new_tokens."""
+        return token in self.eos or len(self.out) >= self.max_new_tokens
