@@ -1,6 +1,6 @@
 """Decode attention over the KV cache's row formats on the GPU: one query row (and 8) over a long cache, the slots
 form and the paged form, bf16 rows and int8 rows padded to head_dim + 4 bytes (the cache's layout) and + 16 (the
-layout before 2026-12-05), timed in CUDA graphs (median of 20 replays of 50 calls each).
+layout before 2026-12-05), timed in CUDA graphs (llm_core.fast.timing: 20 replays of 50 calls each).
 
     python -m bench.attention_rows --out results.json [--tokens 9000] [--heads 32]
 """
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -23,24 +22,6 @@ def padded(rows: torch.Tensor, pad: int) -> torch.Tensor:
     return out
 
 
-def timed(fn, calls: int = 50, replays: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -49,6 +30,7 @@ def main() -> int:
     args = ap.parse_args()
     from llm_core.fast import kvquant
     from llm_core.fast.kernels import attention  # noqa: F401 - registers the ops
+    from llm_core.fast.timing import time_in_cuda_graph
 
     dev, d, hkv, t, page = torch.device("cuda"), 128, args.heads, args.tokens, 16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -61,14 +43,14 @@ def main() -> int:
         kq, vq = kvquant.quantize_rows(k), kvquant.quantize_rows(v)
         blocks = t // page
         for fmt, kk, vv in (("bf16", k, v), ("int8+4", kq, vq), ("int8+16", padded(kq, 16), padded(vq, 16))):
-            us = timed(lambda q=q, kk=kk, vv=vv, pos=pos: torch.ops.llm_core.decode_attention_rows(
-                q, kk, vv, pos, d ** -0.5))
+            us = time_in_cuda_graph(lambda q=q, kk=kk, vv=vv, pos=pos: torch.ops.llm_core.decode_attention_rows(
+                q, kk, vv, pos, d ** -0.5), reps=50)
             pool_k = kk.reshape(rows_n * blocks, page, hkv, kk.shape[-1])
             pool_v = vv.reshape(rows_n * blocks, page, hkv, vv.shape[-1])
             table = torch.arange(rows_n * blocks, dtype=torch.int32, device=dev).view(rows_n, blocks)
             table = table[:, torch.randperm(blocks, device=dev)].contiguous()  # the same rows, shuffled blocks
-            us_paged = timed(lambda q=q, a=pool_k, b=pool_v, tb=table, pos=pos:
-                             torch.ops.llm_core.decode_attention_paged(q, a, b, tb, pos, d ** -0.5))
+            us_paged = time_in_cuda_graph(lambda q=q, a=pool_k, b=pool_v, tb=table, pos=pos:
+                             torch.ops.llm_core.decode_attention_paged(q, a, b, tb, pos, d ** -0.5), reps=50)
             nbytes = 2 * rows_n * t * hkv * kk.shape[-1] * kk.element_size()
             rec = {"rows": rows_n, "tokens": t, "kv_heads": hkv, "format": fmt, "row_bytes": kk.shape[-1] *
                    kk.element_size(), "slots_us": round(us, 1), "paged_us": round(us_paged, 1),
