@@ -609,8 +609,7 @@ class PathBuilder:
                     allocated = True
                 free_memory(self.loaded.device)
                 peak = profile()
-                torch.cuda.empty_cache()
-                held = cached_free_bytes(self.loaded.device)  # graph pools' free bytes, fragments: not returnable
+                held = unreturnable_free_bytes(self.loaded.device)
                 profiles[tokens] = peak | {"held_free_bytes": held,
                                            "peak_need_bytes": int(peak["peak_allocated_bytes"]) + held}
             except torch.cuda.OutOfMemoryError as exc:
@@ -635,11 +634,11 @@ class PathBuilder:
         2026-12-05, so its predicted peaks came out 20% over the measured ones on an 8 GiB card."""
         if self.loaded.device.type != "cuda":
             return
-        torch.cuda.empty_cache()
+        held = unreturnable_free_bytes(self.loaded.device)
         after = device_allocated_bytes(self.loaded.device)
         if after is not None and self.allocated_before_decode is not None:
             pools = decoder.graph_pool_idle_bytes()
-            fragments = max(0, cached_free_bytes(self.loaded.device) - pools)
+            fragments = max(0, held - pools)
             self.held_free_bytes = pools + fragments  # planned as resident: see ChatEngine._final_stats
             self.facts = replace(self.facts, resident_extra_bytes=resident_extra_bytes(
                 self.facts, self.allocated_before_decode, after, pools + fragments))
@@ -691,3 +690,12 @@ def cached_free_bytes(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def unreturnable_free_bytes(device: torch.device) -> int:
+    """CUDA: the free bytes the caching allocator still holds after giving back all it can (empty_cache): graph pools'
+    free bytes and fragments of pages still in use; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return cached_free_bytes(device)
