@@ -3,9 +3,7 @@
 # bench.batched (Llama-2-7B, 1/8/32 chats beside transformers' batched generate) through ChatEngine with the
 # start-up pick serving nf4_mm where it won. Run from the repo root; results under $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 timeout 150 python3 -m pytest -q -m gpu -rA -p no:cacheprovider "tests/test_fast_decode.py::test_prefill_graphs_match_the_compiled_prefill" "tests/test_fast_decode.py::test_re_sizing_the_cache_leaves_no_memory_behind" > "$OUT/cards-gpu-tests.txt" 2>&1; echo "tests rc=$?"
 grep -E "^E |Error|assert|passed|failed" "$OUT/cards-gpu-tests.txt" | cut -c1-400 | head -40
 timeout 240 python3 -m bench.batched --out "$OUT/batched-llama2.json" > "$OUT/batched-llama2.log" 2>&1; echo "llama2 rc=$?"

@@ -7,9 +7,7 @@
 # GPU_TEST_FILES="file:seconds ..." overrides the list (a shorter call); the default takes about 9 minutes warm.
 # Left out: test_nf4_gemv and test_dense_gemv (kernels unchanged since their 2026-11-30 GPU pass; add them here).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 FILES=${GPU_TEST_FILES:-"test_paged_kv:60 test_kv_int4:100 test_int8_tables:100 test_nf4_mm:60 test_constrained_gpu:90 test_batched_fast:90 test_prefix_cache:60 test_fast_decode:150 test_cards:120"}
 for entry in $FILES; do
   name=${entry%%:*} limit=${entry##*:}

@@ -8,9 +8,7 @@
 # ATTN (bench.attention_rows arguments, e.g. "--tokens 9000") times the decode attention kernel first. MB_S=0 skips
 # the breakdown.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 if [ -n "${TESTS:-}" ]; then
   timeout -s INT -k 15 "${TESTS_S:-120}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider $TESTS > "$OUT/gpu-tests.txt" 2>&1
   echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | head -20

@@ -5,9 +5,7 @@
 # and off in the same run. Run from the repo root with .whl carried; JSON under $OUT.
 # MT_SET adds settings (e.g. MT_SET="--set KV_LAYOUT=slots", or "--only-first" for a shorter call); MT_CARDS the cards.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 SET=${MT_SET:-}
 for entry in ${MT_CARDS:-"16:280 8:240"}; do
   card=${entry%%:*} limit=${entry##*:}

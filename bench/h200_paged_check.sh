@@ -6,9 +6,7 @@
 # KV_LAYOUT=slots and KV_LAYOUT=paged (graphs, tokens/s, TTFT, peak, pauses). Run from the repo root; JSON under $OUT.
 # Limits (s): TESTS_S (150), ATTN_S (75), SLOTS_S (170, writes the checkpoint), PAGED_S (120).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider tests/test_paged_kv.py tests/test_prefix_cache.py \
   > "$OUT/paged-gpu-tests.txt" 2>&1; echo "tests rc=$?"
 grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed" "$OUT/paged-gpu-tests.txt" | cut -c1-400 | head -30

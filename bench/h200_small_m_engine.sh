@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The small-M NF4 kernel wired into the batched step, on the GPU: the kernel's GPU tests, bench.batched (1/8/32 chats,
 # Llama-2-7B shape, NF4, 512 + 128, beside transformers' batched generate), then the batched path's GPU tests.
-# Run from the tree's root after the wheels are on PYTHONPATH (as bench/h200_small_m.sh).
+# Run from the repo root with .whl carried (bench/h200_env.sh installs it); results under $OUT.
 set -uo pipefail
-python3 -c "import torch, transformers, bitsandbytes, triton; print('versions', torch.__version__, transformers.__version__, bitsandbytes.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
+source bench/h200_env.sh || exit 1
 timeout "${MM_TESTS_S:-70}" python3 -m pytest -q -m gpu -x -rfE -p no:cacheprovider tests/test_nf4_mm.py > "$OUT/gpu-tests.txt" 2>&1
 echo "nf4_mm tests rc=$?"; tail -3 "$OUT/gpu-tests.txt" | cut -c1-300
 timeout "${BENCH_S:-290}" python3 -m bench.batched --out "$OUT/batched.json" > "$OUT/bench.log" 2>&1

@@ -4,8 +4,7 @@
 # (49,152 ids: the mask's work scales with the vocabulary). Carry .whl (bitsandbytes, transformers, llguidance,
 # jsonschema and its three needs) and .tok (the tokenizer, tokenizer.json gzipped). JSON under $OUT.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source bench/h200_env.sh || exit 1
 mkdir -p /tmp/tok && cp .tok/*.json .tok/*.jinja /tmp/tok/ && gunzip -c .tok/tokenizer.json.gz > /tmp/tok/tokenizer.json
 for batch in 1 8; do
   DECODE_PATH=fast MAX_BATCH_SIZE=$batch timeout "${STRUCTURED_LIMIT_S:-150}" python3 -m bench.structured \

@@ -257,6 +257,7 @@ def test_slots_are_sized_by_measurement_and_the_profile_leaves_no_trace(fp32_eng
 
     engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
     slots = engine.fast_scheduler.runner.decoder
+    budget = engine.memory_budget.budget_bytes  # this engine's own: on CPU the budget follows the free RAM right now
     full = {"peak_reserved_bytes": budget * 2, "peak_allocated_bytes": budget, "tokens": 0, "slots": 2}
     monkeypatch.setattr(slots, "profile_worst_reply", lambda chunk: full)
     slots.warmup()
