@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         decode_tokens_per_s_off=[r["decode_tokens_per_s"] for r in off],
         last_over_turns_2_3_on=ratio(on), last_over_turns_2_3_off=ratio(off), ttft_over_turn_1_on=over_first(on),
         tokens_identical_per_turn=identical, all_identical=all(identical),
-        first_difference=[first_difference(a["token_ids"], b["token_ids"]) for a, b in zip(on, off, strict=True)],
+        first_difference=[first_difference(a["token_ids"], b["token_ids"]) for a, b in zip(on, off, strict=True)]
+        if on and off else [],
         load_avg_after=os.getloadavg())
     return 0 if all(identical) else 1  # (only one run: nothing to compare, 0)
 
