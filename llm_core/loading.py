@@ -208,7 +208,7 @@ def load_model(settings: ModelSettings, progress: Progress | None = None) -> Loa
     model.eval()
     extra: dict[str, Any] = {}
     if cpu_format is not None:
-        from .fast.cpu import quantize_for_cpu
+        from .fast.cpu_weights import quantize_for_cpu
 
         say(f"Quantizing {source.display_name} for the CPU path ({cpu_format})…")
         extra["cpu_weights"] = quantize_for_cpu(model, cpu_format)

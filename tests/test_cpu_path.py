@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from llm_core.engine.chat import ChatEngine
-from llm_core.fast.cpu import CPUDecoder, layer_groups, quantize_int4
+from llm_core.fast.cpu import CPUDecoder, StepSpec, attention_dtype_is_cache, layer_forward, layer_groups
+from llm_core.fast.cpu_weights import quantize_int4
 from llm_core.history import Turn
 from tests.conftest import make_settings
 
@@ -93,6 +94,44 @@ def test_layer_groups_cover_every_layer_in_order_with_at_most_two_sizes() -> Non
             assert max(counts) - min(counts) <= 1
     assert layer_groups(30, 5) == [(i, 5) for i in range(0, 30, 5)] and layer_groups(16, 5) == [(0, 4), (4, 4),
                                                                                               (8, 4), (12, 4)]
+
+
+def test_attention_reads_a_bf16_cache_as_stored_within_bf16_rounding_of_fp32_copies() -> None:
+    """The CPU layer attends over its bf16 cache either as stored (bf16 queries, fp32 accumulation: the path where the
+    CPU multiplies bf16 natively, attention_dtype_is_cache) or through fp32 copies: a 5-token prefill, a 3-token chunk
+    after it and a one-token step give the same hidden states within bf16 rounding (but not bit for bit: the bf16 path
+    ran), write the same K/V rows at their positions of the head-major (Hkv, L, D) cache and nothing after them. An
+    fp32 cache (the dense reference) is never read in bf16."""
+    torch.manual_seed(0)
+    hkv, nh, d, hidden, inter, length = 2, 4, 16, 64, 32, 16
+    q_out, kv_out = nh * d, hkv * d
+    spec = StepSpec(1, nh, hkv, d, d ** -0.5, 1e-5, "dense", "dense", (q_out, kv_out, kv_out), (inter, inter))
+    w = [torch.randn(q_out + 2 * kv_out, hidden) / 8, torch.randn(hidden, q_out) / 8,
+         torch.randn(2 * inter, hidden) / 8, torch.randn(hidden, inter) / 6]
+    angles = torch.arange(length)[:, None] * (1e-2 ** (torch.arange(d // 2) / (d // 2)))[None]
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    ones = torch.ones(hidden)
+    parts = [(torch.randn(5, hidden), 0), (torch.randn(3, hidden), 5), (torch.randn(1, hidden), 8)]
+
+    def run(as_stored: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        layer = StepSpec(**{**spec.__dict__, "cache_dtype_attention": as_stored})
+        k = torch.zeros(hkv, length, d, dtype=torch.bfloat16)
+        v = torch.zeros_like(k)
+        outs = []
+        for h, start in parts:
+            pos = torch.arange(start, start + h.shape[0])
+            outs.append(layer_forward(layer, h, pos, start, cos[pos], sin[pos], k, v, start + h.shape[0], ones, ones,
+                                      w))
+        return outs, k, v
+
+    stored, k1, v1 = run(True)
+    copies, k2, v2 = run(False)
+    for a, b in zip(stored, copies, strict=True):
+        assert (a - b).abs().max().item() <= 2e-2 * max(1.0, b.abs().max().item())
+    assert any(not torch.equal(a, b) for a, b in zip(stored, copies, strict=True))
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert bool((k1[:, :9].abs().sum(-1) > 0).all()) and not k1[:, 9:].any() and not v1[:, 9:].any()
+    assert not attention_dtype_is_cache(torch.float32)
 
 
 def test_cpu_path_equals_generate_token_for_token_in_fp32() -> None:

@@ -13,12 +13,17 @@ step (or a few) removes the Python per op. The pipeline:
   GGUF's token table is Q8_0). q/k/v and gate/up are quantized as one fused matrix each; the transformers modules
   are re-pointed at row views of it, so plain `generate` keeps working on the same bytes (the quantization's own
   reference) and memory is not doubled.
+- weights: llm_core.fast.cpu_weights.
+- the static cache: per layer (Hkv, L, D), head-major, bf16 (fp32 for dense fp32 weights).
 - prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
+  Attention reads a bf16 cache as it is (bf16 queries, fp32 accumulation) where the CPU multiplies bf16 natively
+  (attention_dtype_is_cache), else fp32 copies of it.
 - decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled by inductor as one graph per group
   of up to LAYERS_PER_GRAPH consecutive layers (groups of one size share one graph, their weights inputs; the
   attended length dynamic, so attention reads exactly the live rows) and one for the head, which also applies the
-  repetition penalty and the EOS ban and takes the argmax; the one-token attention is inductor's own fused reduction
-  rather than an SDPA call; eager if compiling fails. Fewer, larger graphs cut the per-call cost (Python wrapper,
+  repetition penalty and the EOS ban and takes the argmax; the one-token attention is an SDPA call over the bf16
+  cache as stored (as prefill), or inductor's own fused reduction over fp32 where prefill copies; eager if compiling
+  fails. Fewer, larger graphs cut the per-call cost (Python wrapper,
   extern-kernel checks) that 2 threads do not share; measured in docs/cpu.md.
 - select: greedy reads the head graph's argmax; sampling runs llm_core.sampling's warpers and multinomial on the
   head graph's (penalized) fp32 scores.
@@ -33,25 +38,23 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from ..config import GenerationSettings
 from ..errors import GenerationError
 from ..sampling import logits_processors, next_token, sampling_generator
 from .compiled import own_code
+from .cpu_weights import ACT_DTYPE, GROUP_SIZE, CPUWeights, embed_rows, fused_linear
 
 if TYPE_CHECKING:
     from ..prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
-GROUP_SIZE = 32  # int4 group along the input dimension: Q4_1's block
-ACT_DTYPE = torch.bfloat16  # what torch's int4/int8 weight-only CPU kernels take (their fp32 forms are scalar loops)
 LAYERS_PER_GRAPH = 5  # consecutive decoder layers per compiled graph (docs/cpu.md)
 # inductor options of the decode graphs: its wrapper's Python checks of every extern kernel's output size, stride and
 # alignment (a few per kernel, ~50 kernels per 5 layers) measured ~5% of a 135M token (docs/cpu.md)
@@ -59,8 +62,6 @@ GRAPH_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asse
 DECODE_ATTENTION = "fused"  # one token's attention in the decode graphs: sdpa | fused (inductor's own reduction)
 # QUANTIZATION (what the user asked for) -> the weight format the CPU path computes with
 CPU_FORMATS = {"nf4": "int4", "fp4": "int4", "int8": "int8", "none": "dense"}
-# the lm_head's format for each: see docs/cpu.md for the int4-vs-int8 head measurement
-HEAD_FORMATS = {"int4": "int8", "int8": "int8", "dense": "dense"}
 
 
 def cpu_weight_format(quantization: str) -> str:
@@ -94,195 +95,6 @@ def cpu_path_support(config: Any) -> tuple[bool, str]:
     return True, ""
 
 
-# --- weights ---------------------------------------------------------------------------------------------------
-
-
-def quantize_int4(w: torch.Tensor, group: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) float -> (packed (N, K/2) uint8 in torch's CPU int4 layout, scales_and_zeros (K/group, N, 2) bf16).
-    Asymmetric: w ~ (q - 8) * scale + zero with q in 0..15, scale = (max - min) / 15, zero = min + 8 * scale."""
-    n, k = w.shape
-    g = w.float().view(n, k // group, group)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = ((hi - lo) / 15).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).view(n, k)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    sz = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous().to(ACT_DTYPE)
-    return packed, sz
-
-
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w (N, K) -> (int8 (N, K), per-row scale (N,) bf16): symmetric, absmax / 127 per row."""
-    wf = w.float()
-    scale = (wf.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return q, scale.to(ACT_DTYPE)
-
-
-@dataclass
-class FusedWeights:
-    """One (possibly fused) matrix in the CPU path's format; `splits` are the output rows of its parts."""
-
-    fmt: str  # int4 | int8 | dense
-    n: int
-    k: int
-    splits: tuple[int, ...]
-    tensors: tuple[torch.Tensor, ...]  # int4: (packed, scales_and_zeros); int8: (w, scale); dense: (w,)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) -> (..., N), in x's dtype (the product in bf16 for int4/int8)."""
-        return fused_linear(self.fmt, x, self.tensors)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
-
-
-def fused_linear(fmt: str, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    if fmt == "dense":
-        return F.linear(x.to(ts[0].dtype), ts[0]).to(x.dtype)
-    flat = x.reshape(-1, x.shape[-1]).to(ACT_DTYPE)
-    if fmt == "int4":
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, ts[0], GROUP_SIZE, ts[1])
-    else:
-        y = torch._weight_int8pack_mm(flat, ts[0], ts[1])
-    return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
-
-
-class CPULinear(nn.Module):
-    """A transformers linear re-pointed at rows [start, stop) of a FusedWeights matrix. The int4 kernel reads its
-    scales contiguously, so a row view of them would be read wrongly: it computes the fused product and keeps its
-    rows (exactly the values the CPU decode step uses; the plain path is the reference, not the fast one)."""
-
-    def __init__(self, fused: FusedWeights, start: int, stop: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = fused.k, stop - start
-        self.fused, self.start, self.stop = fused, start, stop
-        for i, t in enumerate(fused.tensors):  # counted by get_memory_footprint (the first module of a group)
-            self.register_buffer(f"w{i}", t if start == 0 else t[:0], persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fused.linear(x)
-        return y if self.stop - self.start == self.fused.n else y[..., self.start:self.stop]
-
-
-class CPUEmbedding(nn.Module):
-    """The token table read from the int8 lm_head (tied embeddings): rows dequantized on lookup, as llama.cpp reads
-    its Q8_0 token table; one copy of the table serves both."""
-
-    def __init__(self, head: FusedWeights, dtype: torch.dtype, padding_idx: int | None = None) -> None:
-        super().__init__()
-        self.head, self.dtype, self.padding_idx = head, dtype, padding_idx
-        self.num_embeddings, self.embedding_dim = head.n, head.k
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embed_rows(self.head, ids, self.dtype)
-
-
-def embed_rows(head: FusedWeights, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if head.fmt == "int8":
-        w, scale = head.tensors
-        return (F.embedding(ids, w).to(dtype) * F.embedding(ids, scale[:, None]).to(dtype))
-    return F.embedding(ids, head.tensors[0]).to(dtype)
-
-
-def _quantize_group(modules: Sequence[nn.Linear], fmt: str) -> FusedWeights:
-    w = torch.cat([m.weight.detach() for m in modules]) if len(modules) > 1 else modules[0].weight.detach()
-    if any(getattr(m, "bias", None) is not None for m in modules):
-        raise GenerationError("The CPU path does not implement linear layers with a bias.")
-    n, k = w.shape
-    if fmt == "int4":
-        tensors: tuple[torch.Tensor, ...] = quantize_int4(w)
-    elif fmt == "int8":
-        tensors = quantize_int8(w)
-    else:
-        tensors = (w.contiguous(),)
-    return FusedWeights(fmt, n, k, tuple(int(m.weight.shape[0]) for m in modules), tensors)
-
-
-def _repoint(owner: nn.Module, names: Sequence[str], fused: FusedWeights) -> None:
-    start = 0
-    for name, rows in zip(names, fused.splits, strict=True):
-        setattr(owner, name, CPULinear(fused, start, start + rows))
-        start += rows
-
-
-@dataclass
-class CPUWeights:
-    """What quantize_for_cpu made: per layer [qkv, o, gate_up, down], the lm_head, and the token table the embedding
-    reads rows of (the head itself when it is int8 or dense and tied)."""
-
-    fmt: str
-    layers: list[list[FusedWeights]]
-    head: FusedWeights
-    embed: FusedWeights
-
-    @property
-    def nbytes(self) -> int:
-        tables = [self.head] + ([self.embed] if self.embed is not self.head else [])
-        return sum(f.nbytes for layer in self.layers for f in layer) + sum(t.nbytes for t in tables)
-
-
-def quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWeights:
-    """_quantize_for_cpu on a short-lived thread. Why: torch's GNU OpenMP keeps one thread team per calling thread; had
-    the loading thread run these parallel ops, its team would outlive them beside the one the engine's worker thread
-    decodes with, and with more OpenMP threads than cores libgomp stops spin-waiting: the same decoder measured 34-59
-    tok/s on the worker thread against 92-105 with a single team (docs/cpu.md). A thread that exits frees its team."""
-    out: dict[str, Any] = {}
-
-    def work() -> None:
-        try:
-            out["weights"] = _quantize_for_cpu(model, fmt, head_fmt)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
-            out["error"] = exc
-
-    thread = threading.Thread(target=work, name="cpu-quantize")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["weights"]
-
-
-def _quantize_for_cpu(model: Any, fmt: str, head_fmt: str | None = None) -> CPUWeights:
-    """Quantize a llama-family model's linears in place (int4 | int8 | dense = fuse only); the float originals are
-    freed module by module. The lm_head takes `head_fmt` (default: HEAD_FORMATS[fmt]); the embedding reads an int8
-    (dense for dense) table: the head's own when they are tied and it has that format, else one of its own."""
-    inner = model.model
-    layers: list[list[FusedWeights]] = []
-    head_fmt = head_fmt or HEAD_FORMATS[fmt]
-    with torch.no_grad():
-        for layer in inner.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = _quantize_group([attn.q_proj, attn.k_proj, attn.v_proj], fmt)
-            _repoint(attn, ("q_proj", "k_proj", "v_proj"), qkv)
-            o = _quantize_group([attn.o_proj], fmt)
-            _repoint(attn, ("o_proj",), o)
-            gate_up = _quantize_group([mlp.gate_proj, mlp.up_proj], fmt)
-            _repoint(mlp, ("gate_proj", "up_proj"), gate_up)
-            down = _quantize_group([mlp.down_proj], fmt)
-            _repoint(mlp, ("down_proj",), down)
-            layers.append([qkv, o, gate_up, down])
-        lm_head = model.get_output_embeddings()
-        embed = model.get_input_embeddings()
-        tied = lm_head.weight.data_ptr() == embed.weight.data_ptr()
-        dtype = embed.weight.dtype
-        table_fmt = "dense" if fmt == "dense" else "int8"
-        head = _quantize_group([lm_head], head_fmt)
-        table = head if tied and head_fmt == table_fmt else _quantize_group([embed], table_fmt)
-        model.lm_head = CPULinear(head, 0, head.n)
-        model.config.tie_word_embeddings = False  # nothing may re-tie the modules to a float table
-        inner.embed_tokens = CPUEmbedding(table, dtype, getattr(embed, "padding_idx", None))
-        if table is not head:
-            inner.embed_tokens.register_buffer("w0", table.tensors[0], persistent=False)
-            if len(table.tensors) > 1:
-                inner.embed_tokens.register_buffer("w1", table.tensors[1], persistent=False)
-        # What is left of the checkpoint (norms; embeddings for dense) may be views into transformers' memory map of
-        # the weights file: give each its own copy, so the map (the whole file, resident once read) is released
-        for param in model.parameters():
-            param.data = param.data.clone()
-    return CPUWeights(fmt, layers, head, table)
-
-
 # --- the step ----------------------------------------------------------------------------------------------------
 
 
@@ -299,6 +111,7 @@ class StepSpec:
     splits_qkv: tuple[int, int, int]
     splits_gate_up: tuple[int, int]
     decode_attention: str = "sdpa"
+    cache_dtype_attention: bool = False  # SDPA over the cache as stored (bf16), not fp32 copies: see attention_dtype
 
 
 def _no_guards(entries: Sequence[Any]) -> list[bool]:
@@ -317,12 +130,26 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def attention_dtype_is_cache(cache_dtype: torch.dtype) -> bool:
+    """Whether SDPA reads a bf16 cache as it is (bf16 queries, fp32 accumulation) instead of fp32 copies of it: where
+    the CPU multiplies bf16 natively (AVX512-BF16 or AMX), torch's CPU flash attention is 1.9-3.4x faster that way
+    for a 512-token chunk over 0.6-6k cached tokens and 2x for one token over 6k (bench/results/
+    2026-12-05-cpu-attention.json); elsewhere bf16 GEMMs are emulated, so the fp32 copies stay (not measured). fp32
+    caches (the dense reference) are read as they are either way."""
+    if cache_dtype != torch.bfloat16:
+        return False
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((probe is not None and probe()) or (amx is not None and amx()))
+
+
 def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int,
                   norm_in: torch.Tensor, norm_post: torch.Tensor, w: Sequence[torch.Tensor]) -> torch.Tensor:
     """One decoder layer over S tokens at positions pos = start..start+S-1. h (S, H) fp32 residual; cos/sin (S, D);
-    k/v_cache (L, Hkv, D): this layer's whole static cache, its own tensor (rows pos are written in place here;
-    attention reads rows 0..n-1 only, n = start + S);
+    k/v_cache (Hkv, L, D): this layer's whole static cache, its own tensor, head-major (each head's rows contiguous:
+    one token's attention over 6k rows takes 0.72 ms a layer against 1.02 token-major, fused form; rows pos are
+    written in place here; attention reads rows 0..n-1 only, n = start + S);
     w: the tensors of qkv, o, gate_up, down in order."""
     seq = h.shape[0]
     per = 2 if spec.fmt in ("int4", "int8") else 1
@@ -331,18 +158,21 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
     q, k, v = fused_linear(spec.fmt, x, w[0:per]).split(spec.splits_qkv, dim=-1)
     q = _rope(q.view(seq, nh, d), cos[:, None], sin[:, None])
     k = _rope(k.view(seq, hkv, d), cos[:, None], sin[:, None])
-    k_cache.index_copy_(0, pos, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, pos, v.view(seq, hkv, d).to(v_cache.dtype))
-    keys = k_cache[:n].transpose(0, 1)[None].to(q.dtype)  # (1, Hkv, n, D)
-    values = v_cache[:n].transpose(0, 1)[None].to(q.dtype)
-    qh = q.transpose(0, 1)[None]  # (1, H, S, D)
+    k_cache.index_copy_(1, pos, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, pos, v.view(seq, hkv, d).transpose(0, 1).to(v_cache.dtype))
+    att = k_cache.dtype if spec.cache_dtype_attention else q.dtype
+    keys = k_cache[:, :n][None].to(att)  # (1, Hkv, n, D)
+    values = v_cache[:, :n][None].to(att)
+    qh = q.transpose(0, 1)[None].to(att)  # (1, H, S, D)
     gqa = hkv != nh
-    if seq == 1 and spec.decode_attention == "fused" and torch.compiler.is_compiling():
-        # one query, compiled: products, softmax and sums inductor fuses into its own loops (no SDPA call; eagerly
-        # these would materialize (H, n, D) products, so the eager step keeps SDPA)
+    if seq == 1 and spec.decode_attention == "fused" and not spec.cache_dtype_attention \
+            and torch.compiler.is_compiling():
+        # one query over an fp32 copy, compiled: products, softmax and sums inductor fuses into its own loops (no
+        # SDPA call, no copy; eagerly these would materialize (H, n, D) products, so the eager step keeps SDPA).
+        # Over a bf16 cache read as it is, SDPA is faster (docs/cpu.md)
         qg = q.view(hkv, nh // hkv, 1, d).float()  # query head i reads kv head i // (nh / hkv), as enable_gqa
-        kt = k_cache[:n].transpose(0, 1)[:, None].float()  # (Hkv, 1, n, D)
-        vt = v_cache[:n].transpose(0, 1)[:, None].float()
+        kt = k_cache[:, None, :n].float()  # (Hkv, 1, n, D)
+        vt = v_cache[:, None, :n].float()
         p = torch.softmax((qg * kt).sum(-1) * spec.scale, dim=-1)  # (Hkv, G, n)
         return _layer_tail(spec, h, (p[..., None] * vt).sum(-2).reshape(1, nh * d).to(h.dtype), norm_post, w, per)
     if seq == 1:
@@ -477,10 +307,11 @@ class CPUDecoder:
         # dense weights: the cache in their dtype (fp32: the token-equality reference); int4/int8: bf16, as llama.cpp
         # keeps its cache in f16
         self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
+        self.spec = replace(self.spec, cache_dtype_attention=attention_dtype_is_cache(self.cache_dtype))
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
         self.prefix_cache = prefix_cache  # the ids whose KV the static cache holds (None: every reply from 0)
-        self._k: list[torch.Tensor] = []  # per layer (L, Hkv, D), each its own tensor: written in place by the graph
+        self._k: list[torch.Tensor] = []  # per layer (Hkv, L, D), each its own tensor: written in place by the graph
         self._v: list[torch.Tensor] = []
         self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
         self._rows_used = 0
@@ -543,8 +374,8 @@ class CPUDecoder:
         self._forget()
         self._k, self._v = [], []
         for _ in range(s.n_layers):
-            self._k.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
-            self._v.append(torch.empty(tokens, s.n_kv_heads, s.head_dim, dtype=self.cache_dtype))
+            self._k.append(torch.empty(s.n_kv_heads, tokens, s.head_dim, dtype=self.cache_dtype))
+            self._v.append(torch.empty(s.n_kv_heads, tokens, s.head_dim, dtype=self.cache_dtype))
         self._lengths = torch.empty(tokens, dtype=torch.int8)
         self._cos, self._sin = self._cos_sin(torch.arange(tokens))  # (tokens, D) each: RoPE, read by the graphs
 
@@ -566,12 +397,12 @@ class CPUDecoder:
         if not self._k:
             return None
         n = self._rows_used
-        return KVCacheView([_KVLayer(k[:n], v[:n]) for k, v in zip(self._k, self._v, strict=True)])
+        return KVCacheView([_KVLayer(k[:, :n], v[:, :n]) for k, v in zip(self._k, self._v, strict=True)])
 
     @property
     def cache_bytes(self) -> int:
         """The static cache as allocated (its pages count in RSS only once written)."""
-        return int(self._k[0].shape[0]) * self.kv_bytes_per_token() if self._k else 0
+        return int(self._k[0].shape[1]) * self.kv_bytes_per_token() if self._k else 0
 
     def kv_bytes_per_token(self) -> int:
         s = self.spec
