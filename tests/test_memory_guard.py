@@ -111,8 +111,10 @@ def _live_tensor_bytes(exclude: set[int]) -> int:
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes among the objects warns
         warnings.simplefilter("ignore")
         objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    from torch._subclasses.fake_tensor import FakeTensor
+
     for obj in objects:
-        if not obj.is_meta:
+        if not obj.is_meta and not isinstance(obj, FakeTensor):  # compile's fake tensors hold no memory
             try:
                 storage = obj.untyped_storage()
                 ptr = storage.data_ptr()
