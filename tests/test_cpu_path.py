@@ -10,6 +10,7 @@ Bounds, stated before measuring (docs/cpu.md):
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -114,7 +115,7 @@ def test_attention_reads_a_bf16_cache_as_stored_within_bf16_rounding_of_fp32_cop
     parts = [(torch.randn(5, hidden), 0), (torch.randn(3, hidden), 5), (torch.randn(1, hidden), 8)]
 
     def run(as_stored: bool) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
-        layer = StepSpec(**{**spec.__dict__, "cache_dtype_attention": as_stored})
+        layer = dataclasses.replace(spec, cache_dtype_attention=as_stored)
         k = torch.zeros(hkv, length, d, dtype=torch.bfloat16)
         v = torch.zeros_like(k)
         outs = []

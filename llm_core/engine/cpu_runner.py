@@ -60,10 +60,7 @@ class CPURunner(BoundRunner):
 
     @property
     def decoder(self) -> CPUDecoder:
-        decoder = self._decoder_ref()
-        if decoder is None:
-            raise GenerationError("The model was unloaded; this reply was stopped.")
-        return decoder
+        return self.held(self._decoder_ref)
 
     @property
     def max_batch_size(self) -> int:

@@ -123,10 +123,7 @@ class EagerRunner(BoundRunner):
 
     @property
     def model(self) -> Any:
-        model = self._model_ref()
-        if model is None:
-            raise GenerationError("The model was unloaded; this reply was stopped.")
-        return model
+        return self.held(self._model_ref)
 
     @property
     def max_batch_size(self) -> int:

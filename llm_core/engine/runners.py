@@ -15,6 +15,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..config import GenerationSettings
+from ..errors import GenerationError
 from ..history import FittedHistory
 from ..memory.kv_cache import cache_kwarg, make_cache, prefill_in_chunks
 from ..types import LoadedModel
@@ -97,6 +98,15 @@ class BoundRunner:
     def host(self) -> RowHost:
         assert self._bound is not None, "bind() the runner to its scheduler first"
         return self._bound
+
+    @staticmethod
+    def held(ref: Callable[[], Any]) -> Any:
+        """What a runner holds by weak reference (the eager runner's model, the CPU runner's decoder), or the error
+        its reply ends with once the engine dropped it."""
+        target = ref()
+        if target is None:
+            raise GenerationError("The model was unloaded; this reply was stopped.")
+        return target
 
 
 @contextmanager

@@ -38,7 +38,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -292,10 +292,13 @@ class CPUDecoder:
         n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
         attn0 = inner.layers[0].self_attn
+        # dense weights: the cache in their dtype (fp32: the token-equality reference); int4/int8: bf16, as llama.cpp
+        # keeps its cache in f16
+        self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
         self.spec = StepSpec(len(inner.layers), n_heads, n_kv, head_dim, float(attn0.scaling),
                              float(inner.norm.variance_epsilon), weights.fmt, weights.head.fmt,
                              tuple(weights.layers[0][0].splits), tuple(weights.layers[0][2].splits),  # type: ignore[arg-type]
-                             DECODE_ATTENTION)
+                             DECODE_ATTENTION, attention_dtype_is_cache(self.cache_dtype))
         self._norms = [t.detach().float() for layer in inner.layers
                        for t in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
         self._norms.append(inner.norm.weight.detach().float())
@@ -304,10 +307,6 @@ class CPUDecoder:
         self._rotary = inner.rotary_emb
         table = weights.embed
         self._embed: Callable[[torch.Tensor], torch.Tensor] = lambda ids: embed_rows(table, ids, self.dtype)
-        # dense weights: the cache in their dtype (fp32: the token-equality reference); int4/int8: bf16, as llama.cpp
-        # keeps its cache in f16
-        self.cache_dtype = weights.layers[0][0].tensors[0].dtype if weights.fmt == "dense" else ACT_DTYPE
-        self.spec = replace(self.spec, cache_dtype_attention=attention_dtype_is_cache(self.cache_dtype))
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
         self.prefix_cache = prefix_cache  # the ids whose KV the static cache holds (None: every reply from 0)
