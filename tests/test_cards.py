@@ -233,6 +233,22 @@ def test_measured_sizing_grows_an_underestimated_cache_once_and_keeps_what_fits(
     assert size_cache_by_measurement(capped, 2048, per_token, budget, 4096) == 4096
 
 
+def test_measured_sizing_of_batch_slots_counts_the_growth_threshold_in_pool_tokens() -> None:
+    """The batched path sizes its slot length; each slot token is 8 tokens of the pool. The H100 8 GiB Llama-2-7B
+    run (bench/results/2026-12-05-s3-h100-cards-llama-2-7b-8gib.json) measured 1,264-token slots ~316 MB under the
+    budget: 130 slot tokens (1,040 of the pool) left unused because 256 was compared with slot tokens. Counted per
+    sequence, the slots grow once into that headroom; a single cache with the same headroom in tokens does not."""
+    budget, per_slot_token = 8_053_063_680, 8 * 271_000
+    fixed = 7_603_208_192 - 1264 * per_slot_token  # the measured peak at 1,264-token slots
+    card = SimulatedCard(fixed=fixed, per_token=per_slot_token, cap=8 * GiB)
+    tokens = size_cache_by_measurement(card, 1264, per_slot_token, budget, 32768, sequences=8)
+    assert card.sizes[0] == 1264 and tokens == card.sizes[-1] > 1264 and tokens % CACHE_ROUND_TOKENS == 0
+    assert card.fixed + per_slot_token * tokens <= budget - MEASURED_SAFETY_BYTES
+    assert 8 * tokens >= 11_000  # >= 2.5x the seed recipe's 4,431 tokens in that run
+    one = SimulatedCard(fixed=fixed, per_token=per_slot_token, cap=8 * GiB)
+    assert size_cache_by_measurement(one, 1264, per_slot_token, budget, 32768) == 1264  # 130 < 256 tokens
+
+
 def test_measured_sizing_recovers_from_an_oom_and_refuses_when_nothing_useful_fits() -> None:
     """An OOM while profiling halves the cache (no excess was measured); weights that leave less than the minimum
     cache raise the error that says what to change."""

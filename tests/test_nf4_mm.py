@@ -166,10 +166,16 @@ def test_shapes_and_rows_outside_the_kernel_are_refused() -> None:
         _run(p, torch.randn(2, 320, dtype=torch.bfloat16), decode="lut")
 
 
-def test_default_config_splits_k_where_n_alone_gives_too_few_programs() -> None:
-    assert mm.default_config(8, 4096, 11008).split > 1  # 128 tiles of 32 rows for 132 SMs
-    assert mm.default_config(8, 22016, 4096).split == 1  # 688 tiles of 32 rows
-    assert mm.default_config(32, 12288, 4096).block_n == 64
+def test_default_config_splits_k_where_n_alone_gives_too_few_programs_or_k_is_long() -> None:
+    # the H100 sweep's best splits (bench/results/2026-12-05-s3-h100-small-m.json) on 132 SMs
+    assert mm.default_config(8, 4096, 4096).split == 4  # 64 tiles: 4 splits reach 1.5 programs per SM
+    assert mm.default_config(8, 4096, 11008).split == 8  # 86 K steps: 8 splits keep a program to ~11
+    assert mm.default_config(8, 12288, 4096).split == 2  # 192 tiles: enough programs at 2
+    assert mm.default_config(8, 22016, 4096).split == 2
+    assert mm.default_config(8, 4096, 4096, sms=28).split == 2  # a smaller GPU: fewer programs needed
+    assert mm.default_config(2, 64, 256).split == 1  # two K steps: nothing to split
+    cfg = mm.default_config(32, 12288, 4096)
+    assert (cfg.block_n, cfg.block_k, cfg.even, cfg.xvec, cfg.scale16) == (64, 128, True, True, True)
     cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True)
     assert mm.MMConfig.from_list(cfg.as_list()) == cfg
     assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older list

@@ -500,7 +500,7 @@ class PathBuilder:
         try:
             self.profile = self.size_by_measurement(
                 lambda: int(slots.slot_tokens), resize, lambda: slots.profile_worst_reply(self.prefill_chunk_tokens),
-                slots.slots * slots.kv_bytes_per_token())
+                slots.slots * slots.kv_bytes_per_token(), sequences=slots.slots)
         except ContextBudgetError as exc:
             raise ContextBudgetError(f"{exc} With MAX_BATCH_SIZE={slots.slots} the batch's KV slots share it: lower "
                                      "MAX_BATCH_SIZE.") from None
@@ -583,7 +583,8 @@ class PathBuilder:
                  human_bytes(self.profile["peak_need_bytes"]), human_bytes(self.budget.budget_bytes))
 
     def size_by_measurement(self, current: Callable[[], int], resize: Callable[[int], None],
-                            profile: Callable[[], dict[str, int]], bytes_per_token: int) -> dict[str, int]:
+                            profile: Callable[[], dict[str, int]], bytes_per_token: int,
+                            sequences: int = 1) -> dict[str, int]:
         """llm_core.memory.plan.size_cache_by_measurement over `profile` (the worst moment at the current size; a
         CUDA OOM there counts as over), re-sizing with `resize`; leaves the size it keeps in place and returns its
         profile. What a profile needs is its peak of allocated bytes plus what the allocator then holds and cannot
@@ -619,7 +620,7 @@ class PathBuilder:
             return profiles[tokens]["peak_need_bytes"]
 
         tokens = size_cache_by_measurement(measure, current(), bytes_per_token, self.budget.budget_bytes,
-                                           int(self.loaded.context_length))
+                                           int(self.loaded.context_length), sequences=sequences)
         if tokens != current() or not allocated:  # the last size measured was not the one kept
             if measure(tokens) is None:
                 raise ContextBudgetError(f"The KV cache of {tokens:,} tokens that fitted at start-up did not fit when "

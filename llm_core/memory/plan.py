@@ -31,6 +31,7 @@ from .model import (
 )
 
 CACHE_ROUND_TOKENS = 16  # FastDecoder rounds its cache to multiples of 16 tokens
+MIN_GROW_TOKENS = 256  # size_cache_by_measurement measures again only for a headroom of at least this many tokens
 MIN_FAST_CACHE_TOKENS = 256  # below this the fast path is not worth its graphs: the engine says so and stops
 PREFILL_BUCKET_TOKENS = 64  # llm_core.fast.options.PREFILL_BUCKET_TOKENS (kept here: this module imports no torch)
 # Where these three numbers come from (the measurements behind them): docs/memory.md, "The plan's constants".
@@ -200,13 +201,18 @@ def require_cache(plan: CachePlan, facts: ModelMemoryFacts) -> CachePlan:
 
 
 def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int, bytes_per_token: int,
-                              budget_bytes: int, context_length: int, *, attempts: int = 10) -> int:
+                              budget_bytes: int, context_length: int, *, attempts: int = 10,
+                              sequences: int = 1) -> int:
     """The static cache size, in tokens, found by measuring instead of predicting: `measure(t)` re-sizes the
     cache to t tokens, runs the worst reply it allows and returns the device's peak reserved bytes (None: it ran
     out of memory), which must stay MEASURED_SAFETY_BYTES under the budget. Over that: shrink by the excess
     (+10%, at least 1/32 of the cache), or to half after an OOM (no excess was measured: shrinking by a quarter
     ran out of attempts from a start 14x too large, Llama-3-8B bf16 on 8 GiB); under it by more than max(256
     tokens, 1/16 of the cache) and short of the context: grow once by 90% of the headroom, then measure again.
+    `sequences`: how many sequences one unit of `tokens` stands for (the batched path sizes its slot length, each
+    token of which is `sequences` tokens of the pool: the 256-token threshold is counted in the pool's tokens, or
+    an 8 GiB card's 8 slots left ~300 MB of the budget unused, as a headroom under 256 x 8 pool tokens, Llama-2-7B,
+    bench/results/2026-12-05-s3-h100-cards-llama-2-7b-8gib.json).
     Returns the largest size measured within it
     (the engine keeps that one), or raises ContextBudgetError when not even MIN_FAST_CACHE_TOKENS fit. Sizes are
     multiples of CACHE_ROUND_TOKENS."""
@@ -222,7 +228,7 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
         if peak is not None and peak <= budget_bytes:
             fits.append(t)
             room = int((budget_bytes - peak) * 0.9) // per // r * r
-            if grown or t >= ceiling or room < max(256, t // 16):
+            if grown or t >= ceiling or room < max(MIN_GROW_TOKENS // max(1, int(sequences)), t // 16, r):
                 break
             t, grown = min(ceiling, t + room), True
             continue

@@ -89,18 +89,21 @@ class MMConfig:
 
 
 def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
-    """A launch shape for (M, N, K) without tuning, fit to the H200 sweep (bench/results/2026-12-01-h200-small-m-*):
-    32 x 256 tiles with 4 warps up to 16 rows, 64 x 128 at 17-32 (the 32-row accumulator), 2 pipeline stages, and
-    split-K until the grid holds ~2 programs per SM (N = 4096 gives 128 tiles of 32 rows for 132 SMs). The loop
-    forms (even, xvec, asm_scale, scale16: 712 -> 435 loop instructions on sm_90, bench/nf4_mm_sass.py) stay off
-    here until a GPU has run and timed them (`bash bench/h200_small_m.sh` sweeps them against this rule): the
-    asm decode's new forms have only been compiled, and scale16 changes the bits within the tests' bound."""
-    block_n, block_k = (32, 256) if m <= 16 else (64, 128)
+    """A launch shape for (M, N, K) without tuning, fit to the H100 sweep of 2026-12-05
+    (bench/results/2026-12-05-s3-h100-small-m.json: 4 linears x 2 models x M = 1..32, 127 variants each): 64 x 128
+    tiles, 4 warps, 3 pipeline stages and the loop forms even + xvec + scale16 (712 -> 435 loop instructions on
+    sm_90, bench/nf4_mm_sass.py) for every M; K split in two at least, then again while the grid holds fewer than
+    1.5 programs per SM or a program would walk more than 16 K steps (N = 4096, K = 4096: 4 splits; K = 11008: 8;
+    N = 12288 or 22016: 2). Over the sweep this rule is within 10% of each shape's best config (per layer at
+    M = 8: 100 µs against 143 for the earlier rule, the earlier 32 x 256 tiles without the forms)."""
+    block_n, block_k = 64, 128
     tiles = -(-n // block_n)
-    split = 1
-    while tiles * split < 2 * sms and split < 8 and k // (block_k * split * 2) >= 2:
+    steps = max(1, k // block_k)
+    split = 2 if steps >= 4 else 1
+    while split < 8 and steps // (split * 2) >= 2 and (tiles * split < 1.5 * sms or steps / split > 16):
         split *= 2
-    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=2, dot=True)
+    return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=3, dot=True, even=True, xvec=True,
+                    scale16=True)
 
 
 @functools.lru_cache(maxsize=8)
