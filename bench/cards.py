@@ -7,9 +7,10 @@ turn one JSON record with: recipe ("ours"/"seed"), card_gib, model, max_position
 prompt_tokens, dropped_turns, ttft_s, decode_tokens_per_s, predicted_peak_vram_bytes, peak_vram_bytes,
 peak_reserved_bytes, outcome (ok/refused/crashed/startup_failed), device, versions, command. Both recipes get the
 same conversation: ours runs first and its message lists (untrimmed) are replayed to the seed. After the chat the
-engine answers two of its turns again: `repeat` records give the TTFT of a second reply at the same length (the
-first at a new length is the turn itself). The JSON file is rewritten after every record, so a run cut short keeps
-what it measured.
+engine answers two of its turns again: `repeat` records give the TTFT of a second reply at the same length (the first
+at a new length is the turn itself), and a `fill` record is one message on a fresh chat sized to the context the
+engine reported room for (`context_fit_tokens`): the longest prompt kept, to the token. The JSON file is
+rewritten after every record, so a run cut short keeps what it measured.
 
     python -m bench.cards --out "$OUT/cards.json" [--budget-s 500] [--only SUBSTRING] [--extra]
 
@@ -25,10 +26,10 @@ included; later start-ups reuse the compile cache. A case not started before --b
 skipped, and the turn loop stops at --budget-s, so leave the call ~60 s beyond it.)
 
 `--extra` adds the earlier ablations (KV_CACHE=quantized, 24 GiB, a 4k-position Llama-2-7B). The summary (in the
-JSON's "summary") has per card and model: ours' longest prompt kept and decode tok/s there, the seed's longest that
-ran and the one that crashed, their ratio, crashes and refusals of ours (and refusals the seed answered), and the
-largest |predicted - measured| / measured peak over ours' answered turns.
-"""
+JSON's "summary") has per card and model: ours' longest prompt kept over the turns and decode tok/s there, the fill's
+prompt and decode tok/s with their ratios to the seed's, the seed's longest that ran and the one that crashed, their
+ratio, crashes and refusals of ours (and refusals the seed answered), and the largest |predicted - measured| /
+measured peak over ours' answered turns."""
 
 from __future__ import annotations
 
@@ -206,6 +207,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             history = history + [Turn(text, "ok")]
         turn += 1
     conversations[(case.model, case.positions, case.card_gib)] = [(message(i), sent[i]) for i in range(len(sent))]
+    fill(engine, case, rec, base, gen, deadline)
     # A second reply at the length of two turns already answered: TTFT of first vs second at that length.
     for again in sorted({1, turn - 1} & set(replies)):
         if time.perf_counter() > deadline:
@@ -225,6 +227,59 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     engine.close()
     del engine, decoder
     release()
+
+
+def fill_text(engine: Any, tokens: int) -> str:
+    """A message whose prompt (the chat template and the default system prompt, which stream_chat adds for an empty
+    one) is `tokens` long or a few
+    under: words of message()'s kind, their count corrected from the engine's own token count a few times."""
+    from llm_core.history import build_messages
+
+    def text(words: int) -> str:
+        return " ".join(f"t{(i * 7919) % 500 + 3}" for i in range(max(1, words)))
+
+    words, best = tokens, 1
+    for _ in range(6):
+        n = engine.count_tokens(build_messages(engine.settings.chat.system_prompt, [], text(words)))
+        if n <= tokens:
+            best = max(best, words)
+            if n > tokens - 8:
+                break
+        words = max(1, int(words * tokens / max(n, 1)) - (1 if n > tokens else 0))
+    return text(best)
+
+
+def fill(engine: Any, case: Case, rec: Recorder, base: dict[str, Any], gen: Any, deadline: float) -> None:
+    """One message that fills the context the engine reported (`context_fit_tokens`: the prompt tokens a reply of
+    max_new_tokens leaves room for), sent on a fresh chat: the longest prompt ours keeps, measured to the token
+    rather than at a whole turn's granularity (turns of 1,500 words kept 8,970 tokens of a 10,944-token fit on
+    8 GiB: the next turn did not fit whole, so the oldest was dropped). Refused: tried once 256 tokens shorter."""
+    from llm_core.errors import ContextBudgetError, InputError, OutOfMemoryError
+
+    fits = [r.get("context_fit_tokens") or 0 for r in rec.records
+            if r.get("case") == base["case"] and r.get("what") == "turn" and r.get("outcome") == "ok"]
+    target = max(fits, default=0)
+    for _ in range(2):
+        if target <= 0 or time.perf_counter() > deadline:
+            return
+        record = dict(base, what="fill", turn=None, target_tokens=target, context_fit_tokens=max(fits))
+        try:
+            last = None
+            for update in engine.stream_chat(fill_text(engine, target), [], gen=gen):
+                last = update
+            assert last is not None
+            s = last.stats
+            rec.add(**record, outcome="ok", prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
+                    dropped_turns=s.dropped_turns, ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
+                    predicted_peak_vram_bytes=s.predicted_peak_bytes, peak_vram_bytes=s.peak_vram_allocated_bytes,
+                    peak_reserved_bytes=s.peak_vram_reserved_bytes, kv_cache_bytes=s.kv_cache_bytes)
+            return
+        except (ContextBudgetError, InputError) as exc:
+            rec.add(**record, outcome="refused", error=str(exc)[:400])
+            target -= 256
+        except OutOfMemoryError as exc:
+            rec.add(**record, outcome="crashed", error=str(exc)[:400])
+            return
 
 
 def _prefill_timing(engine: Any) -> dict[str, Any]:
@@ -410,8 +465,18 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                   if r.get("predicted_peak_vram_bytes") and r.get("peak_vram_bytes")]
         kept = (longest or {}).get("prompt_tokens") or 0
         rate = (longest or {}).get("decode_tokens_per_s")
+        fills = [r for r in records if r.get("what") == "fill" and r.get("model") == model
+                 and r.get("card_gib") == card and r.get("recipe") == "ours" and r.get("kv_cache") == "default"]
+        filled = next((r for r in fills if r.get("outcome") == "ok"), None)
+        fill_tokens = (filled or {}).get("prompt_tokens") or 0
         out.append({
             "model": model, "card_gib": card, "ours_longest_prompt_tokens": kept, "ours_decode_tokens_per_s": rate,
+            "ours_fill_prompt_tokens": fill_tokens or None,
+            "ours_fill_decode_tokens_per_s": (filled or {}).get("decode_tokens_per_s"),
+            "fill_ratio_to_seed": round(fill_tokens / seed_longest, 3) if fill_tokens and seed_longest else None,
+            "fill_decode_ratio_to_seed": round(filled["decode_tokens_per_s"] / seed_rate, 2)
+            if filled and filled.get("decode_tokens_per_s") and seed_rate else None,
+            "ours_fill_failures": sum(r.get("outcome") != "ok" for r in fills),
             "seed_longest_prompt_tokens": seed_longest, "seed_decode_tokens_per_s": seed_rate,
             "seed_crashed_at_prompt_tokens": seed_crash, "ratio_to_seed": round(kept / seed_longest, 3)
             if seed_longest else None, "decode_ratio_to_seed": round(rate / seed_rate, 2) if rate and seed_rate

@@ -75,3 +75,25 @@ def test_memory_breakdown_sums_segments_by_kind_and_allocations_by_owner() -> No
     assert out["repeated_block_sizes"] == []  # no size occurs twice on one stream here
     snapshot["segments"][1]["blocks"].append(block(40, "active_allocated"))
     assert summarize_snapshot(snapshot)["repeated_block_sizes"] == [{"bytes": 40, "stream": 0, "count": 2}]
+
+
+def test_cards_smoke_fills_the_reported_context_to_within_a_few_tokens(tmp_path: Path) -> None:
+    """bench.cards' fill message: one prompt sized to the context the engine reported for the case (not whole turns,
+    whose granularity left 2k tokens of an 8 GiB card's fit unmeasured), answered, and summarised beside the seed."""
+    out = tmp_path / "cards.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cards", "--cpu-smoke", "--out", str(out), "--ckpt-dir",
+                           str(tmp_path / "ckpt")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    fills = [r for r in doc["records"] if r.get("what") == "fill"]
+    assert {r["kv_cache"] for r in fills} == {"default", "int8"}  # each ours case, never the seed
+    for r in fills:
+        assert r["outcome"] == "ok", r
+        assert r["context_fit_tokens"] - 8 < r["prompt_tokens"] <= r["context_fit_tokens"]
+        assert r["new_tokens"] == 8 and r["decode_tokens_per_s"] > 0
+    summary = doc["summary"]["cards"][0]
+    default_fill = next(r for r in fills if r["kv_cache"] == "default")
+    assert summary["ours_fill_prompt_tokens"] == default_fill["prompt_tokens"]
+    assert summary["fill_ratio_to_seed"] == round(default_fill["prompt_tokens"] / summary["seed_longest_prompt_tokens"],
+                                                  3)
+    assert summary["ours_fill_failures"] == 0
