@@ -21,10 +21,15 @@ except ImportError:  # pragma: no cover - depends on the install
 if triton is not None:
 
     @triton.jit
-    def _quantized_rows(ptr, row, d, lmask, D: tl.constexpr, INT4: tl.constexpr, GROUP4: tl.constexpr):
+    def _quantized_rows(ptr, row, d, lmask, D: tl.constexpr, INT4: tl.constexpr, GROUP4: tl.constexpr,
+                        ALIGN: tl.constexpr):
         """Cache rows at element offsets `row` (BLOCK_L,) dequantized to fp32 (BLOCK_L, D) (llm_core.fast.kvquant):
         int8 = D codes and the exponent of a 2^(e/8) scale at byte D; INT4 = D/2 bytes of nibbles (element 2j low),
-        then per GROUP4 values a biased exponent, then per GROUP4 values a zero point (the values Hadamard-rotated)."""
+        then per GROUP4 values a biased exponent, then per GROUP4 values a zero point (the values Hadamard-rotated).
+        Rows that start 4-byte aligned (ALIGN >= 4) read the int8 exponent as the low byte of the 32-bit word at
+        byte D (the row's zero padding above it): a word load goes through the asynchronous copy pipeline with the
+        codes, where a lone byte load (cp.async copies 4 bytes at least) stalled every step of the loop on its
+        latency (paged int8 rows on an H100: 84 µs against 56 for bf16 rows of twice the bytes, 9k tokens)."""
         if INT4:
             byte = tl.load(ptr + row[:, None] + d[None, :] // 2, mask=lmask[:, None], other=0).to(tl.int32)
             code = (byte >> ((d[None, :] % 2) * 4)) & 15
@@ -34,7 +39,12 @@ if triton is not None:
             x = (code - z).to(tl.float32) * tl.exp2((e - 128.0) * 0.125)
         else:
             codes = tl.load(ptr + row[:, None] + d[None, :], mask=lmask[:, None], other=0)
-            scale = tl.exp2(tl.load(ptr + row + D, mask=lmask, other=0).to(tl.float32) * 0.125)
+            if ALIGN >= 4:  # little-endian: byte D is the word's low byte; shifted up and back, its sign kept
+                word = tl.load((ptr + row + D).to(tl.pointer_type(tl.int32)), mask=lmask, other=0)
+                e = ((word << 24) >> 24).to(tl.float32)
+            else:
+                e = tl.load(ptr + row + D, mask=lmask, other=0).to(tl.float32)
+            scale = tl.exp2(e * 0.125)
             x = codes.to(tl.float32) * scale[:, None]
         return x
 
@@ -115,7 +125,7 @@ if triton is not None:
                 rows = base + li * stride_l + h * stride_h
             rows = tl.multiple_of(rows, ALIGN)
             if INT8 or INT4:
-                k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
+                k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN).to(q.dtype)
             else:
                 k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
             if IEEE:
@@ -128,7 +138,7 @@ if triton is not None:
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if INT8 or INT4:
-                v = _quantized_rows(v_ptr, rows, d, lmask, D, INT4, GROUP4).to(q.dtype)
+                v = _quantized_rows(v_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN).to(q.dtype)
             else:
                 v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
             if IEEE:
