@@ -186,16 +186,9 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
         sent.append(list(history))
         record = dict(base, what="turn", turn=turn, history_tokens=turn * per_turn + SCALE.words_per_turn)
         try:
-            last = None
-            for update in engine.stream_chat(text, history, gen=gen):
-                last = update
-            assert last is not None
-            s = last.stats
-            rec.add(**record, outcome="ok", prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
-                    dropped_turns=s.dropped_turns, ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
-                    predicted_peak_vram_bytes=s.predicted_peak_bytes, peak_vram_bytes=s.peak_vram_allocated_bytes,
-                    peak_reserved_bytes=s.peak_vram_reserved_bytes, decode_path=s.decode_path,
-                    kv_cache_bytes=s.kv_cache_bytes, context_fit_tokens=s.context_fit_tokens, notes=s.notes,
+            last, fields = answer(engine, text, history, gen)
+            rec.add(**record, outcome="ok", **fields, decode_path=last.stats.decode_path,
+                    context_fit_tokens=last.stats.context_fit_tokens, notes=last.stats.notes,
                     **_prefill_timing(engine))
             replies[turn] = last.text
             history = history + [Turn(text, last.text)]
@@ -227,6 +220,19 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     engine.close()
     del engine, decoder
     release()
+
+
+def answer(engine: Any, text: str, history: list[Any], gen: Any) -> tuple[Any, dict[str, Any]]:
+    """One reply streamed to its end: (the last update, the reply's fields of a turn or fill record)."""
+    last = None
+    for update in engine.stream_chat(text, history, gen=gen):
+        last = update
+    assert last is not None
+    s = last.stats
+    return last, dict(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens, dropped_turns=s.dropped_turns,
+                      ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
+                      predicted_peak_vram_bytes=s.predicted_peak_bytes, peak_vram_bytes=s.peak_vram_allocated_bytes,
+                      peak_reserved_bytes=s.peak_vram_reserved_bytes, kv_cache_bytes=s.kv_cache_bytes)
 
 
 def fill_text(engine: Any, tokens: int) -> str:
@@ -264,15 +270,7 @@ def fill(engine: Any, case: Case, rec: Recorder, base: dict[str, Any], gen: Any,
             return
         record = dict(base, what="fill", turn=None, target_tokens=target, context_fit_tokens=max(fits))
         try:
-            last = None
-            for update in engine.stream_chat(fill_text(engine, target), [], gen=gen):
-                last = update
-            assert last is not None
-            s = last.stats
-            rec.add(**record, outcome="ok", prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
-                    dropped_turns=s.dropped_turns, ttft_s=s.ttft_s, decode_tokens_per_s=s.decode_tokens_per_s,
-                    predicted_peak_vram_bytes=s.predicted_peak_bytes, peak_vram_bytes=s.peak_vram_allocated_bytes,
-                    peak_reserved_bytes=s.peak_vram_reserved_bytes, kv_cache_bytes=s.kv_cache_bytes)
+            rec.add(**record, outcome="ok", **answer(engine, fill_text(engine, target), [], gen)[1])
             return
         except (ContextBudgetError, InputError) as exc:
             rec.add(**record, outcome="refused", error=str(exc)[:400])
