@@ -151,9 +151,12 @@ def test_the_interpreter_tests_pass_in_their_own_process() -> None:
 
 
 @pytest.mark.skipif(attention is None or attention.triton is None, reason="needs the triton package")
-def test_int4_kernel_compiles_for_hopper() -> None:
+def test_int4_kernel_compiles_for_hopper_and_copies_its_rows_in_vectors() -> None:
     """Compile (not run) the split kernel's int4 form for sm_90 on CPU, bf16 query, uint8 rows (one kernel serves
-    the single decode as B = 1 and the batched rows)."""
+    the single decode as B = 1 and the batched rows), with the launcher's 16-byte alignment of the buffers and the
+    strides: each row's packed bytes, exponents and zero points are loaded once each, contiguous, so they go through
+    the asynchronous copy pipeline; read per element (each byte twice, each exponent 16 times) they were 384
+    synchronous byte loads per step."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -163,9 +166,15 @@ def test_int4_kernel_compiles_for_hopper() -> None:
                  "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_b": "i32",
                  "stride_l": "i32", "stride_h": "i32", "B": "i32"}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16, ALIGN=16)
+    names = list(signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a, t in signature.items() if t.startswith("*") or a.startswith("stride")}  # 80-byte rows x 8 heads
     signature.update({name: "constexpr" for name in constexprs})
-    attention.triton.compile(ASTSource(fn=attention._attn_rows_split_kernel, signature=signature,
-                                       constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+    ptx = attention.triton.compile(ASTSource(fn=attention._attn_rows_split_kernel, signature=signature,
+                                             constexprs=constexprs, attrs=attrs), target=GPUTarget("cuda", 90, 32)
+                                   ).asm["ptx"]
+    assert "cp.async" in ptx
+    assert ptx.count("ld.global.b8") == 0 and ptx.count("ld.global.u8") == 0
 
 
 # --- accounting and KV_CACHE=auto (pure arithmetic) -----------------------------------------------------------
