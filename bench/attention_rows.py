@@ -1,6 +1,6 @@
 """Decode attention over the KV cache's row formats on the GPU: one query row (and 8) over a long cache, the slots
-form and the paged form, bf16 rows and int8 rows padded to head_dim + 4 bytes (the cache's layout) and + 16 (the
-layout before 2026-12-05), timed in CUDA graphs (llm_core.fast.timing: 20 replays of 50 calls each).
+form and the paged form, bf16 rows, int8 rows padded to head_dim + 4 bytes (the cache's layout) and + 16 (the
+layout before 2026-12-05) and int4 rows, timed in CUDA graphs (llm_core.fast.timing: 20 replays of 50 calls each).
 
     python -m bench.attention_rows --out results.json [--tokens 9000] [--heads 32]
 """
@@ -42,8 +42,10 @@ def main() -> int:
         k = torch.randn(rows_n, t, hkv, d, device=dev, generator=g, dtype=torch.bfloat16)
         v = torch.randn(rows_n, t, hkv, d, device=dev, generator=g, dtype=torch.bfloat16)
         kq, vq = kvquant.quantize_rows(k), kvquant.quantize_rows(v)
+        k4, v4 = kvquant.quantize_rows4(k), kvquant.quantize_rows4(v)
         blocks = t // page
-        for fmt, kk, vv in (("bf16", k, v), ("int8+4", kq, vq), ("int8+16", padded(kq, 16), padded(vq, 16))):
+        for fmt, kk, vv in (("bf16", k, v), ("int8+4", kq, vq), ("int8+16", padded(kq, 16), padded(vq, 16)),
+                            ("int4", k4, v4)):
             us = time_in_cuda_graph(lambda q=q, kk=kk, vv=vv, pos=pos: torch.ops.llm_core.decode_attention_rows(
                 q, kk, vv, pos, d ** -0.5), reps=50)
             pool_k = kk.reshape(rows_n * blocks, page, hkv, kk.shape[-1])
