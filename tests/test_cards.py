@@ -166,15 +166,22 @@ def test_resident_estimate_is_the_prefill_graph_pool_plus_buffers_plus_held_memo
 
 
 def test_resident_estimate_is_within_the_spread_of_every_recorded_start_up() -> None:
-    """The estimate against what ChatEngine measured after warm-up on the H200 (resident_extra_bytes: buffers,
-    graph pools and the reserved memory the allocator could not return) in every committed card run: 13 start-ups,
-    Llama-2-7B and Llama-3-8B NF4, 8-16 GiB. Without the held-memory term the estimate was 0.15-0.2 of them."""
+    """The estimate against what ChatEngine measured after warm-up (resident_extra_bytes: buffers, graph pools and
+    the reserved memory the allocator could not return) in every committed card run since the one warm-up stream
+    and the emptied cache before each sizing profile (2026-12-02 on, H200 and H100; 6 start-ups, Llama-2-7B and
+    Llama-3-8B NF4 on 8 GiB, single-reply cache and batched slots): never more than 10% under a measurement, so
+    `python -m llm_core.fit` and the first plan stay conservative, at most 2.1x over (Llama-3-8B holds about half
+    of what Llama-2-7B does). The 2026-12-01 runs held 1.3-1.6 GiB after warm-up (a cuBLAS workspace per warm-up
+    stream, blocks of compiling and captures left in the cache); the estimate no longer follows them. The
+    2026-12-05 rowpad4 run is left out: its batched path recorded the assumed 1.25 GiB, not a measurement."""
     import glob
     import json
     from pathlib import Path
 
     weights = {"llama-2-7b": 3_865_591_808, "llama-3-8b": 5_702_295_552}  # the fit tool's NF4 estimate
-    files = sorted(glob.glob(str(Path(__file__).parent.parent / "bench/results/2026-12-01-h200-cards-*.json")))
+    results = Path(__file__).parent.parent / "bench/results"
+    files = sorted(glob.glob(str(results / "2026-12-02-h200-cards-*.json")) +
+                   glob.glob(str(results / "2026-12-05-s3-h100-cards-*.json")))
     ratios = []
     for path in files:
         for r in json.loads(Path(path).read_text())["records"]:
@@ -184,10 +191,11 @@ def test_resident_estimate_is_within_the_spread_of_every_recorded_start_up() -> 
                                  max_position_embeddings=r["max_positions"])
             facts = replace(ModelMemoryFacts.from_config(config, weights[r["model"]], torch.bfloat16),
                             fast_prefill=True)
-            est = fast_resident_estimate(facts, r.get("prefill_graph_tokens") or 1024, r["static_cache_tokens"])
+            est = fast_resident_estimate(facts, r.get("prefill_graph_tokens") or 1024,
+                                         r.get("static_cache_tokens") or 0)
             ratios.append(est / r["resident_extra_bytes"])
-    assert len(ratios) >= 13
-    assert all(0.85 <= x <= 1.45 for x in ratios), sorted(ratios)  # 0.92-1.42 at the time of writing
+    assert len(ratios) >= 6
+    assert all(0.9 <= x <= 2.1 for x in ratios), sorted(ratios)  # 1.04-2.06 at the time of writing
 
 
 # --- sizing the cache by measurement (CUDA start-up), with a simulated device --------------------------------
@@ -350,7 +358,7 @@ def test_auto_prefill_chunks_are_smaller_where_memory_bounds_the_cache_and_give_
         return static_cache_plan(facts_for("llama-3-8b", 131072), int(7.5 * GiB), max_new_tokens=256,
                                  prefill_chunk_tokens=chunk, kv_cache="int8", prefill_graph_tokens=256).tokens
 
-    assert cache(1024) > 1.2 * cache(2048)
+    assert cache(1024) - cache(2048) >= 1_200  # ~92 MB of working memory at the last chunk, given to the cache
 
 
 def test_prefill_graph_tokens_setting_accepts_auto() -> None:
