@@ -133,8 +133,10 @@ def release() -> None:
     torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-def message(turn: int) -> str:
-    return " ".join(f"t{(i * 7919 + turn * 104729) % 500 + 3}" for i in range(SCALE.words_per_turn))
+def message(turn: int, words: int | None = None) -> str:
+    """Turn `turn`'s message: SCALE.words_per_turn words (or `words`) of the word-level tokenizer's vocabulary."""
+    count = SCALE.words_per_turn if words is None else max(1, words)
+    return " ".join(f"t{(i * 7919 + turn * 104729) % 500 + 3}" for i in range(count))
 
 
 def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
@@ -237,22 +239,19 @@ def answer(engine: Any, text: str, history: list[Any], gen: Any) -> tuple[Any, d
 
 def fill_text(engine: Any, tokens: int) -> str:
     """A message whose prompt (the chat template and the default system prompt, which stream_chat adds for an empty
-    one) is `tokens` long or a few
-    under: words of message()'s kind, their count corrected from the engine's own token count a few times."""
+    one) is `tokens` long or a few under: message(0)'s words, their count corrected from the engine's own token
+    count a few times."""
     from llm_core.history import build_messages
-
-    def text(words: int) -> str:
-        return " ".join(f"t{(i * 7919) % 500 + 3}" for i in range(max(1, words)))
 
     words, best = tokens, 1
     for _ in range(6):
-        n = engine.count_tokens(build_messages(engine.settings.chat.system_prompt, [], text(words)))
+        n = engine.count_tokens(build_messages(engine.settings.chat.system_prompt, [], message(0, words)))
         if n <= tokens:
             best = max(best, words)
             if n > tokens - 8:
                 break
         words = max(1, int(words * tokens / max(n, 1)) - (1 if n > tokens else 0))
-    return text(best)
+    return message(0, best)
 
 
 def fill(engine: Any, case: Case, rec: Recorder, base: dict[str, Any], gen: Any, deadline: float) -> None:
