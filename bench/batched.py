@@ -3,13 +3,17 @@ fast step), beside transformers' own batched `generate` on the same loaded model
 
 GPU (one call; the random checkpoint is written once to --ckpt):
     python -m bench.batched --out "$OUT/batched.json" [--chats 1,8,32] [--arch llama-2-7b] [--quantization nf4]
-        [--kv-layout slots|paged]
+        [--kv-layout slots|paged] [--prefill group|each|both]
 CPU smoke (a tiny random llama, fp32, seconds):
     python -m bench.batched --smoke --out /tmp/batched-smoke.json
 
 Load: --chats N chats started together (a barrier), each in its own thread as Gradio's workers call the engine; each
 prompt is --prompt-tokens tokens (the chat template included), each reply exactly --new-tokens tokens
-(min_new_tokens = max_new_tokens: EOS cannot end a random-weight reply early). Greedy.
+(min_new_tokens = max_new_tokens: EOS cannot end a random-weight reply early). Greedy. Every phase (each N, each
+--prefill mode) has prompts of its own, so no phase finds another's prompt in the paged pool's prefix cache.
+--prefill (paged): how newcomers that reach an idle loop together are prefilled: "group" (the default: padded groups
+in one pass each), "each" (one pass per prompt, from its whole-prompt prefill graph where one serves it:
+FastRunner(group_prefill=False)), "both" (each N twice, group first); the record's `prefill` says which.
 
 Records (recipe "ours" and "transformers-generate"), definitions as in llm_core.metrics (TTFT = request received ->
 first token on the host; a chat's decode tokens/s = (new - 1) / (last token - first token)):
@@ -110,7 +114,8 @@ class Bench:
                      slot_notes=slots.notes if slots else None, rows_kernel=slots.rows_kernel if slots else None,
                      rows_plan=dict(slots.rows_max.kernels) if slots and isinstance(slots.rows_max, RowsPlan) else None,
                      rows_timings_us=slots.rows_timings_us if slots else None,
-                     graphs=slots.captured_buckets if slots else None, compiled=slots.compiled if slots else None)
+                     graphs=slots.captured_buckets if slots else None, compiled=slots.compiled if slots else None,
+                     prefill_graphs=slots.prefill_graphs.captured if slots and slots.prefill_graphs else None)
         return engine
 
     # --- ours -----------------------------------------------------------------------------------------------------
@@ -156,6 +161,7 @@ class Bench:
                 per_chat_decode_tokens_per_s={"min": min(rates) if rates else None,
                                               "median": statistics.median(rates) if rates else None},
                 ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
+                ttfts_s=sorted(round(t, 4) for t in ttfts) if n <= 8 else None,
                 peak_vram_bytes=max(peaks) if peaks else None,
                 peak_batch_rows=max((s.peak_batch_rows or 0) for s in stats) or None,
                 kv_cache_bytes_per_chat=statistics.median(s.kv_cache_bytes or 0 for s in stats),
@@ -220,23 +226,30 @@ class Bench:
             make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
         engine = self.load()
-        texts = [prompt_text(engine, i, a.prompt_tokens) for i in range(max(a.chats))]
+        modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
+        phases = [(n, mode) for n in a.chats for mode in modes]
+        width = max(a.chats)
+        texts = [prompt_text(engine, i, a.prompt_tokens) for i in range(width * len(phases))]
         common = {"model": self.meta["model"], "quantization": a.quantization, "device": self.meta["device"],
                   "versions": {k: self.meta[k] for k in ("torch", "transformers", "bitsandbytes")},
                   "command": self.meta["command"]}
-        for n in a.chats:
-            print(f"ours: {n} chats", flush=True)
-            self.rec.add(**common, **self.ours(engine, n, texts))
-            if a.reference:
+        runner = engine.fast_scheduler.runner if engine.fast_scheduler is not None else None
+        for index, (n, mode) in enumerate(phases):
+            print(f"ours: {n} chats, prefill {mode}", flush=True)
+            if runner is not None:
+                runner.group_prefill = mode == "group"
+            own = texts[index * width:(index + 1) * width]
+            self.rec.add(**common, prefill=mode, **self.ours(engine, n, own))
+            if a.reference and mode == modes[0]:
                 print(f"transformers generate: {n} chats", flush=True)
                 try:
-                    self.rec.add(**common, **self.reference(engine, n, texts))
+                    self.rec.add(**common, **self.reference(engine, n, own))
                 except Exception as exc:  # noqa: BLE001 - the reference failing must not lose our numbers
                     self.rec.add(**common, recipe="transformers-generate", concurrent_chats=n,
                                  error=f"{type(exc).__name__}: {str(exc)[:300]}")
         if a.profile:
             print("profile: one chat", flush=True)
-            self.rec.add(**common, **self.profile(engine, texts[0]))
+            self.rec.add(**common, **self.profile(engine, prompt_text(engine, len(texts), a.prompt_tokens)))
         if engine.fast_scheduler is not None:
             engine.fast_scheduler.close()
         self.rec.set_summary(total_s=round(time.perf_counter() - t_all, 1))
@@ -287,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt", default=None, help="random checkpoint folder (written when missing)")
     parser.add_argument("--phase-timeout-s", type=float, default=300.0)
     parser.add_argument("--kv-layout", default="slots", choices=("slots", "paged"), help="KV_LAYOUT of ours")
+    parser.add_argument("--prefill", default="group", choices=("group", "each", "both"),
+                        help="paged: newcomers arriving together prefilled in padded groups, one by one, or both")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
     args = parser.parse_args(argv)

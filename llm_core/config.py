@@ -304,7 +304,8 @@ class ModelSettings:
     prefill_graph_tokens: int | None = setting("PREFILL_GRAPH_TOKENS", None, _parse_auto_int,
         "fast path: prefill prompts up to this many tokens from CUDA graphs (padded to 64s; lower TTFT, "
         f"the graphs hold ~0.3 GB on a 7B model); 0 = off; auto (default) = {DEFAULT_PREFILL_GRAPH_TOKENS}, "
-        f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards)")
+        f"or {SMALL_CARD_PREFILL_GRAPH_TOKENS} where memory bounds the KV cache (small cards; the batched "
+        "path's paged pool then prefills without graphs)")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

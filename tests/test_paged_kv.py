@@ -385,6 +385,94 @@ def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_
         scheduler.close()
     assert after == before
 
+@pytest.mark.parametrize("length,keep", [(30, 0), (64, 0), (65, 0), (70, 16)])
+def test_a_whole_prompt_prefilled_padded_writes_what_the_unpadded_prefill_writes(paged_engine: ChatEngine,
+                                                                                 length: int, keep: int) -> None:
+    """The padded whole-prompt prefill (llm_core.fast.prefill_graphs, what the CUDA graphs replay), run eagerly: its
+    last hidden state and every K/V row it writes into the row's blocks equal SlotDecoder.prefill's from position 0
+    (fp32), for lengths inside, at and past a 64-token bucket. It writes nothing else but the scratch block: the
+    pool's other blocks, and with `keep` the blocks of a cached prefix that other rows hold, keep their bytes."""
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged", prefill_graph_tokens=128)
+    assert rows.prefill_graphs is not None and rows.prefill_serves(length) and not rows.prefill_serves(129)
+    rows.allocate()
+    ids = (torch.arange(length) * 11 + 5) % decoder._arch.vocab
+    blocks = [6, 2, 9, 4, 11][:-(-length // rows.block_size)]  # shuffled: positions go through the table
+    with torch.no_grad():
+        rows.set_blocks(0, blocks)
+        want = rows.prefill(0, ids, 0)
+        want_k, want_v = rows.k[:, blocks].clone(), rows.v[:, blocks].clone()
+        sentinel = 7.0
+        rows.k.fill_(sentinel)
+        rows.v.fill_(sentinel)
+        got = rows.prefill_whole(0, ids, keep)
+    close = dict(rtol=1e-4, atol=1e-4)  # fp32: the padded matmuls are other shapes, blocked and rounded otherwise
+    assert torch.allclose(got, want, **close)
+    kept = keep // rows.block_size  # whole blocks of the cached prefix: not written
+    for pool, expected in ((rows.k, want_k), (rows.v, want_v)):
+        assert bool((pool[:, blocks[:kept]] == sentinel).all())
+        for j, block in enumerate(blocks[kept:], start=kept):
+            n = min(rows.block_size, length - j * rows.block_size)  # the last block's rows past the prompt: unwritten
+            assert torch.allclose(pool[:, block, :n], expected[:, j, :n], **close), block
+            assert bool((pool[:, block, n:] == sentinel).all())
+        others = [b for b in range(rows.num_blocks) if b not in blocks]
+        assert bool((pool[:, others] == sentinel).all())
+
+
+def test_a_lone_newcomer_takes_one_padded_prefill_even_past_the_step_budget(paged_engine: ChatEngine) -> None:
+    """With whole-prompt prefill graphs (run eagerly here) a newcomer's prompt is one pass, also when it joins rows
+    that are decoding and is longer than the prefill budget of a step (200 tokens against 64: before, 4 chunks,
+    the running rows stalling for each): its reply and the running one equal each prompt alone, token for token;
+    a prompt past the graphs' lengths is prefilled in chunks as before."""
+    decoder = paged_engine.backend.decoder
+    first, second, longer = list(range(100, 140)), list(range(500, 700)), list(range(800, 1000))
+    expected = [_alone(decoder, first, 40), _alone(decoder, second, 6)]
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=256, layout="paged", prefill_graph_tokens=256)
+    scheduler = Scheduler(FastRunner(rows, prefill_tokens_per_step=64), eos_token_ids=[])
+    try:
+        running = scheduler.submit(first, GREEDY, 40, threading.Event())
+        stream = scheduler.stream(running)
+        got_first = [next(stream) for _ in range(3)]  # decoding now
+        before = scheduler.snapshot()
+        newcomer = scheduler.submit(second, GREEDY, 6, threading.Event())
+        got_second = _tokens(scheduler, newcomer)
+        got_first += list(stream)
+        mid = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert [got_first, got_second] == expected
+    assert mid.prefill_chunks - before.prefill_chunks == 1 and mid.errors == 0
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=256, layout="paged", prefill_graph_tokens=128)
+    scheduler = Scheduler(FastRunner(rows, prefill_tokens_per_step=64), eos_token_ids=[])
+    try:
+        before = scheduler.snapshot()
+        got = _tokens(scheduler, scheduler.submit(longer, GREEDY, 4, threading.Event()))
+        after = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert got == _alone(decoder, longer, 4) and after.prefill_chunks - before.prefill_chunks == 1  # idle: one pass
+
+
+def test_without_group_prefill_newcomers_take_one_padded_prefill_each(paged_engine: ChatEngine) -> None:
+    """FastRunner(group_prefill=False), what `bench.batched --prefill each` times against the group pass: four
+    prompts reaching an idle loop together are prefilled one padded pass each (no group pass), and each reply
+    equals its prompt alone."""
+    decoder = paged_engine.backend.decoder
+    prompts = [list(range(100 + 41 * i, 100 + 41 * i + n)) for i, n in enumerate((40, 23, 61, 9))]
+    rows = SlotDecoder(decoder, slots=4, slot_tokens=128, layout="paged", prefill_graph_tokens=128)
+    scheduler = Scheduler(FastRunner(rows, group_prefill=False), eos_token_ids=[])
+    try:
+        before = scheduler.snapshot()
+        with scheduler._cond:
+            requests = [scheduler.submit(p, GREEDY, 6, threading.Event()) for p in prompts]
+        got = [_tokens(scheduler, r) for r in requests]
+        after = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert got == [_alone(decoder, p, 6) for p in prompts]
+    assert after.prefills - before.prefills == 4 and after.prefill_chunks - before.prefill_chunks == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tmp_path: Any) -> None:
@@ -410,6 +498,48 @@ def test_gpu_paged_rows_from_graphs_equal_the_batch_of_one_and_reuse_a_prefix(tm
             block = slots.block_size
             assert together[i].stats.cached_prompt_tokens == (reference.stats.prompt_tokens - 1) // block * block
         assert engine.fast_scheduler.snapshot().max_rows_in_step == 4
+    finally:
+        engine.fast_scheduler.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_paged_prefill_graphs_equal_the_compiled_prefill(tmp_path: Any) -> None:
+    """On CUDA with KV_LAYOUT=paged, a random llama (head_dim 64, NF4): start-up captures one whole-prompt prefill
+    graph per 64 tokens up to PREFILL_GRAPH_TOKENS; replayed for prompts of 30, 64 and 65 tokens, its last hidden
+    state and the K/V rows it writes to shuffled blocks match the compiled prefill's (bf16: relative error < 2%,
+    the other GEMM shapes' rounding), and a reply through the engine runs on them."""
+    from bench.harness import make_random_checkpoint
+
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
+    ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
+    engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+                                           QUANTIZATION="nf4", KV_LAYOUT="paged", PREFILL_GRAPH_TOKENS="256"))
+    slots = engine.fast_scheduler.runner.decoder
+    try:
+        assert slots.prefill_graphs is not None and slots.prefill_graphs.captured == [64, 128, 192, 256], slots.notes
+        reply = drain(engine.stream_chat("Hello there!", [], gen=engine.request_options(max_new_tokens=4),
+                                         system_prompt=SYSTEM))
+        assert len(reply.token_ids) == 4 and engine.fast_scheduler.snapshot().errors == 0
+        engine.fast_scheduler.close()
+        blocks = [7, 3, 11, 5, 9]
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-6))
+
+        with torch.no_grad():
+            for length in (30, 64, 65):
+                ids = ((torch.arange(length) * 11 + 5) % 1024).cuda()
+                used = blocks[:-(-length // slots.block_size)]
+                slots.set_blocks(0, used)
+                want = slots.prefill(0, ids, 0)
+                want_k = torch.cat([slots.k[:, b] for b in used], dim=1)[:, :length].clone()
+                slots.k.zero_()
+                got = slots.prefill_whole(0, ids, 0)
+                got_k = torch.cat([slots.k[:, b] for b in used], dim=1)[:, :length]
+                assert rel(got, want) < 0.02 and rel(got_k, want_k) < 0.02, length
+        torch.cuda.synchronize()
     finally:
         engine.fast_scheduler.close()
 

@@ -5,7 +5,8 @@ bucket); llm_core.engine.scheduler drives it. Knows nothing about text or Gradio
 A row's life:
 
     admitted (strict FIFO: a free slot) --> prefill in chunks of PREFILL_TOKENS_PER_STEP between decode steps (the
-    fast path's prefill layer over the slot) --> first token --> active row --> decode step for rows 0..B-1 (B = the
+    fast path's prefill layer over the slot; paged: a whole prompt that a prefill graph serves in one replay,
+    llm_core.fast.prefill_graphs) --> first token --> active row --> decode step for rows 0..B-1 (B = the
     smallest batch bucket >= the highest active slot + 1; idle slots inside it compute a throw-away token at
     position 0 of their own slot) --> per-row select (repetition penalty, min-new-tokens EOS ban and argmax inside
     the step; sampling rows through llm_core.sampling with their own generator) --> each row's token to its request
@@ -141,9 +142,12 @@ class FastRunner(BoundRunner):
     admission_prefill_tokens: int | None = None  # prefill is chunked between steps instead (advance_prefills)
 
     def __init__(self, slots: SlotDecoder, *, prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, group_prefill: bool = True) -> None:
         self.decoder = slots
         self.prefix_cache = prefix_cache
+        # newcomers reaching an idle loop together: one padded pass for a group (True), or each prompt alone (its
+        # prefill graph where one serves it); bench.batched --prefill each times the second against the first
+        self.group_prefill = group_prefill
         self.pool = self._new_pool()
         self.device = slots.device
         self.prefill_tokens_per_step = int(prefill_tokens_per_step)
@@ -329,12 +333,19 @@ class FastRunner(BoundRunner):
         token and joins the decode batch."""
         budget = self.prefill_tokens_per_step if self._rows else None
         chunk_cap = self.decoder.fast.options.prefill_chunk_tokens
-        if budget is None:
+        if budget is None and self.group_prefill:
             self._prefill_together(chunk_cap)
         stats = self.host.stats
         while self._prefilling and (budget is None or budget > 0):
             row = self._prefilling[0]
             total = row.ids.numel()
+            if self.decoder.prefill_serves(total) and self._recomputable(row):
+                # the whole prompt in one graph replay, even past the step's budget: the running rows stall once
+                # instead of once per chunk of the host-launched prefill
+                if budget is not None:
+                    budget -= total - row.prefilled
+                self._prefill_whole(row)
+                continue
             take = total - row.prefilled
             if budget is not None:
                 take = min(take, budget)
@@ -357,6 +368,24 @@ class FastRunner(BoundRunner):
             with self.host.cond:
                 self._prefilling.remove(row)
             self._first_token(row, hn)
+
+    def _prefill_whole(self, row: _Row) -> None:
+        """Row `row`'s whole prompt through SlotDecoder.prefill_whole (padded, from its CUDA graph), a cached prefix
+        of a few blocks computed again (and so not counted as cached), then its first token."""
+        try:
+            hn = self._measure(functools.partial(self.decoder.prefill_whole, row.slot, row.ids, row.prefilled),
+                               len(self._rows) + 1)
+        except Exception as exc:  # noqa: BLE001 - this request only
+            self._fail_prefill([row], exc)
+            return
+        self.host.stats.prefill_chunks += 1
+        if row.prefilled and not row.request.generated:  # computed again: none of it came from the cache
+            row.request.cached_prompt_tokens = 0
+        row.prefilled = row.ids.numel()
+        self.host.stats.prefills += 1
+        with self.host.cond:
+            self._prefilling.remove(row)
+        self._first_token(row, hn)
 
     def _fail_prefill(self, rows: Sequence[_Row], exc: BaseException) -> None:
         """A prefill that raised ends its rows only: the failed call's frames let go, the cache emptied after an OOM,

@@ -355,6 +355,17 @@ class PathBuilder:
             self.budget.budget_bytes, max_new_tokens=self.settings.generation.max_new_tokens,
             prefill_chunk_tokens=self.prefill_chunk_tokens, kv_cache=self.fast_kv_cache)
 
+    def batched_prefill_graph_tokens(self) -> int:
+        """The batched path's whole-prompt prefill graphs (paged pool, llm_core.fast.prefill_graphs): up to
+        PREFILL_GRAPH_TOKENS when set; auto: the default where memory does not bound the cache, and none on a card
+        where it does (the small-card size there would take context from every chat for its pool, as the
+        single-reply path's graphs do, and the batched path has done without them)."""
+        from ..config import DEFAULT_PREFILL_GRAPH_TOKENS
+
+        if self.settings.model.prefill_graph_tokens is not None:
+            return int(self.settings.model.prefill_graph_tokens)
+        return self.prefill_graph_tokens if self.prefill_graph_tokens >= DEFAULT_PREFILL_GRAPH_TOKENS else 0
+
     def fast_cache_tokens(self, resident_extra_bytes: int | None = None) -> int:
         """The fast path's static KV cache, allocated once at warm-up: the most tokens for which a reply filling
         it (prompt + the default reply length) fits the budget beside the weights, the largest prefill chunk, the
@@ -460,7 +471,8 @@ class PathBuilder:
                 "fast path beside the weights. Use a smaller model, QUANTIZATION=nf4, KV_CACHE=int8 or a "
                 "larger VRAM_BUDGET.")
         decoder.prefix_cache = None  # its own cache serves no reply now: the slots do
-        rows = SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens, layout=self.settings.memory.kv_layout)
+        rows = SlotDecoder(decoder, slots=slots, slot_tokens=slot_tokens, layout=self.settings.memory.kv_layout,
+                           prefill_graph_tokens=self.batched_prefill_graph_tokens())
         decoder.max_cache_len = rows.reply_tokens  # the engine fits every history to one slot, or the pool
         scheduler = Scheduler(FastRunner(rows, prefix_cache=self.prefix_cache),
                               eos_token_ids=sorted(self.loaded.eos_token_ids))
@@ -526,6 +538,8 @@ class PathBuilder:
         scheduler.close()
         slots = scheduler.runner.decoder
         slots._graphs.clear()
+        if slots.prefill_graphs is not None:
+            slots.prefill_graphs.clear()
         slots.k = slots.v = None
         self.fast_scheduler = None
         self.profile = None

@@ -55,7 +55,9 @@ from .layer import (
     rms_norm,
     rotate_half,
 )
+from .options import PREFILL_BUCKET_TOKENS
 from .pack import LinSpec, bias_of
+from .prefill_graphs import PagedPrefillGraphs
 from .rows import ROWS_KERNELS, RowsPlan, kernel_for, nf4_rows_linear, pick_rows_plan
 from .tables import embed_rows
 from .timing import time_in_cuda_graph
@@ -214,7 +216,7 @@ class SlotDecoder:
     weights, specs and prefill layer functions are what is shared."""
 
     def __init__(self, decoder: FastDecoder, *, slots: int, slot_tokens: int, layout: str = "slots",
-                 block_size: int = PAGED_BLOCK_TOKENS) -> None:
+                 block_size: int = PAGED_BLOCK_TOKENS, prefill_graph_tokens: int = 0) -> None:
         if not 1 <= slots <= MAX_SLOTS:
             raise GenerationError(f"The batched fast path holds 1 to {MAX_SLOTS} replies at once, not {slots}.")
         if layout not in KV_LAYOUTS or block_size not in PAGED_BLOCK_SIZES:
@@ -249,6 +251,9 @@ class SlotDecoder:
         self._size_table()
         self._graphs: dict[int, Any] = {}
         self._pool: Any = None
+        # paged: whole prompts up to prefill_graph_tokens prefilled from CUDA graphs (llm_core.fast.prefill_graphs)
+        self.prefill_graphs = PagedPrefillGraphs(self, prefill_graph_tokens) \
+            if self.paged and prefill_graph_tokens >= PREFILL_BUCKET_TOKENS else None
         self._layer_fns: list[Callable[..., Any]] = []
         self._head_fn: Callable[..., Any] = head_rows
         self._prologue_fn: Callable[..., Any] = embed_prologue
@@ -263,7 +268,8 @@ class SlotDecoder:
 
     def graph_pool_idle_bytes(self) -> int:
         """Bytes the batched step's CUDA graph pool holds free between replays (FastDecoder.graph_pool_idle_bytes)."""
-        return pool_idle_bytes(self.device, (self._pool,))
+        pf = self.prefill_graphs.handles() if self.prefill_graphs is not None else ()
+        return pool_idle_bytes(self.device, (self._pool, *pf))
 
     @property
     def cache_bytes(self) -> int:
@@ -307,6 +313,8 @@ class SlotDecoder:
             shape = (len(a.layers), self.num_blocks + 1, self.block_size, a.n_kv_heads, row)
             self._size_table()
         self._graphs.clear()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.clear()
         self.k = self.v = None
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -318,20 +326,24 @@ class SlotDecoder:
         instead of keeping a size whose steps would run without graphs."""
         self.slot_tokens = round_up(max(int(slot_tokens), 16), 16)
         had_graphs, notes = bool(self._graphs), len(self.notes)
+        had_prefill = self.prefill_graphs is not None and bool(self.prefill_graphs.graphs)
         self._graphs.clear()
         self._pool = None
-        self.k = self.v = None
+        self.k = self.v = None  # allocate() forgets the prefill graphs too (they hold the pool's addresses)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         with torch.inference_mode(False), torch.no_grad():
             self.allocate()
             if self.use_graphs:
                 self._capture()
+                if had_prefill and self._graphs:
+                    self._capture_prefill()
             self.release_all()
-        if had_graphs and not self._graphs:  # captured before, not at this size: it does not fit (not "graphs off")
+        prefill_oom = had_prefill and self.prefill_graphs is not None and self.prefill_graphs.capture_oom
+        if (had_graphs and not self._graphs) or prefill_oom:  # captured before, not at this size: it does not fit
             del self.notes[notes:]
             raise torch.cuda.OutOfMemoryError(
-                f"The batched step's CUDA graphs could not be captured with {self.slot_tokens:,}-token slots.")
+                f"The batched path's CUDA graphs could not be captured with {self.slot_tokens:,}-token slots.")
 
     def profile_worst_reply(self, chunk: int | None) -> dict[str, int]:
         """Run the most memory the batched path can take with these slots and measure it (the single-reply
@@ -377,6 +389,7 @@ class SlotDecoder:
                     self._compile_step()
                 if self.use_graphs:
                     self._capture()
+                    self._capture_prefill()
             self.release_all()
         self.warmup_s = round(time.perf_counter() - t0, 3)
         return self.warmup_s
@@ -532,6 +545,25 @@ class SlotDecoder:
             self._pool = None
             self.sync()
 
+    def _capture_prefill(self) -> None:
+        """Paged: the whole-prompt prefill graphs (PagedPrefillGraphs.capture), after the step's graphs; a failure
+        leaves the compiled prefill serving (said in the notes)."""
+        if self.prefill_graphs is None or not self.fast._prefill_compiled_ok:
+            return
+        try:
+            self.prefill_graphs.capture()
+            captured = self.prefill_graphs.captured
+            if captured:
+                self.notes.append(f"whole prompts up to {captured[-1]:,} tokens prefilled from {len(captured)} CUDA "
+                                  "graphs")
+        except Exception as exc:  # noqa: BLE001 - the compiled prefill serves every length
+            log.warning("Paged prefill graphs not captured: %s: %s", type(exc).__name__, exc)
+            self.notes.append(f"paged prefill graphs off ({type(exc).__name__})")
+            self.prefill_graphs.capture_oom |= isinstance(exc, torch.cuda.OutOfMemoryError)
+            self.prefill_graphs.clear()
+            self.sync()
+            torch.cuda.empty_cache()
+
     def buckets(self) -> list[int]:
         return sorted({batch_bucket(r, self.slots) for r in range(1, self.slots + 1)})
 
@@ -627,6 +659,16 @@ class SlotDecoder:
         if start:
             out[:start] = gather_blocks(pool, self.table[slot:slot + 1, :-(-start // self.block_size)])[0, :start]
         return out
+
+    def prefill_whole(self, slot: int, ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """Paged: row `slot`'s whole prompt from position 0 through the padded prefill (from its CUDA graph where
+        captured), positions before `keep` (a cached prefix) computed but not written; see prefill_serves."""
+        assert self.prefill_graphs is not None and self.k is not None
+        return self.prefill_graphs.prefill(slot, ids, keep)
+
+    def prefill_serves(self, tokens: int) -> bool:
+        """Whether prefill_whole serves a whole prompt of `tokens` (paged, and its padded length has a graph)."""
+        return self.prefill_graphs is not None and self.prefill_graphs.serves(tokens)
 
     def prefill_rows(self, slots: Sequence[int], prompts: Sequence[torch.Tensor],
                      keep: Sequence[int] | None = None) -> list[torch.Tensor]:
