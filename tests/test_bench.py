@@ -97,3 +97,22 @@ def test_cards_smoke_fills_the_reported_context_to_within_a_few_tokens(tmp_path:
     assert summary["fill_ratio_to_seed"] == round(default_fill["prompt_tokens"] / summary["seed_longest_prompt_tokens"],
                                                   3)
     assert summary["ours_fill_failures"] == 0
+
+
+def test_prefill_gemm_summary_sums_each_familys_best_per_layer_and_keys_round_trip() -> None:
+    """bench.prefill_gemm: a config's record key parses back to the same launch, and the summary adds, per arch and
+    M, each linear's fastest gemm config, its dequantize + matmul and its bf16 time, with their ratios."""
+    from bench.prefill_gemm import config_of, key_of, summarize
+    from llm_core.fast.kernels.nf4_mm import GemmConfig
+
+    cfg = GemmConfig(64, 256, 32, 4, 5, scale16=False)
+    assert config_of(key_of(cfg, "gather")) == (cfg, "gather")
+    records = [{"arch": "a", "linear": "qkv", "m": 512,
+                "us": {"gemm:128x128x128/w8/st3/s16:asm": 30.0, "gemm:64x64x128/w4/st3/s16:asm": 20.0,
+                       "dequant+matmul": 50.0, "bf16_cublas": 16.0}},
+               {"arch": "a", "linear": "o", "m": 512,
+                "us": {"gemm:128x128x128/w8/st3/s16:asm": 10.0, "dequant+matmul": 10.0, "bf16_cublas": 4.0}}]
+    row = summarize(records)["a"]["512"]
+    assert row["linears"] == ["qkv", "o"]
+    assert (row["gemm_us"], row["dequant+matmul_us"], row["bf16_us"]) == (30.0, 60.0, 20.0)
+    assert row["dequant+matmul_over_gemm"] == 2.0 and row["gemm_over_bf16"] == 1.5

@@ -154,6 +154,58 @@ def test_the_split_k_result_is_the_same_bits_on_every_run(interpreter: None) -> 
     assert torch.equal(first, _run(p, x, CONFIGS["split3"]))
 
 
+# nf4_gemm (a prompt's prefill, any M): small tiles so these shapes take several m tiles, ragged M (70, 33 rows
+# against 32-row tiles), ragged N, several K steps, both absmax forms and the fused layouts
+GEMM_CONFIGS = {"32x32x64": mm.GemmConfig(32, 32, 64, 4, 2), "16x64x128": mm.GemmConfig(16, 64, 128, 4, 2),
+                "32x32x64-exact": mm.GemmConfig(32, 32, 64, 4, 2, scale16=False)}
+
+
+def _gemm(p: Any, x: torch.Tensor, config: mm.GemmConfig, decode: str = "gather") -> torch.Tensor:
+    s, ts = p.spec, p.tensors
+    words = words_view(ts[0])
+    assert words is not None
+    code = code_of(s, ts).to(x.device)
+    if s.absmax == "fp32":
+        return mm.nf4_gemm(x, words, s.blocksize, code, absmax=ts[1].reshape(-1), config=config, decode=decode,
+                           levels=s.levels)
+    return mm.nf4_gemm(x, words, s.blocksize, code, nested=(ts[1], ts[2], ts[3], ts[4]), config=config,
+                       decode=decode, levels=s.levels)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("absmax", ["keep", "fp32"])
+def test_interpreted_gemm_matches_its_reference_and_bitsandbytes(interpreter: None, family: str, absmax: str
+                                                                 ) -> None:
+    """nf4_gemm over M tiles: each output row as the reference form computes it (scale16 or dequantize_4bit's
+    rounding, as configured) and within the 1e-2 bound of bitsandbytes' dequantize then matmul; rows past M in the
+    last tile are never written."""
+    splits, k = FAMILIES[family]
+    p, w = _packed(splits, k, absmax)
+    for m in (1, 33, 70):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        ref, ref16 = _reference(p, x), _reference(p, x, scale16=True)
+        for name, cfg in GEMM_CONFIGS.items():
+            got = _gemm(p, x, cfg)
+            assert got.shape == (m, p.spec.n) and got.dtype == torch.bfloat16
+            assert _close_to_reference(got, ref16 if cfg.scale16 else ref), (family, m, name)
+            assert _rel(got, x.float() @ w.T) < REL_BOUND, (family, m, name)
+
+
+@pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
+@pytest.mark.parametrize("decode", mm.DECODES)
+@pytest.mark.parametrize("scale16", [True, False])
+def test_gemm_compiles_for_hopper_to_wgmma_without_spills(decode: str, scale16: bool) -> None:
+    """Compiled (not run) for sm_90 at a prefill's shape (M = 512, Llama's 4096 x 4096, double quant), the default
+    tiles reach the tensor cores through wgmma (Hopper's warp-group MMA, not the older mma.sync) and keep every
+    value in registers (no local-memory loads or stores in the SASS)."""
+    import re
+
+    cfg = mm.GemmConfig(scale16=scale16)
+    kern = mm.compile_without_device(512, 4096, 4096, 64, cfg.as_mm(), decode, _levels(), True, tile_m=cfg.block_m)
+    assert "wgmma.mma_async" in kern.asm["ptx"] and "mma.sync" not in kern.asm["ptx"]
+    assert not re.search(r"\b(STL|LDL)\b", kern.asm["sass"])
+
+
 def test_shapes_and_rows_outside_the_kernel_are_refused() -> None:
     if mm.triton is None:
         pytest.skip("Triton is not installed")
@@ -251,6 +303,29 @@ def test_gpu_op_in_a_cuda_graph_matches_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("decode", mm.DECODES)
+@pytest.mark.parametrize("shape", [((4096, 4096, 4096), 4096), ((11008, 11008), 4096), ((4096,), 11008)])
+def test_gpu_gemm_matches_dequantize_then_matmul(decode: str, shape: tuple[tuple[int, ...], int]) -> None:
+    """On CUDA, Llama-2-7B's fused shapes, prompts of 1, 100, 512 and 1,111 rows: nf4_gemm (default tiles and a
+    smaller one) within the 1e-2 bound of bitsandbytes' dequantize then matmul, and in a CUDA graph the same bits as
+    eagerly."""
+    splits, k = shape
+    p, w = _packed(splits, k, "keep", device="cuda")
+    for m in (1, 100, 512, 1111):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        for cfg in (mm.GemmConfig(), mm.GemmConfig(64, 128, 64, 4, 4)):
+            got = _gemm(p, x, cfg, decode)
+            assert _rel(got, x.float() @ w.T) < REL_BOUND, (m, cfg, decode)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _gemm(p, x, mm.GemmConfig(), decode)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _gemm(p, x, mm.GemmConfig(), decode))
 
 
 def test_the_interpreter_tests_pass_in_their_own_process() -> None:

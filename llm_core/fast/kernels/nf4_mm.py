@@ -178,12 +178,21 @@ if triton is not None:
                        DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                        EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
-                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False):
+                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
         (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
-        XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale."""
-        rows, rmask, mi, mmask, pid_k = tile_rows(N, M, BLOCK_N, MP)
+        XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale. TILE_M (nf4_gemm, SPLIT 1): program (m tile,
+        n tile) over MP rows of x from m tile * MP; the m tiles of one weight tile are launched side by side, so the
+        weight tile is read from memory once and from the L2 for the others."""
+        if TILE_M:
+            rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rmask = rows < N
+            mi = tl.program_id(0) * MP + tl.arange(0, MP)
+            mmask = mi < M
+            pid_k = 0
+        else:
+            rows, rmask, mi, mmask, pid_k = tile_rows(N, M, BLOCK_N, MP)
         kk = tl.arange(0, BLOCK_K)
         wj = tl.arange(0, BLOCK_K // 8)
         bj = tl.arange(0, BLOCK_K // BS)
@@ -272,10 +281,15 @@ def _asm_for(code: tuple[float, ...], scale: str = "") -> str:
 
 
 def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
-                      levels: Sequence[float] | None, nested: bool, has_bias: bool) -> dict[str, Any]:
+                      levels: Sequence[float] | None, nested: bool, has_bias: bool, tile_m: int = 0
+                      ) -> dict[str, Any]:
     """The kernel's constexpr arguments for a launch (what nf4_mm passes; bench/nf4_mm_sass.py compiles with the
     same): the K step at least one quant block, the splits no more than the steps, the loop forms where the shape
-    allows them."""
+    allows them. tile_m > 0: nf4_gemm's tiles of that many x rows (one split)."""
+    if tile_m:
+        meta = launch_constexprs(m, n, k, blocksize, cfg.replace(split=1, dot=True), decode, levels, nested,
+                                 has_bias)
+        return meta | {"MP": int(tile_m), "TILE_M": True}
     block_k = max(cfg.block_k, blocksize)
     split = max(1, min(cfg.split, -(-k // block_k)))
     scale = "bf16" if cfg.scale16 else "fp32" if cfg.asm_scale else ""
@@ -289,7 +303,7 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
                            levels: Sequence[float] | None, nested: bool, has_bias: bool = False,
-                           arch: int = 90, divisibility: bool = True) -> Any:
+                           arch: int = 90, divisibility: bool = True, tile_m: int = 0) -> Any:
     """Compile (not run) the kernel for sm_`arch` on any machine, with the argument types nf4_mm passes (with
     double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums) and the
     16-divisibility Triton's launcher specializes on (torch's buffers are 16-byte aligned; N, K, K/8, K/blocksize
@@ -298,7 +312,7 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias)
+    meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias, tile_m)
     out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
     ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
@@ -351,6 +365,57 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, SPLIT=split,
                                                   HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """nf4_gemm's launch: (BLOCK_M x-rows, BLOCK_N weight rows, BLOCK_K inputs) tiles, warps, pipeline stages;
+    the loop forms even and xvec where the shape allows; scale16 as MMConfig's (bf16 level x bf16 absmax, as
+    bitsandbytes' own 4-bit kernels round), else the weights rounded as dequantize_4bit rounds them (fp32 product).
+    Why scale16 by default: compiled for sm_90 (bench/nf4_mm_sass.py's count, 128 x 128 x 128, 8 warps), the main
+    loop issues 428 instructions per thread and K step with it, 558 without, against the ~980 cycles its 8 wgmma
+    take at the H100's dense bf16 rate: with it the decode fits under the tensor cores' time."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    warps: int = 8
+    stages: int = 3
+    scale16: bool = True
+
+    def as_mm(self) -> MMConfig:
+        return MMConfig(self.block_n, self.block_k, 1, self.warps, self.stages, True, even=True, xvec=True,
+                        scale16=self.scale16, asm_scale=not self.scale16)
+
+
+def nf4_gemm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Tensor, *,
+             absmax: torch.Tensor | None = None,
+             nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             bias: torch.Tensor | None = None, config: GemmConfig | None = None, decode: str = "gather",
+             levels: Sequence[float] | None = None) -> torch.Tensor:
+    """x (M, K) bf16, any M >= 1 -> (M, N) bf16 = x @ dequantize(W).T (+ bias), each weight tile decoded in
+    registers and fed to the tensor cores (a prompt's prefill without the dequantized bf16 copy of W that
+    dequantize_4bit writes and the matmul reads back: 2.5 bytes per weight of traffic and the part's size in working
+    memory). Arguments as nf4_mm; `config` GemmConfig (default: 128 x 128 x 128 tiles, 8 warps, 3 stages, scale16;
+not yet timed: bench/prefill_gemm.py sweeps it against dequantize + matmul)."""
+    m, k, n, kw = rows_shapes(x, words, absmax, nested)
+    if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
+        raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
+    if x.dtype != torch.bfloat16 or m < 1:
+        raise ValueError(f"the NF4 GEMM reads bf16 rows, not {m} of {x.dtype}")
+    if decode not in DECODES or (decode == "asm" and levels is None):
+        raise ValueError(f"decode must be one of {DECODES} (asm with the levels as host floats), got {decode!r}")
+    cfg = config or GemmConfig()
+    mmc = cfg.as_mm()
+    meta = launch_constexprs(m, n, k, blocksize, mmc, decode, levels, nested is not None, bias is not None,
+                             tile_m=cfg.block_m)
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
+    _nf4_mm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
+        x, words, absmax if absmax is not None else y, q8, absmax2, offsets, code2, code,
+        bias if bias is not None else y, y, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
     return y
 
 
