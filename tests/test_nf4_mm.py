@@ -206,6 +206,76 @@ def test_gemm_compiles_for_hopper_to_wgmma_without_spills(decode: str, scale16: 
     assert not re.search(r"\b(STL|LDL)\b", kern.asm["sass"])
 
 
+def test_interpreted_prefill_op_takes_the_gemm_up_to_its_rows_and_dequantize_past_them(interpreter: None) -> None:
+    """torch.ops.llm_core.nf4_prefill (llm_core.fast.prefill_gemm): a chunk of up to gemm_max rows is nf4_gemm's
+    result bit for bit, a longer one dequantize + matmul's; through linear_prefill_parts a fused q/k/v whose spec
+    says prefill_gemm_max gives each part within the 1e-2 bound of the spec without it, and the batched step's rows
+    (gemm=False) keep dequantize + matmul whatever the spec says."""
+    from dataclasses import replace
+
+    from llm_core.fast.layer import linear_prefill_parts
+
+    p, _ = _packed((64, 32, 32), 512, "fp32")
+    s, ts = p.spec, p.tensors
+    words = words_view(ts[0])
+    assert words is not None
+    code = code_of(s, ts)
+    absmax = ts[1].reshape(-1)
+    for m, gemm_max in ((40, 64), (65, 64)):
+        x = torch.randn(m, 512, dtype=torch.bfloat16)
+        got = torch.ops.llm_core.nf4_prefill(x, ts[0], absmax, code, None, s.blocksize, list(s.levels), gemm_max)
+        if m <= gemm_max:
+            want = mm.nf4_gemm(x, words, s.blocksize, code, absmax=absmax, decode="gather")
+        else:
+            w = torch.ops.bitsandbytes.dequantize_4bit(ts[0].reshape(-1, 1), absmax, s.blocksize, "nf4", [s.n, 512],
+                                                       x.dtype)
+            want = torch.nn.functional.linear(x, w)
+        assert torch.equal(got, want), (m, gemm_max)
+    x = torch.randn(2, 20, 512, dtype=torch.bfloat16)  # (rows, length, K): the group prefill's shape
+    plain = linear_prefill_parts(s, x, ts)
+    fused = linear_prefill_parts(replace(s, prefill_gemm_max=1 << 30), x, ts)
+    rows = linear_prefill_parts(replace(s, prefill_gemm_max=1 << 30), x, ts, gemm=False)
+    assert [t.shape for t in fused] == [t.shape for t in plain] == [(2, 20, 64), (2, 20, 32), (2, 20, 32)]
+    for a, b, c in zip(fused, plain, rows, strict=True):
+        assert _rel(a, b) < REL_BOUND and torch.equal(c, b)
+
+
+def test_the_rows_limit_is_where_the_gemm_stopped_winning() -> None:
+    """gemm_rows_limit: nf4_gemm serves up to the largest timed row count at and below which it never lost; all rows
+    when it won everywhere; none when it lost at the first (or was not timed there)."""
+    from llm_core.fast.prefill_gemm import ALL_ROWS, gemm_rows_limit
+
+    def timed(*pairs: tuple[float, float]) -> dict[int, dict[str, float]]:
+        return {rows: {"gemm": g, "dequant": d} for rows, (g, d) in zip((64, 256, 1024, 2048), pairs, strict=False)}
+
+    assert gemm_rows_limit(timed((1, 2), (3, 4), (10, 9), (20, 30))) == 256  # lost at 1024: not served from there
+    assert gemm_rows_limit(timed((1, 2), (3, 3), (8, 9), (20, 30))) == ALL_ROWS
+    assert gemm_rows_limit(timed((3, 2), (3, 4), (8, 9), (20, 30))) == 0
+    assert gemm_rows_limit({64: {"dequant": 2.0}, 256: {"gemm": 1.0, "dequant": 2.0}}) == 0
+    assert gemm_rows_limit({}) == 0
+
+
+def test_adopting_the_gemm_sets_every_nf4_linear_and_keeps_one_spec_per_distinct_layer() -> None:
+    """prefill_gemm.adopt: every NF4 LinSpec of every layer gets the limit, other formats keep theirs, layers that
+    shared one spec (one compiled function) still share one, and the layer functions are rebuilt."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from llm_core.fast.layer import LayerSpec
+    from llm_core.fast.prefill_gemm import adopt
+
+    nf4 = _packed((64,), 128, "fp32")[0].spec
+    dense = replace(nf4, fmt="dense", absmax="none", levels=())
+    spec = LayerSpec(4, 2, 32, 0.1, 1e-5, 1e-5, None, (nf4, dense, nf4, nf4), True, "torch")
+    rebuilt: list[bool] = []
+    decoder = SimpleNamespace(_layer_specs=[spec, spec, spec], _make_functions=lambda: rebuilt.append(True))
+    adopt(decoder, 512)
+    specs = decoder._layer_specs
+    assert len({id(s) for s in specs}) == 1 and rebuilt == [True]
+    assert [s.prefill_gemm_max for s in specs[0].linears] == [512, 0, 512, 512]
+    assert specs[0].linears[1] == dense
+
+
 def test_shapes_and_rows_outside_the_kernel_are_refused() -> None:
     if mm.triton is None:
         pytest.skip("Triton is not installed")
@@ -326,6 +396,32 @@ def test_gpu_gemm_matches_dequantize_then_matmul(decode: str, shape: tuple[tuple
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, _gemm(p, x, mm.GemmConfig(), decode))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_start_up_times_the_prefill_gemm_and_says_what_it_chose(tmp_path: Any) -> None:
+    """On CUDA, a random llama in NF4 through ChatEngine: start-up timed nf4_gemm against dequantize + matmul at every
+    pick size, the decoder's notes say what serves, every NF4 linear carries that limit, and a reply runs."""
+    from bench.harness import make_random_checkpoint
+    from llm_core.engine.chat import ChatEngine
+    from llm_core.fast.prefill_gemm import PICK_ROWS, gemm_rows_limit
+    from tests.conftest import drain, make_settings
+
+    shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
+    ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
+    engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
+                                           MAX_BATCH_SIZE="1", QUANTIZATION="nf4"))
+    decoder = engine.backend.decoder
+    timings = decoder.prefill_gemm_timings_us
+    assert sorted(timings) == list(PICK_ROWS) and all(set(t) == {"gemm", "dequant"} for t in timings.values())
+    assert any("prefill NF4 GEMM" in note for note in decoder.notes), decoder.notes
+    limit = gemm_rows_limit(timings)
+    assert {s.prefill_gemm_max for spec in decoder._layer_specs for s in spec.linears if s.fmt == "nf4"} == {limit}
+    reply = drain(engine.stream_chat("Hello there!", [], gen=engine.request_options(max_new_tokens=4),
+                                     system_prompt="You are brief."))
+    assert len(reply.token_ids) == 4
 
 
 def test_the_interpreter_tests_pass_in_their_own_process() -> None:

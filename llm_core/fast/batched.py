@@ -94,7 +94,7 @@ def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows
     kernel = kernel_for(rows_max, x.shape[0]) if spec.fmt == "nf4" and x.shape[0] <= MM_MAX else "dequant"
     if kernel != "dequant":
         return nf4_rows_linear(kernel, spec, x, ts)
-    return linear_prefill(spec, x, ts)
+    return linear_prefill(spec, x, ts, gemm=False)
 
 
 def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0
@@ -104,7 +104,7 @@ def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_
     rows = x.shape[0]
     served = spec.fmt == "nf4" and rows <= MM_MAX and kernel_for(rows_max, rows) != "dequant"
     if rows > 1 and spec.fmt != "dense" and not served:
-        return linear_prefill_parts(spec, x, ts)
+        return linear_prefill_parts(spec, x, ts, gemm=False)
     return linear_rows(spec, x, ts, rows_max).split(list(spec.splits), dim=-1)
 
 
@@ -426,7 +426,7 @@ class SlotDecoder:
                 s = spec.linears[i]
                 x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
                 got = nf4_rows_linear("mm", s, x, lins[i]).float()
-                ref = linear_prefill(s, x, lins[i]).float()
+                ref = linear_prefill(s, x, lins[i], gemm=False).float()
                 worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
             if worst >= 0.02:
                 self.notes.append(f"NF4 small-M kernel off: relative error {worst:.3f} vs dequantize + matmul")

@@ -22,7 +22,7 @@ from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
-from . import kvquant
+from . import kvquant, prefill_gemm
 from .compiled import own_code
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
@@ -124,6 +124,8 @@ class FastDecoder(DecoderWarmup):
             if self.options.dense_gemv == "auto":
                 self.options = replace(self.options, dense_gemv=self._pick_dense_gemv())
             self._build_plan()
+            # the prefill's NF4 matmul per chunk size: nf4_gemm or dequantize + matmul, timed (CUDA; {} elsewhere)
+            self.prefill_gemm_timings_us = prefill_gemm.pick(self) if self.options.prefill_gemm == "auto" else {}
         vocab = self._arch.vocab
         dev = self.device
         self._tok = torch.zeros(1, dtype=torch.long, device=dev)

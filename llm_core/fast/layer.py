@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import prefill_gemm as _prefill_gemm  # noqa: F401 - registers torch.ops.llm_core.nf4_prefill
 from .kvquant import from_cache, is_quantized, to_cache
 from .pack import LinSpec, absmax_2d, bias_of, code_of
 from .tables import embed_rows
@@ -61,20 +62,25 @@ def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) ->
     return nf4_matvec_torch(x, ts[0], absmax_2d(spec, ts), code_of(spec, ts), bias_of(spec, ts))
 
 
-def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], gemm: bool = True) -> torch.Tensor:
     """x (..., K) -> (..., N) for many rows: dequantize once, then a dense matmul (what bitsandbytes does for 4-bit
-    weights; for int8 it quantizes the activations instead, LLM.int8, which the fast path does not)."""
+    weights; for int8 it quantizes the activations instead, LLM.int8, which the fast path does not); NF4 with
+    spec.prefill_gemm_max (and `gemm`): nf4_gemm up to that many rows (llm_core.fast.prefill_gemm). `gemm` False:
+    always dequantize + matmul (the batched decode step's rows, whose own pick times that form)."""
     if spec.fmt == "dense":
         return F.linear(x, ts[0], bias_of(spec, ts))
     if spec.fmt == "int8":  # compiled: one kernel writes the scaled half-precision copy
         return F.linear(x, (ts[0].float() * ts[1][:, None]).to(x.dtype), bias_of(spec, ts))
     absmax = absmax_2d(spec, ts).reshape(-1)
+    if spec.prefill_gemm_max and gemm:
+        return _nf4_prefill(spec, x, ts[0], absmax, code_of(spec, ts), bias_of(spec, ts), spec.n)
     w = torch.ops.bitsandbytes.dequantize_4bit(ts[0].view(-1, 1), absmax, spec.blocksize, "nf4",
                                                [spec.n, spec.k], x.dtype)
     return F.linear(x, w, bias_of(spec, ts))
 
 
-def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], gemm: bool = True
+                         ) -> list[torch.Tensor]:
     """linear_prefill of a fused linear, one output per fused part (q/k/v, gate/up), each part's rows dequantized
     on their own: the half-precision weight a prompt's matmul makes is the largest part's, not the fused weight
     (on Llama-3-8B the fused gate/up copy is 235 MB, held at the prefill's peak and again in the prefill graphs'
@@ -82,12 +88,17 @@ def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tens
     each part's packed bytes, block scales, int8 row scales and bias are row slices of the fused ones."""
     splits = list(spec.splits)
     if spec.fmt == "dense" or len(splits) == 1:
-        return list(linear_prefill(spec, x, ts).split(splits, dim=-1))
+        return list(linear_prefill(spec, x, ts, gemm).split(splits, dim=-1))
     bias = bias_of(spec, ts)
     absmax = absmax_2d(spec, ts) if spec.fmt == "nf4" else None
     outs, start = [], 0
     for rows in splits:
         end = start + rows
+        if absmax is not None and spec.prefill_gemm_max and gemm:
+            outs.append(_nf4_prefill(spec, x, ts[0][start:end], absmax[start:end].reshape(-1), code_of(spec, ts),
+                                     bias[start:end] if bias is not None else None, rows))
+            start = end
+            continue
         if absmax is None:  # int8 rows x their scales
             w = (ts[0][start:end].float() * ts[1][start:end, None]).to(x.dtype)
         else:
@@ -97,6 +108,16 @@ def linear_prefill_parts(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tens
         del w
         start = end
     return outs
+
+
+def _nf4_prefill(spec: LinSpec, x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+                 bias: torch.Tensor | None, n: int) -> torch.Tensor:
+    """x (..., K) -> (..., n) through torch.ops.llm_core.nf4_prefill (llm_core.fast.prefill_gemm): nf4_gemm for
+    chunks of up to spec.prefill_gemm_max rows, dequantize + matmul above."""
+    flat = x.reshape(-1, spec.k)
+    y = torch.ops.llm_core.nf4_prefill(flat, packed, absmax, code, bias, spec.blocksize, list(spec.levels),
+                                       spec.prefill_gemm_max)
+    return y.view(*x.shape[:-1], n)
 
 
 def dense_gemv_linear(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], *,

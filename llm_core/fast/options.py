@@ -58,6 +58,9 @@ class FastDecodeOptions:
     # The static KV cache: bf16 (the compute dtype) | int8 (per token and KV head, llm_core.fast.kvquant; 1.94x the
     # tokens per byte at head_dim 128) | int4 (rotated, per group of 16; 3.2x), read by the decode attention kernel
     kv_cache: str = "bf16"
+    # The prefill's NF4 matmul: auto (time llm_core.nf4_gemm against dequantize + matmul per chunk size at start-up,
+    # CUDA only: llm_core.fast.prefill_gemm) | off (dequantize + matmul, as bitsandbytes does)
+    prefill_gemm: str = "auto"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
@@ -72,6 +75,8 @@ class FastDecodeOptions:
         if self.kv_cache == "int4" and (head_dim < 32 or head_dim & (head_dim - 1)):
             raise GenerationError(f"KV_CACHE=int4 needs a head_dim that is a power of two of at least 32 (its "
                                   f"Hadamard rotation and groups of 32), not {head_dim}; use KV_CACHE=int8.")
+        if self.prefill_gemm not in ("auto", "off"):
+            raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())

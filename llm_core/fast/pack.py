@@ -31,6 +31,9 @@ class LinSpec:
     gemv: str  # dense | dense-triton | int8 | bnb | nf4 | torch (the reference formula)
     uniform_offset: bool  # nested with one offset (what bitsandbytes' own kernel can read)
     levels: tuple[float, ...] = ()  # the 16 NF4 levels on the host (llm_core.nf4_gemv builds its kernel from them)
+    # nf4: prompt chunks up to this many rows prefilled by llm_core.nf4_gemm, longer ones (and 0: all) by
+    # dequantize + matmul (the start-up pick: llm_core.fast.prefill_gemm)
+    prefill_gemm_max: int = 0
 
 
 @dataclass

@@ -298,7 +298,7 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
                 MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m),
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages,
                 EVEN_K=cfg.even and k % block_k == 0, EVEN_N=cfg.even and n % cfg.block_n == 0, XVEC=cfg.xvec,
-                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale)
+                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale, TILE_M=False)
 
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
