@@ -14,6 +14,8 @@ prompt is --prompt-tokens tokens (the chat template included), each reply exactl
 --prefill (paged): how newcomers that reach an idle loop together are prefilled: "group" (the default: padded groups
 in one pass each), "each" (one pass per prompt, from its whole-prompt prefill graph where one serves it:
 FastRunner(group_prefill=False)), "both" (each N twice, group first); the record's `prefill` says which.
+--profile-chats N: then N chats arriving together under torch.profiler once per mode ("profile-arrivals" records:
+the device's kernels over the run against its TTFTs: is the newcomers' prefill bound by the device or the host?).
 
 Records (recipe "ours" and "transformers-generate"), definitions as in llm_core.metrics (TTFT = request received ->
 first token on the host; a chat's decode tokens/s = (new - 1) / (last token - first token)):
@@ -247,12 +249,37 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001 - the reference failing must not lose our numbers
                     self.rec.add(**common, recipe="transformers-generate", concurrent_chats=n,
                                  error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        if a.profile_chats and runner is not None:
+            for mode in modes:
+                print(f"profile: {a.profile_chats} chats arriving together, prefill {mode}", flush=True)
+                runner.group_prefill = mode == "group"
+                fresh = [prompt_text(engine, len(texts) + 1 + i + (a.profile_chats if mode == "each" else 0),
+                                     a.prompt_tokens) for i in range(a.profile_chats)]
+                self.rec.add(**common, prefill=mode, **self.profile_arrivals(engine, fresh))
         if a.profile:
             print("profile: one chat", flush=True)
             self.rec.add(**common, **self.profile(engine, prompt_text(engine, len(texts), a.prompt_tokens)))
         if engine.fast_scheduler is not None:
             engine.fast_scheduler.close()
         self.rec.set_summary(total_s=round(time.perf_counter() - t_all, 1))
+
+    def profile_arrivals(self, engine: ChatEngine, texts: list[str], top: int = 15) -> dict[str, Any]:
+        """len(texts) chats arriving together (as `ours` runs them) under torch.profiler: the device's kernels by
+        total time over the whole run (the profiler sees every thread's kernels), their sum against the wall time
+        from the first request to the last first token, and the run's own record: whether the newcomers' prefill is
+        bound by the device or by the host."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            run = self.ours(engine, len(texts), texts)
+        key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+        events = sorted((e for e in prof.key_averages() if getattr(e, key, 0) > 0), key=lambda e: getattr(e, key),
+                        reverse=True)
+        return {**run, "what": "profile-arrivals",
+                "device_kernels_us": round(sum(getattr(e, key) for e in events), 1),
+                "device_kernels": [{"name": e.key[:120], "calls": e.count, "us": round(getattr(e, key), 1)}
+                                   for e in events[:top]]}
 
     def profile(self, engine: ChatEngine, text: str, top: int = 15) -> dict[str, Any]:
         """One chat's reply (after the runs above: compiled, graphs captured) under torch.profiler: the device's
@@ -302,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-layout", default="slots", choices=("slots", "paged"), help="KV_LAYOUT of ours")
     parser.add_argument("--prefill", default="group", choices=("group", "each", "both"),
                         help="paged: newcomers arriving together prefilled in padded groups, one by one, or both")
+    parser.add_argument("--profile-chats", type=int, default=0,
+                        help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
     args = parser.parse_args(argv)

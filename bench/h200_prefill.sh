@@ -16,7 +16,7 @@ if [ "${GEMM_S:-240}" != 0 ]; then
 fi
 if [ "${BATCHED_S:-300}" != 0 ]; then
   timeout -s INT -k 15 "${BATCHED_S:-300}" python3 -m bench.batched --no-reference --chats "${CHATS:-1,8}" \
-    --new-tokens 64 --kv-layout paged --prefill both --ckpt /tmp/paged-ckpt ${BATCHED_ARGS:-} \
+    --new-tokens 64 --kv-layout paged --prefill both --profile-chats 8 --ckpt /tmp/paged-ckpt ${BATCHED_ARGS:-} \
     --out "$OUT/batched-prefill.json" > "$OUT/batched-prefill.log" 2>&1
   echo "batched rc=$?"; grep -iE "Traceback|Error" "$OUT/batched-prefill.log" | cut -c1-300 | head -8
   python3 - "$OUT/batched-prefill.json" <<'P'
@@ -29,7 +29,10 @@ for r in d["records"]:
     if r.get("phase") == "load":
         print("load", r.get("decode_path_reason", "")[:300], "prefill graphs", r.get("prefill_graphs"), r.get("slot_notes"))
     elif r.get("recipe") == "ours":
-        print({k: r.get(k) for k in ("prefill", "concurrent_chats", "aggregate_decode_tokens_per_s", "ttft_p50_s",
-                                     "ttft_p95_s", "ttfts_s")}, (r.get("step_profile") or {}).get("prefill_chunks"))
+        print({k: r.get(k) for k in ("what", "prefill", "concurrent_chats", "aggregate_decode_tokens_per_s",
+                                     "ttft_p50_s", "ttft_p95_s", "ttfts_s", "device_kernels_us")},
+              (r.get("step_profile") or {}).get("prefill_chunks"))
+        if r.get("what") == "profile-arrivals":
+            print("   ", [(k["name"][:60], k["calls"], k["us"]) for k in r["device_kernels"][:8]])
 P
 fi

@@ -76,10 +76,22 @@ def load_engine(env: dict[str, str], prefix_cache: bool) -> Any:
                                              env_file=None))
 
 
+def device_profile(prof: Any, top: int = 12) -> dict[str, Any]:
+    """torch.profiler's device kernels (every thread's): their total and the largest by total time."""
+    key = "self_device_time_total"
+    events = sorted((e for e in prof.key_averages() if getattr(e, key, 0) > 0), key=lambda e: getattr(e, key),
+                    reverse=True)
+    return {"device_kernels_us": round(sum(getattr(e, key) for e in events), 1),
+            "device_kernels": [{"name": e.key[:120], "calls": e.count, "us": round(getattr(e, key), 1)}
+                               for e in events[:top]]}
+
+
 def chat(engine: Any, messages: list[str], new_tokens: int, replay: list[Any] | None, rec: Recorder,
-         mode: str) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Run every turn; `replay`: the histories to use per turn (else the replies so far). Returns (histories,
-    per-turn results)."""
+         mode: str, profile_turns: frozenset[int] = frozenset()) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Run every turn; `replay`: the histories to use per turn (else the replies so far); `profile_turns`: those
+    turns run under torch.profiler (CUDA), their results carrying the device's kernels (the profiler's own cost is in
+    their TTFT). Returns (histories, per-turn results)."""
+    import contextlib
     from dataclasses import replace
 
     from llm_core.history import Turn
@@ -92,8 +104,15 @@ def chat(engine: Any, messages: list[str], new_tokens: int, replay: list[Any] | 
             history = replay[turn - 1]
         histories.append(list(history))
         last = None
-        for update in engine.stream_chat(text, history, gen=gen, request_id=f"{mode}-bench"):
-            last = update
+        profiled = turn in profile_turns and torch.cuda.is_available()
+        prof: Any = None
+        with contextlib.ExitStack() as stack:
+            if profiled:
+                from torch.profiler import ProfilerActivity, profile
+
+                prof = stack.enter_context(profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]))
+            for update in engine.stream_chat(text, history, gen=gen, request_id=f"{mode}-bench"):
+                last = update
         assert last is not None and last.done
         s = last.stats
         result = {"mode": mode, "turn": turn, "prompt_tokens": s.prompt_tokens,
@@ -101,6 +120,8 @@ def chat(engine: Any, messages: list[str], new_tokens: int, replay: list[Any] | 
                   "decode_tokens_per_s": round(s.decode_tokens_per_s, 1) if s.decode_tokens_per_s else None,
                   "new_tokens": s.new_tokens, "dropped_turns": s.dropped_turns, "decode_path": s.decode_path,
                   "token_ids": list(last.token_ids)}
+        if prof is not None:
+            result["profile"] = device_profile(prof)
         results.append(result)
         rec.add("turn", **{k: v for k, v in result.items() if k != "token_ids"})
         history = [*history, Turn(text, last.text)]
@@ -129,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="which PREFIX_CACHE run chats first (the other replays its conversation)")
     parser.add_argument("--only-first", action="store_true",
                         help="run the --first engine only (no replay with the other PREFIX_CACHE: a shorter call)")
+    parser.add_argument("--profile-turns", default="", help="comma-separated turns of the 'on' run to run under "
+                        "torch.profiler (CUDA): where their TTFT goes")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting for both engines beyond the defaults (repeatable), e.g. KV_LAYOUT=paged")
     args = parser.parse_args(argv)
@@ -179,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 return len(tok(text)["input_ids"])
 
             messages = [english(t, args.message_tokens, count) for t in range(1, args.turns + 1)]
-        histories, runs[mode] = chat(engine, messages, args.new_tokens, replay, rec, mode)
+        profiled = frozenset(int(t) for t in args.profile_turns.split(",") if t) if mode == "on" else frozenset()
+        histories, runs[mode] = chat(engine, messages, args.new_tokens, replay, rec, mode, profiled)
         replay = histories
         engine.close()  # its batch loop's thread would keep the weights and KV alive for the next engine
         del engine

@@ -321,9 +321,10 @@ def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a
         calls: list[int] = []
         real_parts = fast_layer.linear_prefill_parts
 
-        def counting(s: Any, x: torch.Tensor, ts: Any) -> Any:
+        def counting(s: Any, x: torch.Tensor, ts: Any, gemm: bool = True) -> Any:
+            assert not gemm  # the step's rows: dequantize + matmul, never the prefill's GEMM
             calls.append(len(s.splits))
-            return real_parts(s, x, ts)
+            return real_parts(s, x, ts, gemm)
 
         monkeypatch.setattr(batched, "linear_prefill_parts", counting)
         g = torch.Generator().manual_seed(0)
@@ -334,7 +335,8 @@ def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a
         out = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)
         assert sorted(calls) == [2, 3]  # gate/up and q/k/v, each per part
         monkeypatch.setattr(batched, "linear_prefill_parts",
-                            lambda s, x, ts: fast_layer.linear_prefill(s, x, ts).split(list(s.splits), dim=-1))
+                            lambda s, x, ts, gemm=True: fast_layer.linear_prefill(s, x, ts, gemm).split(
+                                list(s.splits), dim=-1))
         fused = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)
         assert all(torch.equal(a, b) for a, b in zip(out, fused, strict=True))  # the same rows, the same sums
     finally:
