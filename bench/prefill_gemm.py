@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.small_m import LAYERS, WeightSet, graph_us
+from bench.small_m import WeightSet, cases, graph_us
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the swept grid (decode "asm", scale16)
 GRID = [(128, 128, 128, 8, 3), (128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
@@ -101,59 +100,44 @@ def main() -> None:
         args.out.write_text(json.dumps(doc, indent=1))
 
     ms = [int(v) for v in args.ms.split(",")]
-    for arch in args.archs.split(","):
-        for lin, (n, k) in LAYERS[arch].items():
-            if time.perf_counter() - t_start > args.budget_s:
-                doc["meta"]["stopped_early"] = f"budget {args.budget_s} s reached before {arch} {lin}"
-                save()
-                break
-            first = WeightSet(n, k, seed=1)
-            copies = max(2, math.ceil(3 * l2 / first.nf4_bytes))
-            sets = [first] + [WeightSet(n, k, seed=2 + i) for i in range(copies - 1)]
-            deq_ref = bf.dequantize_4bit(first.q, first.st).float()
-            for m in ms:
-                xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in sets]
-                ref = xs[0].float() @ deq_ref.T
-                rec: dict[str, Any] = {"arch": arch, "linear": lin, "n": n, "k": k, "m": m, "copies": copies,
-                                       "us": {}, "tflops": {}, "rel_err": {}, "errors": {}}
+    for arch, lin, n, k, m, sets, xs, ref in cases(args.archs.split(","), ms, l2, args.budget_s, t_start, doc, save):
+        rec: dict[str, Any] = {"arch": arch, "linear": lin, "n": n, "k": k, "m": m, "copies": len(sets),
+                               "us": {}, "tflops": {}, "rel_err": {}, "errors": {}}
 
-                def timed(name: str, make: Any, rec: dict[str, Any] = rec, xs: list[torch.Tensor] = xs,
-                          ref: torch.Tensor = ref, sets: list[WeightSet] = sets, m: int = m) -> None:
-                    try:
-                        out = make(sets[0], xs[0])()
-                        rec["rel_err"][name] = round(float((out.float() - ref).norm() / ref.norm()), 5)
-                        us = graph_us([make(s, x) for s, x in zip(sets, xs, strict=True)], replays=10)
-                        rec["us"][name] = round(us, 2)
-                        rec["tflops"][name] = round(2 * m * rec["n"] * rec["k"] / (us * 1e-6) / 1e12, 1)
-                    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
-                        rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        def timed(name: str, make: Any, rec: dict[str, Any] = rec, xs: list[torch.Tensor] = xs,
+                  ref: torch.Tensor = ref, sets: list[WeightSet] = sets, m: int = m) -> None:
+            try:
+                out = make(sets[0], xs[0])()
+                rec["rel_err"][name] = round(float((out.float() - ref).norm() / ref.norm()), 5)
+                us = graph_us([make(s, x) for s, x in zip(sets, xs, strict=True)], replays=10)
+                rec["us"][name] = round(us, 2)
+                rec["tflops"][name] = round(2 * m * rec["n"] * rec["k"] / (us * 1e-6) / 1e12, 1)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
+                rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
-                def ours(cfg: GemmConfig, decode: str) -> Any:
-                    return lambda s, x: (lambda: nf4_gemm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
-                                                          decode=decode, levels=s.levels))
+        def ours(cfg: GemmConfig, decode: str) -> Any:
+            return lambda s, x: (lambda: nf4_gemm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
+                                                  decode=decode, levels=s.levels))
 
-                for bm, bn, bk, warps, stages in GRID:
-                    cfg = GemmConfig(bm, bn, bk, warps, stages)
-                    timed(key_of(cfg, "asm"), ours(cfg, "asm"))
-                ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("gemm:"))
-                for _, key in ranked[:args.refine]:
-                    cfg, _ = config_of(key)
-                    exact = cfg.__class__(cfg.block_m, cfg.block_n, cfg.block_k, cfg.warps, cfg.stages, False)
-                    timed(key_of(exact, "asm"), ours(exact, "asm"))
-                    timed(key_of(cfg, "gather"), ours(cfg, "gather"))
-                timed("dequant+matmul", lambda s, x: (lambda: x @ bf.dequantize_4bit(s.q, s.st).t()))
-                timed("bf16_cublas", lambda s, x: (lambda: x @ s.w.t()))
-                best = min(((v, key) for key, v in rec["us"].items() if key.startswith("gemm:")), default=None)
-                if best is not None:
-                    rec["best_gemm"], rec["best_gemm_us"] = best[1], best[0]
-                doc["records"].append(rec)
-                save()
-                print(f"{arch} {lin:8s} M={m:5d} best {rec.get('best_gemm')} {rec.get('best_gemm_us')} µs; "
-                      f"dequant+matmul {rec['us'].get('dequant+matmul')} bf16 {rec['us'].get('bf16_cublas')} "
-                      f"errors={len(rec['errors'])}", flush=True)
-            sets.clear()
-            del first, deq_ref
-            torch.cuda.empty_cache()
+        for bm, bn, bk, warps, stages in GRID:
+            cfg = GemmConfig(bm, bn, bk, warps, stages)
+            timed(key_of(cfg, "asm"), ours(cfg, "asm"))
+        ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("gemm:"))
+        for _, key in ranked[:args.refine]:
+            cfg, _ = config_of(key)
+            exact = cfg.__class__(cfg.block_m, cfg.block_n, cfg.block_k, cfg.warps, cfg.stages, False)
+            timed(key_of(exact, "asm"), ours(exact, "asm"))
+            timed(key_of(cfg, "gather"), ours(cfg, "gather"))
+        timed("dequant+matmul", lambda s, x: (lambda: x @ bf.dequantize_4bit(s.q, s.st).t()))
+        timed("bf16_cublas", lambda s, x: (lambda: x @ s.w.t()))
+        best = min(((v, key) for key, v in rec["us"].items() if key.startswith("gemm:")), default=None)
+        if best is not None:
+            rec["best_gemm"], rec["best_gemm_us"] = best[1], best[0]
+        doc["records"].append(rec)
+        save()
+        print(f"{arch} {lin:8s} M={m:5d} best {rec.get('best_gemm')} {rec.get('best_gemm_us')} µs; "
+              f"dequant+matmul {rec['us'].get('dequant+matmul')} bf16 {rec['us'].get('bf16_cublas')} "
+              f"errors={len(rec['errors'])}", flush=True)
     doc["summary"] = summarize(doc["records"])
     save()
     for arch, rows in doc["summary"].items():

@@ -107,6 +107,31 @@ class WeightSet:
         return self.q8, self.absmax2, self.offsets, self.code2
 
 
+def cases(archs: list[str], ms: list[int], l2: int, budget_s: float, t_start: float, doc: dict[str, Any],
+          save: Any) -> Any:
+    """Per arch, linear and M: (arch, linear, N, K, M, weight sets, one x per set, the fp32 reference of the first
+    set's x @ dequantize_4bit(W).T). The sets together hold 3x the L2 (none is read from the cache by the next);
+    a linear is not started past budget_s (the document says so, saved). Frees each linear's sets after it."""
+    import bitsandbytes.functional as bf
+
+    for arch in archs:
+        for lin, (n, k) in LAYERS[arch].items():
+            if time.perf_counter() - t_start > budget_s:
+                doc["meta"]["stopped_early"] = f"budget {budget_s} s reached before {arch} {lin}"
+                save()
+                return
+            first = WeightSet(n, k, seed=1)
+            copies = max(2, math.ceil(3 * l2 / first.nf4_bytes))
+            sets = [first] + [WeightSet(n, k, seed=2 + i) for i in range(copies - 1)]
+            deq_ref = bf.dequantize_4bit(first.q, first.st).float()
+            for m in ms:
+                xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in sets]
+                yield arch, lin, n, k, m, sets, xs, xs[0].float() @ deq_ref.T
+            sets.clear()
+            del first, deq_ref
+            torch.cuda.empty_cache()
+
+
 # MMConfig's loop forms (bench/nf4_mm_sass.py counts their instructions), and the combinations --refine re-times
 # the best configs with
 FORM_FLAGS = ("even", "xvec", "scale16", "asm_scale")
@@ -186,77 +211,64 @@ def main() -> None:
     def save() -> None:
         args.out.write_text(json.dumps(doc, indent=1))
 
-    for arch in args.archs.split(","):
-        for lin, (n, k) in LAYERS[arch].items():
-            if time.perf_counter() - t_start > args.budget_s:
-                doc["meta"]["stopped_early"] = f"budget {args.budget_s} s reached before {arch} {lin}"
-                save()
-                break
-            first = WeightSet(n, k, seed=1)
-            copies = max(2, math.ceil(3 * l2 / first.nf4_bytes))
-            sets = [first] + [WeightSet(n, k, seed=2 + i) for i in range(copies - 1)]
-            deq_ref = bf.dequantize_4bit(first.q, first.st).float()
-            for m in ms:
-                xs = [torch.randn(m, k, dtype=torch.bfloat16, device="cuda") for _ in sets]
-                ref = xs[0].float() @ deq_ref.T
-                rec: dict[str, Any] = {"arch": arch, "linear": lin, "n": n, "k": k, "m": m, "copies": copies,
-                                       "nf4_bytes": first.nf4_bytes, "ideal_us": first.nf4_bytes / bw * 1e6,
-                                       "us": {}, "rel_err": {}, "errors": {}}
+    for case in cases(args.archs.split(","), ms, l2, args.budget_s, t_start, doc, save):
+        arch, lin, n, k, m, sets, xs, ref = case
+        first, copies = sets[0], len(sets)
+        rec: dict[str, Any] = {"arch": arch, "linear": lin, "n": n, "k": k, "m": m, "copies": copies,
+                               "nf4_bytes": first.nf4_bytes, "ideal_us": first.nf4_bytes / bw * 1e6,
+                               "us": {}, "rel_err": {}, "errors": {}}
 
-                def timed(name: str, make: Any, rec: dict[str, Any] = rec, xs: list[torch.Tensor] = xs,
-                          ref: torch.Tensor = ref, sets: list[WeightSet] = sets) -> None:
-                    try:
-                        out = make(sets[0], xs[0])()
-                        rec["rel_err"][name] = round(float((out.float() - ref).norm() / ref.norm()), 5)
-                        rec["us"][name] = round(graph_us([make(s, x) for s, x in zip(sets, xs, strict=True)]), 2)
-                    except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
-                        rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        def timed(name: str, make: Any, rec: dict[str, Any] = rec, xs: list[torch.Tensor] = xs,
+                  ref: torch.Tensor = ref, sets: list[WeightSet] = sets) -> None:
+            try:
+                out = make(sets[0], xs[0])()
+                rec["rel_err"][name] = round(float((out.float() - ref).norm() / ref.norm()), 5)
+                rec["us"][name] = round(graph_us([make(s, x) for s, x in zip(sets, xs, strict=True)]), 2)
+            except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
+                rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
-                def ours(cfg: MMConfig, decode: str) -> Any:
-                    return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
-                                                        decode=decode, levels=s.levels))
+        def ours(cfg: MMConfig, decode: str) -> Any:
+            return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
+                                                decode=decode, levels=s.levels))
 
-                for name, kw in variants(m, n, k, sms, args.forms):
-                    timed(name, ours(kw["config"], kw["decode"]))
-                ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("ours:"))
-                for _, key in ranked[:args.refine]:
-                    cfg, _, forms = config_of(key)
-                    for stages in (2, 4):
-                        staged = cfg.replace(stages=stages)
-                        timed(key_of(staged, "asm", forms), ours(staged, "asm"))
-                    timed(key_of(cfg, "gather", forms), ours(cfg, "gather"))
-                    for other in FORMS:
-                        if other != forms:
-                            timed(key_of(with_forms(cfg, other), "asm", other), ours(with_forms(cfg, other), "asm"))
-                if m == 1:
-                    timed("nf4_gemv", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels,
-                                                                               nested=s.nested())))
-                else:
-                    timed("nf4_rows", lambda s, x: (lambda: nf4_gemv.nf4_rows(x, s.words, 64, s.levels,
-                                                                               nested=s.nested())))
-                with torch.inference_mode():
-                    timed("bnb.matmul_4bit", lambda s, x: (lambda: bnb.matmul_4bit(x, s.q.t(), quant_state=s.st)))
-                timed("dequant+matmul", lambda s, x: (lambda: x @ bf.dequantize_4bit(s.q, s.st).t()))
-                timed("bf16_cublas", lambda s, x: (lambda: x @ s.w.t()))
-                best = min(((v, key) for key, v in rec["us"].items() if key.startswith("ours")), default=None)
-                if best is not None:
-                    rec["best_ours"] = best[1]
-                    rec["best_ours_us"] = best[0]
-                    rec["best_ours_fraction_of_copy_bw"] = round(first.nf4_bytes / (best[0] * 1e-6) / bw, 3)
-                if best is not None and best[1].startswith("ours:"):
-                    rec["best_compile"] = compile_info(best[1], sets[0], xs[0])
-                rec["max_rel_err_ours"] = max((v for key, v in rec["rel_err"].items() if key.startswith("ours")),
-                                              default=None)
-                doc["records"].append(rec)
-                save()
-                others = {key: rec["us"].get(key) for key in ("nf4_gemv", "nf4_rows", "bnb.matmul_4bit",
-                                                              "dequant+matmul", "bf16_cublas") if key in rec["us"]}
-                print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
-                      f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
-                      f"{others} errors={len(rec['errors'])}", flush=True)
-            sets.clear()
-            del first, deq_ref
-            torch.cuda.empty_cache()
+        for name, kw in variants(m, n, k, sms, args.forms):
+            timed(name, ours(kw["config"], kw["decode"]))
+        ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("ours:"))
+        for _, key in ranked[:args.refine]:
+            cfg, _, forms = config_of(key)
+            for stages in (2, 4):
+                staged = cfg.replace(stages=stages)
+                timed(key_of(staged, "asm", forms), ours(staged, "asm"))
+            timed(key_of(cfg, "gather", forms), ours(cfg, "gather"))
+            for other in FORMS:
+                if other != forms:
+                    timed(key_of(with_forms(cfg, other), "asm", other), ours(with_forms(cfg, other), "asm"))
+        if m == 1:
+            timed("nf4_gemv", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels,
+                                                                       nested=s.nested())))
+        else:
+            timed("nf4_rows", lambda s, x: (lambda: nf4_gemv.nf4_rows(x, s.words, 64, s.levels,
+                                                                       nested=s.nested())))
+        with torch.inference_mode():
+            timed("bnb.matmul_4bit", lambda s, x: (lambda: bnb.matmul_4bit(x, s.q.t(), quant_state=s.st)))
+        timed("dequant+matmul", lambda s, x: (lambda: x @ bf.dequantize_4bit(s.q, s.st).t()))
+        timed("bf16_cublas", lambda s, x: (lambda: x @ s.w.t()))
+        best = min(((v, key) for key, v in rec["us"].items() if key.startswith("ours")), default=None)
+        if best is not None:
+            rec["best_ours"] = best[1]
+            rec["best_ours_us"] = best[0]
+            rec["best_ours_fraction_of_copy_bw"] = round(first.nf4_bytes / (best[0] * 1e-6) / bw, 3)
+        if best is not None and best[1].startswith("ours:"):
+            rec["best_compile"] = compile_info(best[1], sets[0], xs[0])
+        rec["max_rel_err_ours"] = max((v for key, v in rec["rel_err"].items() if key.startswith("ours")),
+                                      default=None)
+        doc["records"].append(rec)
+        save()
+        others = {key: rec["us"].get(key) for key in ("nf4_gemv", "nf4_rows", "bnb.matmul_4bit",
+                                                      "dequant+matmul", "bf16_cublas") if key in rec["us"]}
+        print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
+              f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
+              f"{others} errors={len(rec['errors'])}", flush=True)
     doc["summary"] = summarize(doc)
     save()
     print_table(doc)

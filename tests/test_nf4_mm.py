@@ -55,16 +55,15 @@ def _packed(splits: tuple[int, ...], k: int, absmax: str, device: str = "cpu") -
     return p, ref_w.to(device)
 
 
-def _run(p: Any, x: torch.Tensor, config: mm.MMConfig | None = None, decode: str = "gather") -> torch.Tensor:
+def _run(p: Any, x: torch.Tensor, config: Any = None, decode: str = "gather", kernel: Any = None) -> torch.Tensor:
+    """`kernel` (default mm.nf4_mm; mm.nf4_gemm) over the packed linear p, its absmax as p holds it."""
     s, ts = p.spec, p.tensors
     words = words_view(ts[0])
     assert words is not None
     code = code_of(s, ts).to(x.device)
-    if s.absmax == "fp32":
-        return mm.nf4_mm(x, words, s.blocksize, code, absmax=ts[1].reshape(-1), config=config, decode=decode,
-                         levels=s.levels)
-    return mm.nf4_mm(x, words, s.blocksize, code, nested=(ts[1], ts[2], ts[3], ts[4]), config=config,
-                     decode=decode, levels=s.levels)
+    absmax: dict[str, Any] = {"absmax": ts[1].reshape(-1)} if s.absmax == "fp32" else {
+        "nested": (ts[1], ts[2], ts[3], ts[4])}
+    return (kernel or mm.nf4_mm)(x, words, s.blocksize, code, config=config, decode=decode, levels=s.levels, **absmax)
 
 
 # Small shapes, same code path: (fused part rows, K). K = 320 is 1.25 BLOCK_K steps at BLOCK_K = 256 (ragged);
@@ -161,15 +160,7 @@ GEMM_CONFIGS = {"32x32x64": mm.GemmConfig(32, 32, 64, 4, 2), "16x64x128": mm.Gem
 
 
 def _gemm(p: Any, x: torch.Tensor, config: mm.GemmConfig, decode: str = "gather") -> torch.Tensor:
-    s, ts = p.spec, p.tensors
-    words = words_view(ts[0])
-    assert words is not None
-    code = code_of(s, ts).to(x.device)
-    if s.absmax == "fp32":
-        return mm.nf4_gemm(x, words, s.blocksize, code, absmax=ts[1].reshape(-1), config=config, decode=decode,
-                           levels=s.levels)
-    return mm.nf4_gemm(x, words, s.blocksize, code, nested=(ts[1], ts[2], ts[3], ts[4]), config=config,
-                       decode=decode, levels=s.levels)
+    return _run(p, x, config, decode, kernel=mm.nf4_gemm)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
