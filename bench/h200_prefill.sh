@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# One device call (~6-8 min): the prefill work of 2026-12-05 (fourth session), untimed until then. GPU tests of the
+# Device calls for the prefill work of 2026-12-05 (fourth session), untimed until then. GPU tests of the
 # NF4 prefill GEMM and the paged pool's whole-prompt prefill graphs; the GEMM against dequantize + matmul
 # (bench.prefill_gemm, within GEMM_S); then N chats through ChatEngine on the paged pool with the group pass and
 # with one graph replay per prompt (bench.batched --prefill both, within BATCHED_S; the random checkpoint is
 # written to /tmp/paged-ckpt once). Run from the repo root with .whl carried; JSON under $OUT.
-# GEMM_S=0 or BATCHED_S=0 skips a part; CHATS (default 1,8) and BATCHED_ARGS add to bench.batched.
+# TESTS_S=0, GEMM_S=0 or BATCHED_S=0 skips a part; CHATS (default 1,8) and BATCHED_ARGS add to bench.batched.
+# All three take ~12 min: over one call's 10, so two calls: "BATCHED_S=0 bash bench/h200_prefill.sh" (tests and
+# the sweep, ~8 min), then "TESTS_S=0 GEMM_S=0 bash bench/h200_prefill.sh" (the chats, ~5 min).
 set -uo pipefail
 source bench/h200_env.sh || exit 1
-timeout -s INT -k 15 "${TESTS_S:-200}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
-  -k "gemm or paged" tests/test_nf4_mm.py tests/test_paged_kv.py > "$OUT/prefill-gpu-tests.txt" 2>&1
-echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/prefill-gpu-tests.txt" | cut -c1-300 | head -20
+if [ "${TESTS_S:-200}" != 0 ]; then
+  timeout -s INT -k 15 "${TESTS_S:-200}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
+    -k "gemm or paged" tests/test_nf4_mm.py tests/test_paged_kv.py > "$OUT/prefill-gpu-tests.txt" 2>&1
+  echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/prefill-gpu-tests.txt" | cut -c1-300 | head -20
+fi
 if [ "${GEMM_S:-240}" != 0 ]; then
   timeout -s INT -k 15 "${GEMM_S:-240}" python3 -m bench.prefill_gemm --out "$OUT/prefill-gemm.json" \
     --budget-s $(( ${GEMM_S:-240} - 40 )) ${GEMM_ARGS:-} 2>&1 | grep -v Warning | tee "$OUT/prefill-gemm.log" | cut -c1-300
