@@ -553,9 +553,10 @@ class SlotDecoder:
         try:
             self.prefill_graphs.capture()
             captured = self.prefill_graphs.captured
-            if captured:
-                self.notes.append(f"whole prompts up to {captured[-1]:,} tokens prefilled from {len(captured)} CUDA "
-                                  "graphs")
+            note = f"whole prompts up to {captured[-1]:,} tokens prefilled from {len(captured)} CUDA graphs" \
+                if captured else ""
+            if note and note not in self.notes:  # (re-sizing captures them again)
+                self.notes.append(note)
         except Exception as exc:  # noqa: BLE001 - the compiled prefill serves every length
             log.warning("Paged prefill graphs not captured: %s: %s", type(exc).__name__, exc)
             self.notes.append(f"paged prefill graphs off ({type(exc).__name__})")
