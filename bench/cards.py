@@ -149,7 +149,8 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     base["alloc_conf"] = set_allocator(True)
     cap_card(case.card_gib)
     env = {"MODEL_ID": str(folder), "QUANTIZATION": case.quantization, "VRAM_BUDGET": f"{case.card_gib - 0.5}GiB",
-           "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens), "CACHE_DIR": "/tmp/llm_core_cache"}
+           "HISTORY_TURNS": "64", "MAX_NEW_TOKENS": str(SCALE.new_tokens), "CACHE_DIR": "/tmp/llm_core_cache",
+           "MAX_MESSAGE_CHARS": "1000000"}  # the fill is one message of the whole fit (35k characters at 8 GiB)
     if case.kv_cache != "default":
         env["KV_CACHE"] = case.kv_cache
     if SCALE.device != "cuda":  # smoke: the same engine path on the CPU (fast path eager, fp32)
