@@ -176,6 +176,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
             graph_pool_idle_bytes=decoder.graph_pool_idle_bytes() if decoder else None,
             memory_budget_bytes=engine.memory_budget.budget_bytes, weights_bytes=engine.memory_facts.weights_bytes,
             token_tables=engine.loaded.extra.get("token_tables"), load_notes=list(engine.loaded.report.notes),
+            startup_notes=list(engine.path.notes),
             allocated_after_startup_bytes=torch.cuda.memory_allocated() if SCALE.device == "cuda" else None,
             reserved_after_startup_bytes=torch.cuda.memory_reserved() if SCALE.device == "cuda" else None)
     history: list[Any] = []

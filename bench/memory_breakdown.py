@@ -81,6 +81,38 @@ def summarize_snapshot(snapshot: dict[str, Any], *, top: int = 20) -> dict[str, 
                                      sorted(sizes.items(), key=lambda kv: -kv[0][0] * kv[1])[:top] if n > 1]}
 
 
+def _neighbour(blocks: list[dict[str, Any]], j: int) -> str:
+    """Who holds block j of a segment: its owner when allocated, else its state ('-' past either end)."""
+    if not 0 <= j < len(blocks):
+        return "-"
+    if blocks[j].get("state") == "active_allocated":
+        return owner_of(blocks[j].get("frames", []))
+    return str(blocks[j].get("state"))
+
+
+def summarize_free_blocks(snapshot: dict[str, Any], *, top: int = 15) -> dict[str, Any]:
+    """The free blocks the allocator holds (take the snapshot after empty_cache: what it could not give back), by
+    size band, and the largest `top` with the owners of the allocated blocks on either side (what pins them)."""
+    bands = {"<2MiB": 2 << 20, "2-20MiB": 20 << 20, "20-100MiB": 100 << 20, ">=100MiB": 1 << 62}
+    by_band: dict[str, dict[str, int]] = {name: {"count": 0, "bytes": 0} for name in bands}
+    listed: list[dict[str, Any]] = []
+    for seg in snapshot.get("segments", []):
+        blocks = seg.get("blocks", [])
+        for i, block in enumerate(blocks):
+            if block.get("state") != "inactive":
+                continue
+            size = int(block.get("size", 0))
+            band = next(name for name, limit in bands.items() if size < limit)
+            by_band[band]["count"] += 1
+            by_band[band]["bytes"] += size
+
+            listed.append({"bytes": size, "expandable": bool(seg.get("is_expandable")),
+                           "graph_pool": tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0),
+                           "before": _neighbour(blocks, i - 1), "after": _neighbour(blocks, i + 1)})
+    listed.sort(key=lambda b: -b["bytes"])
+    return {"by_size": by_band, "largest": listed[:top]}
+
+
 def table_bytes(model: Any) -> dict[str, int]:
     """Device bytes of the token table and the lm_head modules (a tied table counted under both names)."""
     out = {}
@@ -101,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-words", type=int, default=2800)
     parser.add_argument("--live-switch", action="store_true")
     parser.add_argument("--no-pickles", action="store_true", help="write the JSON summaries only")
+    parser.add_argument("--no-compact", action="store_true",
+                        help="skip start-up's re-laying of the weights (llm_core.memory.compact), to compare")
     args = parser.parse_args(argv)
     if not args.live_switch:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -134,13 +168,16 @@ def main(argv: list[str] | None = None) -> int:
                               "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "(live switch)"),
                               "versions": {"torch": torch.__version__}}
 
-    def snap(name: str) -> None:
+    def snap(name: str, emptied: bool = False) -> None:
         torch.cuda.synchronize()
+        if emptied:
+            torch.cuda.empty_cache()
         raw = torch.cuda.memory._snapshot()
         if not args.no_pickles:
             (args.out.parent / f"{args.out.stem}-{name}.pickle").write_bytes(pickle.dumps(raw))
         stats = torch.cuda.memory_stats()
-        result[name] = summarize_snapshot(raw) | {"max_reserved": torch.cuda.max_memory_reserved(),
+        result[name] = summarize_snapshot(raw) | {"free_blocks": summarize_free_blocks(raw), "emptied": emptied,
+                                                 "max_reserved": torch.cuda.max_memory_reserved(),
                                                  "max_allocated": torch.cuda.max_memory_allocated(),
                                                  "allocator": {k: stats.get(k) for k in ALLOCATOR_STATS}}
         args.out.write_text(json.dumps(result, indent=1, default=str))
@@ -164,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
 
     wrap(SlotDecoder)
     wrap(FastDecoder)
+    if args.no_compact:
+        from llm_core.engine.startup import PathBuilder
+
+        PathBuilder.compact_weights = lambda self: None  # type: ignore[method-assign]
 
     t0 = time.perf_counter()
     try:
@@ -182,8 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                          "fast_memory_profile": engine.fast_memory_profile,
                          "graph_pool_idle_bytes": decoder.graph_pool_idle_bytes() if decoder else None,
                          "context_limit": engine.context_limit, "reason": engine.backend.reason,
-                         "worst_reply_profiles": profiles}
+                         "worst_reply_profiles": profiles, "startup_notes": list(engine.path.notes),
+                         "compacted": not args.no_compact}
     snap("after_startup")
+    snap("after_startup_emptied", emptied=True)
     torch.cuda.reset_peak_memory_stats()
     text = " ".join(f"t{(i * 7919) % 500 + 3}" for i in range(args.prompt_words))
     try:

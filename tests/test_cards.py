@@ -257,6 +257,29 @@ def test_measured_sizing_of_batch_slots_counts_the_growth_threshold_in_pool_toke
     assert size_cache_by_measurement(one, 1264, per_slot_token, budget, 32768) == 1264  # 130 < 256 tokens
 
 
+def test_a_profile_needs_no_more_than_it_reserved_nor_than_its_allocated_peak_plus_the_held_fragments(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a worst-reply profile needs: its allocated peak plus the fragments the allocator holds and cannot give
+    back, but never more than it really reserved (its working memory can live in those fragments: the s4 H100 8 GiB
+    Llama-2-7B start-up reserved 7.77 GB where 6.85 + 0.97 GB were counted). Either bound can be the smaller."""
+    from types import SimpleNamespace
+
+    from llm_core.engine import startup
+
+    held = 970 * 2**20
+    monkeypatch.setattr(startup, "unreturnable_free_bytes", lambda device: held)
+    builder = object.__new__(startup.PathBuilder)
+    builder.loaded = SimpleNamespace(device=torch.device("cpu"), context_length=32768)
+    builder.budget = SimpleNamespace(budget_bytes=8_053_063_680)
+    size = [10_752]
+    for reserved, allocated in ((7_767_851_008, 6_846_790_656), (7_000_000_000, 5_000_000_000), (0, 6_000_000_000)):
+        peak = {"peak_reserved_bytes": reserved, "peak_allocated_bytes": allocated, "tokens": size[0]}
+        profile = builder.size_by_measurement(lambda: size[0], lambda t: size.__setitem__(0, t),
+                                              lambda peak=peak: peak, 10**12)  # no growth: one measurement
+        expected = min(allocated + held, reserved) if reserved else allocated + held
+        assert profile["peak_need_bytes"] == expected and profile["held_free_bytes"] == held
+
+
 def test_measured_sizing_recovers_from_an_oom_and_refuses_when_nothing_useful_fits() -> None:
     """An OOM while profiling halves the cache (no excess was measured); weights that leave less than the minimum
     cache raise the error that says what to change."""

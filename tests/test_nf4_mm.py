@@ -371,14 +371,14 @@ def test_gpu_op_in_a_cuda_graph_matches_eager() -> None:
 @pytest.mark.parametrize("decode", mm.DECODES)
 @pytest.mark.parametrize("shape", [((4096, 4096, 4096), 4096), ((11008, 11008), 4096), ((4096,), 11008)])
 def test_gpu_gemm_matches_dequantize_then_matmul(decode: str, shape: tuple[tuple[int, ...], int]) -> None:
-    """On CUDA, Llama-2-7B's fused shapes, prompts of 1, 100, 512 and 1,111 rows: nf4_gemm (default tiles and a
-    smaller one) within the 1e-2 bound of bitsandbytes' dequantize then matmul, and in a CUDA graph the same bits as
-    eagerly."""
+    """On CUDA, Llama-2-7B's fused shapes, prompts of 1, 100, 512 and 1,111 rows: nf4_gemm (the tiles by rows, the
+    128 x 128 x 128 ones and a smaller one) within the 1e-2 bound of bitsandbytes' dequantize then matmul, and in a
+    CUDA graph the same bits as eagerly."""
     splits, k = shape
     p, w = _packed(splits, k, "keep", device="cuda")
     for m in (1, 100, 512, 1111):
         x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
-        for cfg in (mm.GemmConfig(), mm.GemmConfig(64, 128, 64, 4, 4)):
+        for cfg in (mm.GemmConfig.for_rows(m), mm.GemmConfig(), mm.GemmConfig(64, 128, 64, 4, 4)):
             got = _gemm(p, x, cfg, decode)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (m, cfg, decode)
     graph = torch.cuda.CUDAGraph()

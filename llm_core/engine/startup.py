@@ -164,6 +164,7 @@ def select_decode_path(loaded: LoadedModel, settings: Settings, budget: MemoryBu
                       plain_facts=facts, allocated_before_decode=device_allocated_bytes(loaded.device))
     builder = PathBuilder(path, loaded, settings, budget, facts)
     builder.configure_decode()
+    builder.compact_weights()
     return builder.freeze()
 
 
@@ -276,6 +277,22 @@ class PathBuilder:
         self.notes.append(message)
         if say is not None:
             say(message)
+
+    def compact_weights(self) -> None:
+        """CUDA: lay the weights (and the fast path's packed copies) end to end again before anything records their
+        addresses (llm_core.memory.compact: loading and packing leave holes the allocator cannot give back)."""
+        if self.loaded.device.type != "cuda":
+            return
+        from ..memory.compact import compact_storages
+        from ..memory.model import model_tensors
+
+        decoder = self.fast_decoder
+        if decoder is None and self.fast_scheduler is not None:
+            decoder = self.fast_scheduler.runner.decoder.fast
+        extra = decoder.device_tensors() if decoder is not None else []
+        result = compact_storages([*model_tensors(self.loaded.model), *extra], self.loaded.device)
+        if result.skipped or result.returned_bytes >= 64 * 2**20:
+            self._note(result.describe() + ".")
 
     # --- selection (at construction) ---------------------------------------------------------------------------------
     def plain_backend(self, reason: str) -> PlainBackend:
@@ -608,7 +625,10 @@ class PathBuilder:
         free pages). Counting them (the reserved peak) left ~1 GB of an 8 GiB card unused (Llama-2-7B, H100,
         bench/results/2026-12-05-h100-breakdown-llama-2-7b-8gib.json: 1.19 GB free after the profile, 274 MB in one
         block), as the caching allocator's extent, not memory any reply held; vLLM sizes by the allocated peak too.
-        The cache is emptied before each profile as well, so blocks from compiling and captures are not in it."""
+        The cache is emptied before each profile as well, so blocks from compiling and captures are not in it. The
+        need is never more than the pass's own reserved peak, though: that much memory did hold it (its working
+        memory can fill the held fragments: Llama-2-7B on 8 GiB, 7.77 GB reserved against 6.85 + 0.97 GB,
+        bench/results/2026-12-05-s4-h100-cards-llama-2-7b-8gib-fill.json)."""
         from ..memory.plan import size_cache_by_measurement
 
         profiles: dict[int, dict[str, int]] = {}
@@ -625,8 +645,10 @@ class PathBuilder:
                 free_memory(self.loaded.device)
                 peak = profile()
                 held = unreturnable_free_bytes(self.loaded.device)
-                profiles[tokens] = peak | {"held_free_bytes": held,
-                                           "peak_need_bytes": int(peak["peak_allocated_bytes"]) + held}
+                need = int(peak["peak_allocated_bytes"]) + held
+                if int(peak.get("peak_reserved_bytes") or 0) > 0:  # what the pass really reserved bounds it too
+                    need = min(need, int(peak["peak_reserved_bytes"]))
+                profiles[tokens] = peak | {"held_free_bytes": held, "peak_need_bytes": need}
             except torch.cuda.OutOfMemoryError as exc:
                 traceback.clear_frames(exc.__traceback__)
                 free_memory(self.loaded.device)

@@ -297,6 +297,11 @@ class FastDecoder(DecoderWarmup):
             return torch.compile(fn, fullgraph=True, options={"assert_indirect_indexing": False})
         return torch.compile(fn, fullgraph=True, backend=backend)
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors the decode step reads (packed linears, head, embedding, norms): with the model's own, what
+        llm_core.memory.compact re-lays once before warm-up."""
+        return [t for tensors in [*self._layer_weights, self._lm_tensors, self._embed] for t in tensors] + [self._norm0]
+
     @property
     def weights_bytes_per_token(self) -> int:
         """Bytes of weights the decode step reads per token (all linears, norms, lm_head; one embedding row)."""

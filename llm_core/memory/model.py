@@ -26,6 +26,7 @@ Traced against tensor allocations on CPU to the byte (tests/test_memory.py) and 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -280,32 +281,34 @@ def _supports_logits_to_keep(model: Any) -> bool:
         return False
 
 
+def model_tensors(model: Any) -> Iterator[torch.Tensor]:
+    """Every tensor the model holds: parameters, buffers, and the bitsandbytes quant states behind 4-bit weights
+    (absmax, code, offset; nested once with double quant)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        yield tensor
+        state = getattr(tensor, "quant_state", None)
+        while state is not None:
+            for name in ("absmax", "code", "offset"):
+                value = getattr(state, name, None)
+                if isinstance(value, torch.Tensor):
+                    yield value
+            state = getattr(state, "state2", None)
+
+
 def model_weights_bytes(model: Any, device: torch.device | str | None = None) -> int:
-    """Bytes of every tensor the model holds (parameters, buffers, bitsandbytes absmax/code states), each storage
-    counted once; only tensors on `device` when given (offloaded layers live elsewhere)."""
+    """Bytes of every tensor the model holds (model_tensors), each storage counted once; only tensors on `device`
+    when given (offloaded layers live elsewhere)."""
     seen: set[tuple[str, int]] = set()
     total = 0
     want = torch.device(device).type if device is not None else None
-
-    def add(t: Any) -> None:
-        nonlocal total
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return
-        if want is not None and t.device.type != want:
-            return
+    for t in model_tensors(model):
+        if t.device.type == "meta" or (want is not None and t.device.type != want):
+            continue
         storage = t.untyped_storage()
         key = (str(t.device), storage.data_ptr())
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
-
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        add(tensor)
-        state = getattr(tensor, "quant_state", None)
-        while state is not None:  # bitsandbytes QuantState, nested once with double quant
-            for name in ("absmax", "code", "offset"):
-                add(getattr(state, name, None))
-            state = getattr(state, "state2", None)
     return total
 
 

@@ -3,6 +3,7 @@ each row's own slot or, paged, through a block table from a pool of blocks (one 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -186,25 +187,32 @@ if triton is not None:
                     INT8, INT4, GROUP4, PAGE, ALIGN)
 
     def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
-                     table: torch.Tensor | None = None) -> torch.Tensor:
+                     table: torch.Tensor | None = None, launch: AttentionLaunch | None = None) -> torch.Tensor:
         """q (B, Hq, D); pos (B,) int64 -> (B, Hq, D). table None: k/v (B, T, Hkv, row), each row's own cache slot;
-        else k/v (num_blocks, block_size, Hkv, row), a pool read through table (B, max_blocks) int32."""
+        else k/v (num_blocks, block_size, Hkv, row), a pool read through table (B, max_blocks) int32. launch: the
+        split kernel's launch (AttentionLaunch); None takes attention_launch's for the row format and row count
+        (what the custom ops do; bench/attention_rows.py --sweep passes others)."""
         _, page, hkv, dim = k.shape
         rows = q.shape[0]
         length = page if table is None else table.shape[1] * page  # the split plan is fixed per captured shape
         if k.dtype in QUANTIZED_DTYPES:  # rows of codes + their scales + padding (llm_core.fast.kvquant)
             dim = q.shape[2]
         hq = q.shape[1]
-        nsplit = _attention_splits(length, rows * hkv, k.device)
+        if launch is None:
+            launch = attention_launch(row_format(k), rows, k.device)
+        nsplit = _attention_splits(length, rows * hkv, k.device, launch.programs_per_sm, launch.block_l)
         o = torch.empty(nsplit, rows * hq, dim, dtype=torch.float32, device=q.device)
         m = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
         lsum = torch.empty(nsplit, rows * hq, dtype=torch.float32, device=q.device)
         if k.stride() != v.stride() or k.stride(3) != 1:
             raise GenerationError("decode attention expects K and V caches laid out alike, head_dim contiguous")
         groups = hq // hkv
-        shapes = dict(HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=ATTENTION_BLOCK,
-                      IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8,
-                      GROUP4=INT4_GROUP, ALIGN=row_alignment(k))
+        shapes: dict[str, Any] = dict(
+            HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=launch.block_l,
+            IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8, GROUP4=INT4_GROUP,
+            ALIGN=row_alignment(k), num_warps=launch.num_warps)
+        if launch.num_stages is not None:  # None: Triton's default (3 for CUDA in Triton 3.9)
+            shapes["num_stages"] = launch.num_stages
         if table is None:
             _attn_rows_split_kernel[(rows, hkv, nsplit)](
                 q.contiguous(), k, v, pos, o, m, lsum, scale, k.stride(0), k.stride(1), k.stride(2), rows,
@@ -256,8 +264,78 @@ if triton is not None:
         return torch.empty_like(q)
 
 
-ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention
+ATTENTION_BLOCK = 64  # cache rows per inner step of the Triton decode attention (AttentionLaunch's default)
 PAGED_BLOCK_SIZES = (16, 32, 64)  # tokens per block of the paged pool the kernel reads (a constexpr each)
+ROW_FORMATS = ("bf16", "int8", "int4")  # the cache's row formats; "bf16" stands for any floating rows
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """How the split kernel of the decode attention is launched: block_l cache rows per inner step (a power of two,
+    at least 16: tl.dot's smallest tile; any multiple or fraction of a paged block works, positions go through the
+    table one by one), num_warps and num_stages (None: Triton's default) of the compiled kernel, and about
+    programs_per_sm programs per SM over rows * kv heads * splits (_attention_splits). The default is the launch
+    before the sweep (bench/attention_rows.py --sweep): int8 rows ran at 1.1 TB/s where bf16 rows ran at 2.6, so
+    one launch for every format and row count was not the best one."""
+
+    block_l: int = ATTENTION_BLOCK
+    num_warps: int = 4
+    num_stages: int | None = None
+    programs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        def power_of_two(n: int, lo: int, hi: int) -> bool:
+            return type(n) is int and lo <= n <= hi and n & (n - 1) == 0
+
+        problems = []
+        if not power_of_two(self.block_l, 16, 256):
+            problems.append(f"block_l {self.block_l!r} (a power of two from 16 to 256)")
+        if not power_of_two(self.num_warps, 1, 16):
+            problems.append(f"num_warps {self.num_warps!r} (a power of two from 1 to 16)")
+        if self.num_stages is not None and not (type(self.num_stages) is int and 1 <= self.num_stages <= 8):
+            problems.append(f"num_stages {self.num_stages!r} (None or 1 to 8)")
+        if not (type(self.programs_per_sm) is int and 1 <= self.programs_per_sm <= 32):
+            problems.append(f"programs_per_sm {self.programs_per_sm!r} (1 to 32)")
+        if problems:
+            raise GenerationError("invalid decode attention launch: " + ", ".join(problems))
+
+
+LAUNCH_ROW_BUCKETS = (1, 8, 64)  # a launch per row count up to each; more rows take the last one's
+# (row format, rows bucket) -> the split kernel's launch on Hopper (sm_90: H100, H200), where the numbers come from:
+# `python -m bench.attention_rows --sweep` on an H100 (paged 16-token blocks, 32 KV heads, head_dim 128, 2k-26k
+# tokens): its JSON's `suggested` entry per format and row count (the lowest geometric mean of the time over the
+# lengths, relative to the default launch). Until measured, each entry is the launch before the sweep.
+ATTENTION_LAUNCHES: dict[tuple[str, int], AttentionLaunch] = {
+    ("bf16", 1): AttentionLaunch(),
+    ("bf16", 8): AttentionLaunch(),
+    ("bf16", 64): AttentionLaunch(),
+    ("int8", 1): AttentionLaunch(),
+    ("int8", 8): AttentionLaunch(),
+    ("int8", 64): AttentionLaunch(),
+    ("int4", 1): AttentionLaunch(),
+    ("int4", 8): AttentionLaunch(),
+    ("int4", 64): AttentionLaunch(),
+}
+LAUNCH_TABLE_ARCH = 9  # the CUDA compute capability (major) the table was measured on
+
+
+def row_format(cache: torch.Tensor) -> str:
+    """The row format of a K/V cache (ROW_FORMATS): int8 and int4 rows by their dtype (llm_core.fast.kvquant), any
+    floating rows "bf16" (fp32 under the interpreter)."""
+    return {torch.int8: "int8", torch.uint8: "int4"}.get(cache.dtype, "bf16")
+
+
+def attention_launch(fmt: str, rows: int, device: torch.device) -> AttentionLaunch:
+    """The decode attention's launch for `rows` query rows over a cache of row format `fmt` on `device`: the table
+    entry of the smallest rows bucket holding them (ATTENTION_LAUNCHES). The table holds on Hopper, where it was
+    measured, and off CUDA (the interpreter runs what the GPU runs, so the CPU tests cover its launches); other GPUs
+    keep the default launch, which no sweep there has beaten yet."""
+    if fmt not in ROW_FORMATS or type(rows) is not int or rows < 1:
+        raise GenerationError(f"no decode attention launch for {rows!r} rows of format {fmt!r} (one of {ROW_FORMATS})")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != LAUNCH_TABLE_ARCH:
+        return AttentionLaunch()
+    bucket = next((b for b in LAUNCH_ROW_BUCKETS if rows <= b), LAUNCH_ROW_BUCKETS[-1])
+    return ATTENTION_LAUNCHES.get((fmt, bucket), AttentionLaunch())
 
 
 def gather_blocks(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -276,12 +354,14 @@ def row_alignment(cache: torch.Tensor) -> int:
     return align
 
 
-def _attention_splits(length: int, kv_heads: int, device: torch.device) -> int:
-    """Splits per (row, kv head) so that kv_heads * splits is about 4 programs per SM, at most one per BLOCK_L of the
-    capacity `length` (fixed per captured shape); each row divides its own length among them (_attn_split)."""
+def _attention_splits(length: int, kv_heads: int, device: torch.device, programs_per_sm: int = 4,
+                      block_l: int = ATTENTION_BLOCK) -> int:
+    """Splits per (row, kv head) so that kv_heads * splits is about programs_per_sm programs per SM, at most one per
+    block_l rows of the capacity `length` (fixed per captured shape); each row divides its own length among them in
+    whole block_l steps (_attn_split). Off CUDA (the interpreter) the device counts as 8 SMs."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    target = max(1, -(-4 * sms // kv_heads))
-    return min(target, -(-length // ATTENTION_BLOCK))
+    target = max(1, -(-programs_per_sm * sms // kv_heads))
+    return min(target, -(-length // block_l))
 
 
 def round_up(n: int, multiple: int) -> int:

@@ -368,6 +368,9 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     return y
 
 
+GEMM_SMALL_ROWS = 128  # nf4_gemm takes 64-row tiles up to this many rows (GemmConfig.for_rows)
+
+
 @dataclass(frozen=True)
 class GemmConfig:
     """nf4_gemm's launch: (BLOCK_M x-rows, BLOCK_N weight rows, BLOCK_K inputs) tiles, warps, pipeline stages;
@@ -388,6 +391,16 @@ class GemmConfig:
         return MMConfig(self.block_n, self.block_k, 1, self.warps, self.stages, True, even=True, xvec=True,
                         scale16=self.scale16, asm_scale=not self.scale16)
 
+    @staticmethod
+    def for_rows(m: int) -> GemmConfig:
+        """nf4_gemm's default launch for m rows, from the H100 sweep (bench/results/2026-12-05-s4-h100-prefill-
+        gemm.json, Llama-2-7B and Llama-3-8B, each linear's best tile): 64 x 64 x 128 tiles with 4 warps at 64 rows
+        (1.7-2.3x faster than 128 x 128 x 128 with 8 warps there), 128 x 128 x 64 with 4 warps from 256 rows (best
+        or within 4% of the best for 17 of 20 linears and row counts, 1.2-1.4x faster than 128 x 128 x 128)."""
+        if m <= GEMM_SMALL_ROWS:
+            return GemmConfig(64, 64, 128, 4, 3)
+        return GemmConfig(128, 128, 64, 4, 3)
+
 
 def nf4_gemm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Tensor, *,
              absmax: torch.Tensor | None = None,
@@ -397,8 +410,8 @@ def nf4_gemm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.T
     """x (M, K) bf16, any M >= 1 -> (M, N) bf16 = x @ dequantize(W).T (+ bias), each weight tile decoded in
     registers and fed to the tensor cores (a prompt's prefill without the dequantized bf16 copy of W that
     dequantize_4bit writes and the matmul reads back: 2.5 bytes per weight of traffic and the part's size in working
-    memory). Arguments as nf4_mm; `config` GemmConfig (default: 128 x 128 x 128 tiles, 8 warps, 3 stages, scale16;
-not yet timed: bench/prefill_gemm.py sweeps it against dequantize + matmul)."""
+    memory). Arguments as nf4_mm; `config` GemmConfig (default: GemmConfig.for_rows(M); bench/prefill_gemm.py sweeps
+the tiles against dequantize + matmul)."""
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
         raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
@@ -406,7 +419,7 @@ not yet timed: bench/prefill_gemm.py sweeps it against dequantize + matmul)."""
         raise ValueError(f"the NF4 GEMM reads bf16 rows, not {m} of {x.dtype}")
     if decode not in DECODES or (decode == "asm" and levels is None):
         raise ValueError(f"decode must be one of {DECODES} (asm with the levels as host floats), got {decode!r}")
-    cfg = config or GemmConfig()
+    cfg = config or GemmConfig.for_rows(m)
     mmc = cfg.as_mm()
     meta = launch_constexprs(m, n, k, blocksize, mmc, decode, levels, nested is not None, bias is not None,
                              tile_m=cfg.block_m)
