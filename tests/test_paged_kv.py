@@ -271,6 +271,28 @@ def test_newcomers_sharing_a_short_cached_prefix_are_prefilled_together(paged_en
     assert _tokens(scheduler, request) == _alone(decoder, last, 6) and request.cached_prompt_tokens == 16
 
 
+def test_int8_rows_prefilled_together_equal_each_prompt_alone(fp32_engine: ChatEngine) -> None:
+    """KV_CACHE=int8 on the paged pool: four prompts reaching an idle loop together are written to their blocks
+    straight from one padded pass (only the real positions, quantized row by row), and each reply equals its prompt
+    served alone from a one-slot int8 loop, token for token."""
+    engine = ChatEngine(fp32_engine.loaded, make_settings(**FP32, DECODE_PATH="fast", MAX_BATCH_SIZE="4",
+                                                          KV_LAYOUT="paged", KV_CACHE="int8"))
+    scheduler = engine.fast_scheduler
+    try:
+        decoder = engine.backend.decoder
+        prompts = [list(range(200 + 40 * i, 200 + 40 * i + n)) for i, n in enumerate((37, 52, 61, 44))]
+        expected = [_alone(decoder, p, 6) for p in prompts]
+        before = scheduler.snapshot()
+        with scheduler._cond:  # all four wait before the loop admits any
+            requests = [scheduler.submit(p, GREEDY, 6, threading.Event()) for p in prompts]
+        got = [_tokens(scheduler, r) for r in requests]
+        assert got == expected
+        assert scheduler.snapshot().prefill_chunks - before.prefill_chunks == 1
+        assert scheduler.runner.decoder.paged and scheduler.runner.decoder.k.dtype == torch.int8
+    finally:
+        scheduler.close()
+
+
 def test_paged_rows_equal_slot_rows_token_for_token(paged_engine: ChatEngine) -> None:
     """The same four prompts arriving together on 2 rows (two wait and take the rows the first two free), once on
     slots and once on a paged pool of the same bytes: the same tokens for every prompt."""

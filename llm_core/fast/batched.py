@@ -690,8 +690,7 @@ class SlotDecoder:
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        if self.paged:  # each prompt's real rows go to its blocks; the padding stays in the temporary
-            index = torch.arange(len(prompts), device=self.device)
+        if self.paged:  # each prompt's real rows go to its blocks; the padding is never written
             starts = list(keep) if keep is not None else [0] * len(prompts)
             places = [self._pool_places(slot, first, n) for slot, first, n in zip(slots, starts, lengths, strict=True)]
             dest = (torch.cat([b for b, _ in places]), torch.cat([o for _, o in places]))
@@ -703,10 +702,7 @@ class SlotDecoder:
                 if not self.paged:
                     h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w)
                     continue
-                kc, vc = (c.new_empty(len(prompts), ids.shape[1], *c.shape[2:]) for c in (self.k[i], self.v[i]))
-                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, kc, vc, index, w)
-                write_paged_rows(self.k[i], dest, kc[real])
-                write_paged_rows(self.v[i], dest, vc[real])
+                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w, (dest, real))
         return [hn[b, n - 1:n].clone() for b, n in enumerate(lengths)]
 
     def first_scores(self, slot: int, hn_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
