@@ -6,8 +6,6 @@ attention_launch names a valid launch for every row format and row count; an inv
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -24,15 +22,8 @@ from llm_core.fast.kernels.attention import (
     gather_blocks,
 )
 from llm_core.fast.layer import LayerSpec
+from tests.test_paged_kv import INTERPRETED, attention, needs_interpreter, paged_case
 
-try:
-    from llm_core.fast.kernels import attention
-except ImportError:  # pragma: no cover
-    attention = None  # type: ignore[assignment]
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-needs_interpreter = pytest.mark.skipif(not INTERPRETED or attention is None or attention.triton is None,
-                                       reason="runs in its own process with TRITON_INTERPRET=1 (see below)")
 HEAD_DIM, KV_HEADS, GROUPS, PAGE, WIDTH = 32, 2, 2, 16, 12
 LAUNCHES = {  # the interpreter ignores num_warps and num_stages, but the launch must pass them
     "l32-w2-pps2": AttentionLaunch(block_l=32, num_warps=2, programs_per_sm=2),
@@ -51,31 +42,9 @@ def _spec() -> LayerSpec:
 
 
 def launch_case(fmt: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """q (3, Hq, D); a pool of 16-token K/V blocks in the format; each row's table (3, 12) int32 a shuffled,
-    disjoint choice of blocks, the unused entries naming a block of large values no read may touch; pos (3,):
-    lengths 45, 101 and 151, no multiple of 16, 32, 64 or 128."""
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.tensor([44, 100, 150])
-    used = [p // PAGE + 1 for p in pos.tolist()]
-    num_blocks = sum(used) + 1
-    dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
-    q = torch.randn(3, KV_HEADS * GROUPS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, generator=g) * 2
-    v = torch.randn(num_blocks, PAGE, KV_HEADS, HEAD_DIM, generator=g)
-    scratch = num_blocks - 1
-    k[scratch], v[scratch] = 1e4, 1e4  # an over-read would dominate the output
-    if fmt == "int8":
-        k, v = kvquant.quantize_rows(k), kvquant.quantize_rows(v)
-    elif fmt == "int4":
-        k, v = kvquant.quantize_rows4(k), kvquant.quantize_rows4(v)
-    else:
-        k, v = k.to(dtype), v.to(dtype)
-    order = torch.randperm(scratch, generator=g).tolist()
-    table = torch.full((3, WIDTH), scratch, dtype=torch.int32)
-    for b, n in enumerate(used):
-        table[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
-        order = order[n:]
-    return q, k, v, table, pos
+    """tests/test_paged_kv.paged_case with 16-token blocks, tables (3, 12) and lengths 45, 101 and 151: no multiple
+    of 16, 32, 64 or 128."""
+    return paged_case(fmt, PAGE, seed, lengths=(45, 101, 151), width=WIDTH)
 
 
 @needs_interpreter

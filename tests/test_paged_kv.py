@@ -46,12 +46,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def paged_case(fmt: str, page: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def paged_case(fmt: str, page: int, seed: int = 0, lengths: tuple[int, ...] | None = None,
+               width: int = 8) -> tuple[torch.Tensor, ...]:
     """q (3, Hq, D); a pool of K/V blocks (num_blocks, page, Hkv, row) in the format; each row's block table
-    (3, 8) int32 a shuffled, disjoint choice of blocks, the unused entries naming a block of large values that no
-    read may touch; pos (3,): lengths 1, one past a block, three blocks and a bit."""
+    (3, width) int32 a shuffled, disjoint choice of blocks, the unused entries naming a block of large values that
+    no read may touch; pos (3,): the rows' last positions, lengths - 1 (default lengths: 1, one past a block,
+    three blocks and a bit)."""
     g = torch.Generator().manual_seed(seed)
-    width, num_blocks = 8, 26
+    pos = torch.tensor([n - 1 for n in lengths] if lengths else [0, page, 3 * page + 5])
+    used = [p // page + 1 for p in pos.tolist()]
+    num_blocks = max(26, sum(used) + 1)
     dtype = torch.bfloat16 if fmt == "bf16" else torch.float32
     q = torch.randn(3, KV_HEADS * GROUPS, HEAD_DIM, generator=g).to(dtype)
     k = torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, generator=g) * 2
@@ -64,13 +68,11 @@ def paged_case(fmt: str, page: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
         k, v = kvquant.quantize_rows4(k), kvquant.quantize_rows4(v)
     else:
         k, v = k.to(dtype), v.to(dtype)
-    pos = torch.tensor([0, page, 3 * page + 5])
     order = torch.randperm(scratch, generator=g).tolist()
     table = torch.full((3, width), scratch, dtype=torch.int32)
-    for b, p in enumerate(pos.tolist()):
-        used = p // page + 1
-        table[b, :used] = torch.tensor(order[:used], dtype=torch.int32)
-        order = order[used:]
+    for b, n in enumerate(used):
+        table[b, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        order = order[n:]
     return q, k, v, table, pos
 
 
