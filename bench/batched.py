@@ -73,6 +73,18 @@ def prompt_text(engine: ChatEngine, i: int, tokens: int) -> str:
     return base[:lo]
 
 
+
+def runner_timeline(prof: Any, limit: int = 60) -> list[dict[str, Any]]:
+    """The scheduler's work in a profile, in order: each llm_core::<op>:<rows> range FastRunner._measure names
+    (a group prefill pass, a whole-prompt replay, a chunk, a decode step) with its host start and length in ms from
+    the first one; the first `limit`. A gap between ranges is the loop's own time (admission, first tokens)."""
+    ranges = sorted((e for e in prof.events() if e.name.startswith("llm_core::")), key=lambda e: e.time_range.start)
+    if not ranges:
+        return []
+    t0 = ranges[0].time_range.start
+    return [{"op": e.name[len("llm_core::"):], "start_ms": round((e.time_range.start - t0) / 1000, 2),
+             "ms": round((e.time_range.end - e.time_range.start) / 1000, 2)} for e in ranges[:limit]]
+
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -279,7 +291,8 @@ class Bench:
         return {**run, "what": "profile-arrivals",
                 "device_kernels_us": round(sum(getattr(e, key) for e in events), 1),
                 "device_kernels": [{"name": e.key[:120], "calls": e.count, "us": round(getattr(e, key), 1)}
-                                   for e in events[:top]]}
+                                   for e in events[:top]],
+                "timeline": runner_timeline(prof)}
 
     def profile(self, engine: ChatEngine, text: str, top: int = 15) -> dict[str, Any]:
         """One chat's reply (after the runs above: compiled, graphs captured) under torch.profiler: the device's
