@@ -339,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip transformers' batched generate")
     parser.add_argument("--ckpt", default=None, help="random checkpoint folder (written when missing)")
     parser.add_argument("--phase-timeout-s", type=float, default=300.0)
-    parser.add_argument("--kv-layout", default="slots", choices=("slots", "paged"), help="KV_LAYOUT of ours")
+    parser.add_argument("--kv-layout", default="paged", choices=("slots", "paged"),
+                        help="KV_LAYOUT of ours (default paged, the app's)")
     parser.add_argument("--prefill", default="group", choices=("group", "each", "both"),
                         help="paged: newcomers arriving together prefilled in padded groups, one by one, or both")
     parser.add_argument("--profile-chats", type=int, default=0,
