@@ -55,6 +55,19 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _int8_rows(ptr, row, d, lmask, D: tl.constexpr, ALIGN: tl.constexpr, dtype: tl.constexpr):
+        """int8 cache rows at element offsets `row` (BLOCK_L,): their D codes as `dtype` (exact: |code| <= 127) and
+        each row's scale 2^(e/8) in fp32 (BLOCK_L,) (0 for masked rows), for the caller to apply per row after the
+        dot (llm_core.fast.kvquant; the exponent word as _quantized_rows reads it)."""
+        codes = tl.load(ptr + row[:, None] + d[None, :], mask=lmask[:, None], other=0)
+        if ALIGN >= 4:
+            word = tl.load((ptr + row + D).to(tl.pointer_type(tl.int32)), mask=lmask, other=0)
+            e = ((word << 24) >> 24).to(tl.float32)
+        else:
+            e = tl.load(ptr + row + D, mask=lmask, other=0).to(tl.float32)
+        return codes.to(dtype), tl.where(lmask, tl.exp2(e * 0.125), 0.0)
+
+    @triton.jit
     def _hadamard(x, D: tl.constexpr, IEEE: tl.constexpr):
         """x (M, D) fp32 -> x @ H (fp32), H the normalized Walsh-Hadamard matrix (H[i, j] = (-1)^popcount(i & j) /
         sqrt(D), built in registers). Off IEEE the product runs in bf16 on the exact +-1 signs, x split into a bf16
@@ -103,7 +116,8 @@ if triton is not None:
         own slot at b*stride_b; PAGE > 0: position i lives in block table[b, i // PAGE] (int32, row stride stride_t)
         at offset i % PAGE, stride_b then being one block's. Rows past length are never read; a split past it reads
         nothing and leaves (m=-inf, l=0, o=0), which the combine weighs 0. INT8: each row is D int8 codes and, at
-        byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); dequantized in registers. INT4: rows of
+        byte D, the exponent e of its scale 2^(e/8) (llm_core.fast.kvquant); the codes go into the dots as they are and
+        the scales onto each row's score (K) and weight (V), not onto every element. INT4: rows of
         rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated back. ALIGN: the
         elements every row start is a multiple of (the strides' common power of two, at most 16), told to the compiler:
         a stride it was not told divides by 16 (an int8 row of D + 4 bytes) otherwise loads a byte at a time."""
@@ -130,7 +144,9 @@ if triton is not None:
             else:
                 rows = base + li * stride_l + h * stride_h
             rows = tl.multiple_of(rows, ALIGN)
-            if INT8 or INT4:
+            if INT8:  # codes straight into the dot, each row's scale on its score: no per-element multiply
+                k, k_scale = _int8_rows(k_ptr, rows, d, lmask, D, ALIGN, q.dtype)
+            elif INT4:
                 k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN, BLOCK_L).to(q.dtype)
             else:
                 k = tl.load(k_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
@@ -138,19 +154,25 @@ if triton is not None:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))
+            if INT8:
+                s = s * k_scale[None, :]
             s = tl.where(lmask[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            if INT8 or INT4:
+            pw = p
+            if INT8:  # each row's V scale on its weight
+                v, v_scale = _int8_rows(v_ptr, rows, d, lmask, D, ALIGN, q.dtype)
+                pw = p * v_scale[None, :]
+            elif INT4:
                 v = _quantized_rows(v_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN, BLOCK_L).to(q.dtype)
             else:
                 v = tl.load(v_ptr + rows[:, None] + d[None, :], mask=lmask[:, None], other=0.0)
             if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
+                pv = tl.dot(pw, v, input_precision="ieee")
             else:
-                pv = tl.dot(p.to(v.dtype), v)
+                pv = tl.dot(pw.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
         if INT4:
@@ -306,14 +328,14 @@ LAUNCH_ROW_BUCKETS = (1, 8, 64)  # a launch per row count up to each; more rows 
 # tokens): its JSON's `suggested` entry per format and row count (the lowest geometric mean of the time over the
 # lengths, relative to the default launch). Until measured, each entry is the launch before the sweep.
 ATTENTION_LAUNCHES: dict[tuple[str, int], AttentionLaunch] = {
-    ("bf16", 1): AttentionLaunch(),
-    ("bf16", 8): AttentionLaunch(),
+    ("bf16", 1): AttentionLaunch(block_l=64, num_warps=2, num_stages=4, programs_per_sm=4),  # 0.924x
+    ("bf16", 8): AttentionLaunch(block_l=32, num_warps=4, num_stages=None, programs_per_sm=4),  # 0.962x
     ("bf16", 64): AttentionLaunch(),
-    ("int8", 1): AttentionLaunch(),
-    ("int8", 8): AttentionLaunch(),
+    ("int8", 1): AttentionLaunch(block_l=64, num_warps=2, num_stages=2, programs_per_sm=8),  # 0.829x
+    ("int8", 8): AttentionLaunch(block_l=64, num_warps=2, num_stages=2, programs_per_sm=2),  # 0.864x
     ("int8", 64): AttentionLaunch(),
-    ("int4", 1): AttentionLaunch(),
-    ("int4", 8): AttentionLaunch(),
+    ("int4", 1): AttentionLaunch(block_l=32, num_warps=2, num_stages=2, programs_per_sm=8),  # 0.817x
+    ("int4", 8): AttentionLaunch(block_l=64, num_warps=2, num_stages=4, programs_per_sm=2),  # 0.784x
     ("int4", 64): AttentionLaunch(),
 }
 LAUNCH_TABLE_ARCH = 9  # the CUDA compute capability (major) the table was measured on
