@@ -26,6 +26,9 @@ first token on the host; a chat's decode tokens/s = (new - 1) / (last token - fi
                                   reference: torch.cuda.max_memory_allocated over its generate (reset before)
   step profile (ours)             decode steps, mean host time per step (launch to tokens on the host), rows per
                                   step, steps per batch bucket, prefill chunks
+  timeline (ours)                 the loop's ops from the first request on (BatchStats.timeline): op (prefill_rows,
+                                  prefill_whole, prefill, run_step), rows, host start (ms from the first request)
+                                  and host time; a gap is the loop's own time (admission, first tokens)
 Reference: the same prompt ids left-padded into one `model.generate(..., do_sample=False, min_new_tokens=n,
 max_new_tokens=n)`; its TTFT is a separate generate of 1 new token on the same batch (prefill + first token), and its
 aggregate = chats x (n - 1) / (full generate - that first-token time).
@@ -74,16 +77,6 @@ def prompt_text(engine: ChatEngine, i: int, tokens: int) -> str:
 
 
 
-def runner_timeline(prof: Any, limit: int = 60) -> list[dict[str, Any]]:
-    """The scheduler's work in a profile, in order: each llm_core::<op>:<rows> range FastRunner._measure names
-    (a group prefill pass, a whole-prompt replay, a chunk, a decode step) with its host start and length in ms from
-    the first one; the first `limit`. A gap between ranges is the loop's own time (admission, first tokens)."""
-    ranges = sorted((e for e in prof.events() if e.name.startswith("llm_core::")), key=lambda e: e.time_range.start)
-    if not ranges:
-        return []
-    t0 = ranges[0].time_range.start
-    return [{"op": e.name[len("llm_core::"):], "start_ms": round((e.time_range.start - t0) / 1000, 2),
-             "ms": round((e.time_range.end - e.time_range.start) / 1000, 2)} for e in ranges[:limit]]
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -194,6 +187,11 @@ class Bench:
                 "waited_for_slot": s.waited_for_slot - before.waited_for_slot, "errors": s.errors - before.errors,
                 "waited_for_blocks": s.waited_for_blocks - before.waited_for_blocks,
                 "paused_rows": s.paused_rows - before.paused_rows, "preempted": s.preempted - before.preempted}
+            if done:  # the loop's ops from the first request on (BatchStats.timeline; CUDA), ms from that request
+                t0 = min(r[1] for r in done)
+                out["timeline"] = [{"op": op, "rows": rows, "start_ms": round((a0 - t0) * 1000, 2),
+                                    "ms": round((a1 - a0) * 1000, 2)}
+                                   for op, rows, a0, a1 in getattr(s, "timeline", []) if a0 >= t0][:80]
         return out
 
     # --- transformers' batched generate (the reference) -------------------------------------------------------------
@@ -291,8 +289,7 @@ class Bench:
         return {**run, "what": "profile-arrivals",
                 "device_kernels_us": round(sum(getattr(e, key) for e in events), 1),
                 "device_kernels": [{"name": e.key[:120], "calls": e.count, "us": round(getattr(e, key), 1)}
-                                   for e in events[:top]],
-                "timeline": runner_timeline(prof)}
+                                   for e in events[:top]]}
 
     def profile(self, engine: ChatEngine, text: str, top: int = 15) -> dict[str, Any]:
         """One chat's reply (after the runs above: compiled, graphs captured) under torch.profiler: the device's

@@ -291,6 +291,11 @@ def test_int8_rows_prefilled_together_equal_each_prompt_alone(fp32_engine: ChatE
         assert got == expected
         assert scheduler.snapshot().prefill_chunks - before.prefill_chunks == 1
         assert scheduler.runner.decoder.paged and scheduler.runner.decoder.k.dtype == torch.int8
+        # the loop's timeline: the one group pass of 4 rows first, then the decode steps, in order
+        timeline = scheduler.snapshot().timeline
+        assert [(op, rows) for op, rows, _, _ in timeline[:2]] == [("prefill_rows", 4), ("run_step", 4)]
+        assert {op for op, _, _, _ in timeline[1:]} == {"run_step"}
+        assert all(a0 <= a1 <= b0 for (_, _, a0, a1), (_, _, b0, _) in zip(timeline[:-1], timeline[1:], strict=True))
     finally:
         scheduler.close()
 

@@ -85,6 +85,9 @@ class _Row:
         return self.request.kv_ids[:self.length or self.prefilled]
 
 
+TIMELINE_OPS = 256  # BatchStats.timeline's length
+
+
 @dataclass
 class BatchStats:
     """Counters for the UI, the tests and the benchmark (a snapshot; the scheduler keeps the live copy)."""
@@ -113,6 +116,9 @@ class BatchStats:
     errors: int = 0
     step_s: float = 0.0  # host time of the decode steps, launch to tokens on the host
     rows_by_bucket: dict[int, int] = field(default_factory=dict)  # steps per batch bucket
+    # the last TIMELINE_OPS device ops the loop ran: (op, rows, host start, host end) in time.perf_counter seconds;
+    # on CUDA the end is when the host had launched it (a first token's .item() waits for the device after it)
+    timeline: list[tuple[str, int, float, float]] = field(default_factory=list)
 
     @property
     def mean_rows_per_step(self) -> float:
@@ -187,7 +193,8 @@ class FastRunner(BoundRunner):
         pool = self.pool
         return replace(stats, waiting=waiting, active=len(self._rows), prefilling=len(self._prefilling),
                        kv_held_bytes=self.decoder.cache_bytes, free_blocks=pool.free_blocks if pool else 0,
-                       cached_blocks=pool.cached_blocks if pool else 0, rows_by_bucket=dict(stats.rows_by_bucket))
+                       cached_blocks=pool.cached_blocks if pool else 0, rows_by_bucket=dict(stats.rows_by_bucket),
+                       timeline=list(stats.timeline))
 
     def count_wait(self, stats: BatchStats, reason: str) -> bool:
         if reason == "memory":
@@ -311,14 +318,22 @@ class FastRunner(BoundRunner):
         self.decoder.release(row.slot)
 
     def _measure(self, op: Callable[[], Any], rows: int) -> Any:
-        """Run op; on CUDA record the device's allocation peak during it on every reply in flight (the batch's
-        peak during each reply, with the rows decoding at that moment). Only this thread allocates on the device
-        while the batched path serves, so the peak between reset and read is this op's."""
-        if self.device.type != "cuda":
-            return op()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        with record_function(f"llm_core::{getattr(op, 'func', op).__name__}:{rows}"):  # named in a profile's timeline
+        """Run op, noted in the stats' timeline (its name, rows and host start/end); on CUDA record the device's
+        allocation peak during it on every reply in flight (the batch's peak during each reply, with the rows
+        decoding at that moment). Only this thread allocates on the device while the batched path serves, so the
+        peak between reset and read is this op's."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        name = getattr(op, "func", op).__name__
+        t0 = time.perf_counter()
+        with record_function(f"llm_core::{name}:{rows}"):  # named in a profile taken on this thread
             out = op()
+        timeline = self.host.stats.timeline
+        timeline.append((name, rows, t0, time.perf_counter()))
+        del timeline[:-TIMELINE_OPS]
+        if not cuda:
+            return out
         allocated = torch.cuda.max_memory_allocated(self.device)
         reserved = torch.cuda.max_memory_reserved(self.device)
         for row in [*self._rows.values(), *self._prefilling]:
