@@ -55,17 +55,17 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _int8_rows(ptr, row, d, lmask, D: tl.constexpr, ALIGN: tl.constexpr, dtype: tl.constexpr):
-        """int8 cache rows at element offsets `row` (BLOCK_L,): their D codes as `dtype` (exact: |code| <= 127) and
-        each row's scale 2^(e/8) in fp32 (BLOCK_L,) (0 for masked rows), for the caller to apply per row after the
-        dot (llm_core.fast.kvquant; the exponent word as _quantized_rows reads it)."""
+    def _int8_rows(ptr, row, d, lmask, D: tl.constexpr, ALIGN: tl.constexpr):
+        """int8 cache rows at element offsets `row` (BLOCK_L,): their D int8 codes (the caller converts them to the
+        query's dtype: exact, |code| <= 127) and each row's scale 2^(e/8) in fp32 (BLOCK_L,) (0 for masked rows), to
+        apply per row after the dot (llm_core.fast.kvquant; the exponent word as _quantized_rows reads it)."""
         codes = tl.load(ptr + row[:, None] + d[None, :], mask=lmask[:, None], other=0)
         if ALIGN >= 4:
             word = tl.load((ptr + row + D).to(tl.pointer_type(tl.int32)), mask=lmask, other=0)
             e = ((word << 24) >> 24).to(tl.float32)
         else:
             e = tl.load(ptr + row + D, mask=lmask, other=0).to(tl.float32)
-        return codes.to(dtype), tl.where(lmask, tl.exp2(e * 0.125), 0.0)
+        return codes, tl.where(lmask, tl.exp2(e * 0.125), 0.0)
 
     @triton.jit
     def _hadamard(x, D: tl.constexpr, IEEE: tl.constexpr):
@@ -145,7 +145,8 @@ if triton is not None:
                 rows = base + li * stride_l + h * stride_h
             rows = tl.multiple_of(rows, ALIGN)
             if INT8:  # codes straight into the dot, each row's scale on its score: no per-element multiply
-                k, k_scale = _int8_rows(k_ptr, rows, d, lmask, D, ALIGN, q.dtype)
+                k, k_scale = _int8_rows(k_ptr, rows, d, lmask, D, ALIGN)
+                k = k.to(q.dtype)
             elif INT4:
                 k = _quantized_rows(k_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN, BLOCK_L).to(q.dtype)
             else:
@@ -163,7 +164,8 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             pw = p
             if INT8:  # each row's V scale on its weight
-                v, v_scale = _int8_rows(v_ptr, rows, d, lmask, D, ALIGN, q.dtype)
+                v, v_scale = _int8_rows(v_ptr, rows, d, lmask, D, ALIGN)
+                v = v.to(q.dtype)
                 pw = p * v_scale[None, :]
             elif INT4:
                 v = _quantized_rows(v_ptr, rows, d, lmask, D, INT4, GROUP4, ALIGN, BLOCK_L).to(q.dtype)
