@@ -6,25 +6,9 @@
 # Run from the repo root with .whl carried.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
+source bench/h200_cards_part.sh
 if [ -n "${CARDS:-}" ] && [ "${CARDS_S:-300}" != 0 ]; then
-  timeout -s INT -k 15 "${CARDS_S:-300}" python3 -m bench.cards $CARDS --budget-s $(( ${CARDS_S:-300} - 60 )) \
-    --out "$OUT/cards.json" > "$OUT/cards.log" 2>&1
-  echo "cards rc=$?"; grep -iE "Traceback|Error" "$OUT/cards.log" | cut -c1-300 | head -8
-  python3 - "$OUT/cards.json" <<'P'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except (OSError, ValueError) as e:
-    print("no json", e); raise SystemExit
-for r in d["records"]:
-    if r.get("what") in ("startup", "turn", "fill"):
-        print({k: r.get(k) for k in ("recipe", "case", "what", "turn", "outcome", "load_s", "prompt_tokens",
-                                     "context_fit_tokens", "decode_tokens_per_s", "peak_vram_bytes",
-                                     "predicted_peak_vram_bytes") if r.get(k) is not None})
-        if r.get("what") == "startup":
-            print("   ", r.get("fast_memory_profile"), r.get("startup_notes"))
-print(json.dumps((d.get("summary") or {}).get("cards"), default=str)[:1500])
-P
+  run_cards
 fi
 if [ -n "${TURNS:-}" ] && [ "${TURNS_S:-240}" != 0 ]; then
   timeout -s INT -k 15 "${TURNS_S:-240}" python3 -m bench.multiturn $TURNS --out "$OUT/multiturn.json" \

@@ -16,25 +16,9 @@ fi
 if [ -n "${ATTN:-}" ]; then  # bench.attention_rows: the decode attention kernel over each row format
   timeout 120 python3 -m bench.attention_rows --out "$OUT/attention-rows.json" $ATTN 2>&1 | grep -v Warning | cut -c1-300
 fi
+source bench/h200_cards_part.sh
 if [ -n "${CARDS:-}" ]; then
-  timeout -s INT -k 15 "${CARDS_S:-240}" python3 -m bench.cards $CARDS --budget-s $(( ${CARDS_S:-240} - 60 )) \
-    --out "$OUT/cards.json" > "$OUT/cards.log" 2>&1
-  echo "cards rc=$?"; grep -iE "Traceback|Error" "$OUT/cards.log" | cut -c1-300 | head -8
-  python3 - "$OUT/cards.json" <<'P'
-import json, sys
-try:
-    d = json.load(open(sys.argv[1]))
-except (OSError, ValueError) as e:
-    print("no json", e); raise SystemExit
-for r in d["records"]:
-    if r.get("what") in ("startup", "turn"):
-        print({k: r.get(k) for k in ("recipe", "what", "turn", "outcome", "load_s", "static_cache_tokens", "prompt_tokens",
-                                     "context_fit_tokens", "decode_tokens_per_s", "peak_vram_bytes",
-                                     "predicted_peak_vram_bytes", "dropped_turns")})
-        if r.get("what") == "startup":
-            print("   ", str(r.get("reason"))[:400], r.get("fast_memory_profile"), r.get("resident_extra_bytes"))
-print(json.dumps((d.get("summary") or {}).get("cards"), default=str)[:1500])
-P
+  CARDS_S=${CARDS_S:-240} run_cards
 fi
 [ "${MB_S:-330}" = 0 ] && exit 0
 timeout -s INT -k 15 "${MB_S:-330}" python3 -m bench.memory_breakdown --model llama-2-7b --positions 32768 --card-gib 8 \
