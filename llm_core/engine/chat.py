@@ -38,7 +38,7 @@ from ..errors import (
 from ..history import Turn, build_messages, clean_text, clean_turns, fit_history
 from ..loading import Progress, load_model
 from ..memory.budget import ReplyPlan, max_context_tokens, plan_reply, refit_reserve, require_fit
-from ..memory.device import OOMInjector, PeakMeter, free_memory, is_oom_error
+from ..memory.device import OOMInjector, PeakMeter, cached_free_bytes, free_memory, is_oom_error
 from ..memory.kv_cache import cache_bytes, make_cache
 from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
@@ -50,7 +50,6 @@ from .serving import RowKV
 from .startup import (
     DecodePath,
     PathBuilder,
-    cached_free_bytes,
     memory_budget_for,
     replan,
     select_decode_path,

@@ -20,7 +20,7 @@ import torch
 from ..config import Settings
 from ..errors import ContextBudgetError, SettingsError
 from ..memory.budget import MemoryBudget
-from ..memory.device import device_allocated_bytes, free_memory
+from ..memory.device import device_allocated_bytes, free_memory, unreturnable_free_bytes
 from ..memory.kv_cache import cache_kwarg
 from ..memory.model import STATIC_KV_LAYOUTS, ModelMemoryFacts, human_bytes, resident_extra_bytes
 from ..memory.plan import FAST_CACHE_ADVICE, MIN_FAST_CACHE_TOKENS
@@ -720,19 +720,3 @@ def _fast_batched_reason(base: str, size: int, slots: int, slot_tokens: int, *, 
     sized = ", sized by measurement" if measured else ""
     return (f"{base}; batched: MAX_BATCH_SIZE={size}, {slots} KV slots of {slot_tokens:,} tokens{sized} (every "
             "reply is a row of one decode step)")
-
-
-def cached_free_bytes(device: torch.device) -> int:
-    """CUDA: bytes the caching allocator holds free (reserved - allocated) right now; 0 elsewhere."""
-    if device.type != "cuda":
-        return 0
-    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-
-
-def unreturnable_free_bytes(device: torch.device) -> int:
-    """CUDA: the free bytes the caching allocator still holds after giving back all it can (empty_cache): graph pools'
-    free bytes and fragments of pages still in use; 0 elsewhere."""
-    if device.type != "cuda":
-        return 0
-    torch.cuda.empty_cache()
-    return cached_free_bytes(device)

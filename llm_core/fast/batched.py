@@ -54,6 +54,7 @@ from .layer import (
     linear_prefill_parts,
     rms_norm,
     rotate_half,
+    write_paged_rows,
 )
 from .options import PREFILL_BUCKET_TOKENS
 from .pack import LinSpec, bias_of
@@ -133,15 +134,6 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     probs = torch.softmax(scores.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1)
     out = torch.matmul(probs, v_cache.float().transpose(1, 2))  # (B, Hkv, G, D)
     return out.reshape(rows, spec.n_heads * spec.head_dim).to(q.dtype)
-
-
-def write_paged_rows(pool: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
-    """pool (num_blocks, block_size, Hkv, row)[blocks, offsets] = rows (B, Hkv, row), in place; dest = (blocks,
-    offsets), each (B,) int64: where each row's position lives.
-    Indexed on the pool itself, not through a flattened view of it: compiled, a write through a view of a graph input
-    that a custom op then reads made Inductor copy the whole pool (twice per K and V, every layer, every step: the
-    paged step was ~6x slower than the slots one on the H200; tests/test_paged_kv.py checks the compiled code)."""
-    pool.index_put_(dest, rows)
 
 
 def layer_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -689,8 +681,9 @@ class SlotDecoder:
         pos = torch.arange(ids.shape[1], device=self.device)
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        if self.paged:  # each prompt's real rows go to its blocks; the padding is never written
+        if not self.paged:
+            index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        else:  # each prompt's real rows go to its blocks; the padding is never written
             starts = list(keep) if keep is not None else [0] * len(prompts)
             places = [self._pool_places(slot, first, n) for slot, first, n in zip(slots, starts, lengths, strict=True)]
             dest = (torch.cat([b for b, _ in places]), torch.cat([o for _, o in places]))
@@ -702,7 +695,7 @@ class SlotDecoder:
                 if not self.paged:
                     h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w)
                     continue
-                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w, (dest, real))
+                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], None, w, (dest, real))
         return [hn[b, n - 1:n].clone() for b, n in enumerate(lengths)]
 
     def first_scores(self, slot: int, hn_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

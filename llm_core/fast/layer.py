@@ -294,26 +294,37 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     return _prefill_out(spec, h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), lins, used)
 
 
+def write_paged_rows(pool: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+    """pool (num_blocks, block_size, Hkv, row)[blocks, offsets] = rows (B, Hkv, row), in place; dest = (blocks,
+    offsets), each (B,) int64: where each row's position lives.
+    Indexed on the pool itself, not through a flattened view of it: compiled, a write through a view of a graph input
+    that a custom op then reads made Inductor copy the whole pool (twice per K and V, every layer, every step: the
+    paged step was ~6x slower than the slots one on the H200; tests/test_paged_kv.py checks the compiled code)."""
+    pool.index_put_(dest, rows)
+
+
 def layer_prefill_rows(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, w: Sequence[torch.Tensor],
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor | None,
+                       w: Sequence[torch.Tensor],
                        paged: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """layer_prefill for B whole prompts at once, each from position 0, right-padded to S: h, hn (B, S, H);
     cos/sin (1, S, D); k/v_cache (slots, L, Hkv, row) this layer's slot cache; slots (B,) the rows' slots, whose
     cache rows 0..S-1 are written (a row's padding K/V beyond its prompt is overwritten by its decode before any
     step reads it; causal attention keeps its real tokens blind to the padding after them).
-    paged = (dest, real): k/v_cache are a paged pool (num_blocks, block_size, Hkv, row) instead; the (row, position)
-    pairs `real` (nonzero's tuple over (B, S)) are written at dest = (blocks, offsets), straight from the
-    projections: no padded temporary written, read back and gathered (12 + 7 ms of index kernels for 8 prompts of
-    512 tokens on an H100, bench/results/2026-12-05-s4-h100-batched-prefill.json's profile)."""
+    paged = (dest, real): k/v_cache are a paged pool (num_blocks, block_size, Hkv, row) instead (slots unused); the
+    (row, position) pairs `real` (nonzero's tuple over (B, S)) are written at dest = (blocks, offsets), straight
+    from the projections: no padded temporary written, read back and gathered (12 + 7 ms of index kernels for 8
+    prompts of 512 tokens on an H100, bench/results/2026-12-05-s4-h100-batched-prefill.json's profile)."""
     lins = _split_linears(spec, w)
     rows, seq = h.shape[0], h.shape[1]
     q, k, v, used = _prefill_qkv(spec, hn, cos, sin, lins)
     if paged is not None:
         dest, real = paged
-        k_cache.index_put_(dest, to_cache(k.transpose(1, 2)[real], k_cache))
-        v_cache.index_put_(dest, to_cache(v.transpose(1, 2)[real], v_cache))
+        write_paged_rows(k_cache, dest, to_cache(k.transpose(1, 2)[real], k_cache))
+        write_paged_rows(v_cache, dest, to_cache(v.transpose(1, 2)[real], v_cache))
         return _prefill_out(spec, h, _prefill_attention(spec, q, k, v, None), lins, used)
+    assert slots is not None
     index = (slots[:, None].expand(rows, seq).reshape(-1),
              torch.arange(seq, device=h.device)[None, :].expand(rows, seq).reshape(-1))
     k_cache.index_put_(index, to_cache(k.transpose(1, 2).reshape(rows * seq, spec.n_kv_heads, spec.head_dim),

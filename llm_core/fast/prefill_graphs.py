@@ -118,7 +118,7 @@ class PagedPrefillGraphs:
                 for t in (kc, vc):
                     torch._dynamo.maybe_mark_dynamic(t, 0)
             h, hn = fn(h, hn, cos, sin, 0, kc, vc, w)
-            rows.k[i].index_put_(dest, kc)  # batched.write_paged_rows: indexed on the pool itself
+            rows.k[i].index_put_(dest, kc)  # layer.write_paged_rows: indexed on the pool itself
             rows.v[i].index_put_(dest, vc)
         self.hn.copy_(hn[0].index_select(0, self.last))
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ModelLoadError
+from .device import unreturnable_free_bytes
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,6 @@ class Compaction:
         return (f"Weights re-laid end to end ({self.moved_bytes / gib:.2f} GiB in {self.storages} storages, "
                 f"{self.seconds:.1f} s): reserved-but-free memory {self.held_free_before / gib:.2f} -> "
                 f"{self.held_free_after / gib:.2f} GiB")
-
-
-def _held_free(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
 
 def _as_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
@@ -101,7 +94,7 @@ def compact_storages(tensors: Iterable[torch.Tensor], device: torch.device | str
     if total + HOST_MARGIN_BYTES > host_available_bytes:
         return Compaction(0, 0, 0, 0, 0.0, f"host memory has {host_available_bytes / (1 << 30):.1f} GiB free for "
                                             f"{total / (1 << 30):.1f} GiB of copies")
-    before = _held_free(device)
+    before = unreturnable_free_bytes(device)
     with torch.no_grad():
         host = [_as_bytes(s, device).to("cpu", copy=True) for s in storages]
         if device.type == "cuda":
@@ -119,7 +112,7 @@ def compact_storages(tensors: Iterable[torch.Tensor], device: torch.device | str
         except RuntimeError as exc:  # torch.cuda.OutOfMemoryError too: the same bytes were free a moment ago
             raise ModelLoadError(f"Re-laying the weights on {device} failed part-way ({exc}); the model must be "
                                  "loaded again.") from exc
-    after = _held_free(device)
+    after = unreturnable_free_bytes(device)
     result = Compaction(len(storages), total, before, after, time.perf_counter() - t0)
     log.info(result.describe())
     return result

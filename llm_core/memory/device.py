@@ -207,3 +207,19 @@ class OOMInjector:
 
 
 OOM_POINTS = ("plan", "prefill", "decode")  # the points the engine is expected to check
+
+
+def cached_free_bytes(device: torch.device) -> int:
+    """CUDA: bytes the caching allocator holds free (reserved - allocated) right now; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    return max(0, torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def unreturnable_free_bytes(device: torch.device) -> int:
+    """CUDA: the free bytes the caching allocator still holds after giving back all it can (empty_cache): graph pools'
+    free bytes and fragments of pages still in use; 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return cached_free_bytes(device)
