@@ -21,7 +21,7 @@ from llm_core.engine.fast_runner import FastRunner
 from llm_core.engine.scheduler import Scheduler
 from llm_core.errors import ContextBudgetError
 from llm_core.fast import kvquant
-from llm_core.fast.batched import SlotDecoder, attention_rows
+from llm_core.fast.batched import WARM_GROUP_LENGTHS, SlotDecoder, attention_rows
 from llm_core.fast.kernels.attention import gather_blocks
 from llm_core.fast.layer import LayerSpec
 from llm_core.sampling import SamplingOptions
@@ -413,6 +413,41 @@ def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_
     finally:
         scheduler.close()
     assert after == before
+
+def test_warming_the_group_prefill_runs_it_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
+    """The start-up warm-up of the group prefill (newcomers arriving together): it runs prefill_rows on two rows of
+    unequal lengths once per WARM_GROUP_LENGTHS, leaves every row idle with a table naming only the scratch block,
+    and a reply afterwards has the tokens it had before. Where two rows of its length cannot be had (one row; a slot
+    shorter than the warm prompt) it does nothing and says so."""
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=2, slot_tokens=256, layout="paged")
+    prompt = list(range(500, 530))
+    calls: list[list[int]] = []
+    scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
+    try:
+        before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+        scheduler.close()
+        run = rows.prefill_rows
+
+        def counted(slots: Any, ids: Any, keep: Any = None) -> Any:
+            calls.append([int(i.numel()) for i in ids])
+            return run(slots, ids, keep)
+
+        rows.prefill_rows = counted  # type: ignore[method-assign]
+        assert rows._warm_prefill_rows() is True
+        del rows.prefill_rows
+        assert calls == [[n, n - 1] for n in WARM_GROUP_LENGTHS]
+        assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
+        scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
+        after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
+    finally:
+        scheduler.close()
+    assert after == before
+    for lone in (SlotDecoder(decoder, slots=1, slot_tokens=256, layout="paged"),
+                 SlotDecoder(decoder, slots=2, slot_tokens=64, layout="slots")):
+        lone.allocate()
+        assert lone._warm_prefill_rows() is False
+
 
 @pytest.mark.parametrize("length,keep", [(30, 0), (64, 0), (65, 0), (70, 16)])
 def test_a_whole_prompt_prefilled_padded_writes_what_the_unpadded_prefill_writes(paged_engine: ChatEngine,

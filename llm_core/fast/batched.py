@@ -71,6 +71,9 @@ MAX_SLOTS = BATCH_BUCKETS[-1]
 # one chunk's prefill per step (a newcomer alone is prefilled in one go, up to the fast path's own chunk).
 PREFILL_TOKENS_PER_STEP = 512
 KV_LAYOUTS = ("slots", "paged")  # KV_LAYOUT: fixed slots per row, or one pool of blocks read through block tables
+# the group prefill warmed at start-up: two rows each time, the longer this long (2 x 200 and 2 x 201 padded rows: a
+# multiple of 16 and not, the two specializations a Triton kernel compiles for a row count)
+WARM_GROUP_LENGTHS = (200, 201)
 PAGED_BLOCK_TOKENS = 16  # tokens per block of the paged pool (vLLM's default; the kernel takes 16, 32 or 64)
 
 
@@ -379,6 +382,7 @@ class SlotDecoder:
                 if self.compile:
                     self._warm_prefill()
                     self._compile_step()
+                self._warm_prefill_rows()
                 if self.use_graphs:
                     self._capture()
                     self._capture_prefill()
@@ -475,6 +479,40 @@ class SlotDecoder:
             log.warning("Compiled prefill unavailable (%s: %s); the prefill runs eagerly.", type(exc).__name__, exc)
             self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
             self.fast._prefill_compiled_ok = False
+
+    def _warm_prefill_rows(self) -> bool:
+        """Run the group prefill (prefill_rows: newcomers arriving together, eager) twice with two rows of unequal
+        lengths (WARM_GROUP_LENGTHS), so its first-call costs (the
+        CUDA modules of its kernels loaded at their first launch, the GEMM plans of a new shape, Triton's
+        specializations) are paid at start-up and not by the first group of users: on 2026-12-05 (s5) the first
+        group of 8 chats after start-up got its first tokens ~100 ms later than the same group run again.
+        Returns whether it ran; a failure is noted (the group's own failure fails only its rows). Start-up only: it
+        writes the pool's first blocks, which a prefix cache may hold later."""
+        if self.k is None or self.slots < 2:
+            return False
+        vocab = self.fast._arch.vocab
+        try:
+            for n in WARM_GROUP_LENGTHS:
+                lengths = (n, n - 1)
+                if self.paged:
+                    per = -(-n // self.block_size)
+                    if 2 * per > self.num_blocks:
+                        return False
+                    self.set_blocks(0, range(per))
+                    self.set_blocks(1, range(per, 2 * per))
+                elif n > self.slot_tokens:
+                    return False
+                ids = [(torch.arange(m, device=self.device) * 7 + 3) % vocab for m in lengths]
+                for hn in self.prefill_rows([0, 1], ids):
+                    self.first_scores(0, hn)
+            self.sync()
+        except Exception as exc:  # noqa: BLE001 - a warm-up: the group prefill's own failures fail only its rows
+            log.warning("Warming the group prefill failed (%s: %s)", type(exc).__name__, exc)
+            self.notes.append(f"group prefill not warmed ({type(exc).__name__})")
+            return False
+        finally:
+            self.release_all()
+        return True
 
     def _make_functions(self, compiled: bool) -> None:
         """Closures over the static specs (one per distinct layer spec, as FastDecoder binds them), compiled or not."""
