@@ -77,6 +77,17 @@ def prompt_text(engine: ChatEngine, i: int, tokens: int) -> str:
 
 
 
+def mixed_load(n: int, over_s: float, longest: int, shortest: int = 128) -> tuple[list[int], list[float]]:
+    """n prompts from `shortest` to `longest` tokens (log-spaced, so most are short as chat messages are) and their
+    arrival times spread evenly over `over_s` seconds, the lengths in an order that mixes long and short arrivals
+    (a fixed interleave of the sorted list: the same load every run)."""
+    if n == 1:
+        return [shortest], [0.0]
+    ratio = longest / shortest
+    sizes = [round(shortest * ratio ** (i / (n - 1))) for i in range(n)]
+    order = [i // 2 if i % 2 == 0 else n - 1 - i // 2 for i in range(n)]  # short, long, short, long, ...
+    return [sizes[j] for j in order], [over_s * i / (n - 1) for i in range(n)]
+
 
 class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -126,7 +137,10 @@ class Bench:
         return engine
 
     # --- ours -----------------------------------------------------------------------------------------------------
-    def ours(self, engine: ChatEngine, n: int, texts: list[str]) -> dict[str, Any]:
+    def ours(self, engine: ChatEngine, n: int, texts: list[str],
+             offsets_s: list[float] | None = None) -> dict[str, Any]:
+        """n chats through the engine, each in its own thread: started together (a barrier), or each `offsets_s[i]`
+        seconds after the first thread is ready (a mixed load arriving over a few seconds)."""
         a = self.args
         gen = engine.request_options(max_new_tokens=a.new_tokens, min_new_tokens=a.new_tokens, do_sample=False)
         results: list[Any] = [None] * n
@@ -137,6 +151,8 @@ class Bench:
         def run(i: int) -> None:
             try:
                 barrier.wait(timeout=60)
+                if offsets_s is not None:
+                    time.sleep(offsets_s[i])
                 sent = time.perf_counter()
                 last: ReplyUpdate = deque(engine.stream_chat(texts[i], [], gen=gen, system_prompt=None,
                                                              request_id=f"n{n}-chat{i}"), maxlen=1)[0]
@@ -169,6 +185,7 @@ class Bench:
                                               "median": statistics.median(rates) if rates else None},
                 ttft_p50_s=percentile(ttfts, 50), ttft_p95_s=percentile(ttfts, 95),
                 ttfts_s=sorted(round(t, 4) for t in ttfts) if n <= 8 else None,
+                ttft_max_s=max(ttfts) if ttfts else None,
                 peak_vram_bytes=max(peaks) if peaks else None,
                 peak_batch_rows=max((s.peak_batch_rows or 0) for s in stats) or None,
                 kv_cache_bytes_per_chat=statistics.median(s.kv_cache_bytes or 0 for s in stats),
@@ -259,6 +276,19 @@ class Bench:
                 except Exception as exc:  # noqa: BLE001 - the reference failing must not lose our numbers
                     self.rec.add(**common, recipe="transformers-generate", concurrent_chats=n,
                                  error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        if a.mixed:
+            runner_mode = modes[0]
+            if runner is not None:
+                runner.group_prefill = runner_mode == "group"
+            lengths, offsets = mixed_load(a.mixed, a.mixed_over_s,
+                                          min(CONTEXT_TOKENS - a.new_tokens - 32, 8 * a.prompt_tokens),
+                                          min(128, a.prompt_tokens))
+            print(f"ours: {a.mixed} chats, a mixed load ({min(lengths)}-{max(lengths)} prompt tokens over "
+                  f"{a.mixed_over_s} s)", flush=True)
+            own = [prompt_text(engine, len(texts) + 1000 + i, n) for i, n in enumerate(lengths)]
+            run = self.ours(engine, a.mixed, own, offsets)
+            self.rec.add(**common, prefill=runner_mode, what="mixed", arrivals_s=[round(o, 3) for o in offsets],
+                         **run)
         if a.profile_chats and runner is not None:
             for mode in modes:
                 print(f"profile: {a.profile_chats} chats arriving together, prefill {mode}", flush=True)
@@ -340,6 +370,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="KV_LAYOUT of ours (default paged, the app's)")
     parser.add_argument("--prefill", default="group", choices=("group", "each", "both"),
                         help="paged: newcomers arriving together prefilled in padded groups, one by one, or both")
+    parser.add_argument("--mixed", type=int, default=0,
+                        help="then N chats of 128 to 8 x --prompt-tokens prompt tokens (at most the context: ~4k by "
+                             "default), arriving evenly over --mixed-over-s seconds, MAX_BATCH_SIZE as --chats sets it")
+    parser.add_argument("--mixed-over-s", type=float, default=3.0)
     parser.add_argument("--profile-chats", type=int, default=0,
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",

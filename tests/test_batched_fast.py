@@ -388,9 +388,14 @@ def test_bench_smoke_records_the_issue_fields_for_both_recipes(tmp_path: Any) ->
     from bench import batched
 
     out = tmp_path / "batched.json"
-    assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt")]) == 0
+    assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--mixed", "4",
+                         "--mixed-over-s", "0.3"]) == 0
     doc = json.loads(out.read_text())
-    runs = [r for r in doc["records"] if "recipe" in r]
+    mixed = [r for r in doc["records"] if r.get("what") == "mixed"]
+    runs = [r for r in doc["records"] if "recipe" in r and r.get("what") != "mixed"]
+    # the mixed load: 4 chats of 48..384 prompt tokens arriving over 0.3 s, every one answered in full
+    assert len(mixed) == 1 and mixed[0]["completed"] == 4 and mixed[0]["new_tokens"] == [8, 8, 8, 8]
+    assert mixed[0]["arrivals_s"] == [0.0, 0.1, 0.2, 0.3] and mixed[0]["ttft_p95_s"] > 0
     assert sorted((r["recipe"], r["concurrent_chats"]) for r in runs) == [
         ("ours", 1), ("ours", 3), ("transformers-generate", 1), ("transformers-generate", 3)]
     for r in runs:
@@ -401,6 +406,16 @@ def test_bench_smoke_records_the_issue_fields_for_both_recipes(tmp_path: Any) ->
     ours3 = next(r for r in runs if r["recipe"] == "ours" and r["concurrent_chats"] == 3)
     assert ours3["completed"] == 3 and ours3["new_tokens"] == [8, 8, 8]  # min_new_tokens: every reply full length
     assert ours3["step_profile"]["max_rows_in_step"] == 3
+
+
+def test_the_mixed_load_spans_short_and_long_prompts_in_a_fixed_interleave() -> None:
+    from bench.batched import mixed_load
+
+    lengths, offsets = mixed_load(8, 3.0, 4000)
+    assert sorted(lengths) == lengths[::2] + lengths[1::2][::-1]  # short ones rising, long ones falling
+    assert min(lengths) == 128 and max(lengths) == 4000 and len(set(lengths)) == 8
+    assert offsets[0] == 0.0 and offsets[-1] == 3.0 and offsets == sorted(offsets)
+    assert mixed_load(1, 3.0, 4000) == ([128], [0.0])
 
 
 # --- GPU ------------------------------------------------------------------------------------------------------------
