@@ -449,6 +449,40 @@ def test_warming_the_group_prefill_runs_it_and_leaves_no_trace(paged_engine: Cha
         assert lone._warm_prefill_rows() is False
 
 
+def test_the_compiled_group_prefill_equals_the_eager_one_and_compiles_once(paged_engine: ChatEngine) -> None:
+    """The group prefill compiled (as start-up compiles it where the prefill compiles): three prompts give the
+    eager pass's last hidden states and K/V blocks; its code never loops over a whole layer's pool (an in-place
+    scatter of the real rows, as the compiled step's write); a later group of four rows of other lengths runs the same
+    graph (rows, length and positions symbolic: no compile inside a user's reply)."""
+    from torch._inductor.utils import run_and_get_code
+
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=4, slot_tokens=128, layout="paged")
+    rows.allocate()
+    per = rows.num_blocks // 4
+    for slot in range(4):
+        rows.set_blocks(slot, range(slot * per, (slot + 1) * per))
+    three = [torch.arange(500 + 30 * i, 500 + 30 * i + n) for i, n in enumerate((40, 57, 33))]
+    eager = rows.prefill_rows([0, 1, 2], three)
+    eager_k, eager_v = rows.k.clone(), rows.v.clone()
+    rows.k.zero_()
+    rows.v.zero_()
+    torch._dynamo.reset()
+    rows._make_rows_functions(compiled=True)
+    compiled, code = run_and_get_code(rows.prefill_rows, [0, 1, 2], three)
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+    assert torch.allclose(rows.k, eager_k, atol=2e-4) and torch.allclose(rows.v, eager_v, atol=2e-4)
+    pool = rows.k[0].numel()
+    assert not [line for src in code for line in src.splitlines() if f"{pool}L" in line or f" {pool})" in line]
+    four = [torch.arange(700 + 20 * i, 700 + 20 * i + n) for i, n in enumerate((21, 75, 48, 66))]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = rows.prefill_rows([0, 1, 2, 3], four)
+    rows._make_rows_functions(compiled=False)
+    for a, b in zip(out, rows.prefill_rows([0, 1, 2, 3], four), strict=True):
+        assert torch.allclose(a, b, atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("length,keep", [(30, 0), (64, 0), (65, 0), (70, 16)])
 def test_a_whole_prompt_prefilled_padded_writes_what_the_unpadded_prefill_writes(paged_engine: ChatEngine,
                                                                                  length: int, keep: int) -> None:

@@ -250,12 +250,15 @@ class SlotDecoder:
         self.prefill_graphs = PagedPrefillGraphs(self, prefill_graph_tokens) \
             if self.paged and prefill_graph_tokens >= PREFILL_BUCKET_TOKENS else None
         self._layer_fns: list[Callable[..., Any]] = []
+        self._rows_fns: list[Callable[..., Any]] = []  # the group prefill's layer (prefill_rows), compiled or not
+        self.rows_compiled = False
         self._head_fn: Callable[..., Any] = head_rows
         self._prologue_fn: Callable[..., Any] = embed_prologue
         self.compiled = False
         self.warmup_s: float | None = None
         self.release_all()
         self._make_functions(compiled=False)
+        self._make_rows_functions(compiled=False)
 
     # --- memory ----------------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -382,7 +385,7 @@ class SlotDecoder:
                 if self.compile:
                     self._warm_prefill()
                     self._compile_step()
-                self._warm_prefill_rows()
+                self._warm_prefill_rows(compiled=self.compile and self.fast._prefill_compiled_ok)
                 if self.use_graphs:
                     self._capture()
                     self._capture_prefill()
@@ -480,16 +483,53 @@ class SlotDecoder:
             self.notes.append(f"prefill eager: compiling it failed ({type(exc).__name__})")
             self.fast._prefill_compiled_ok = False
 
-    def _warm_prefill_rows(self) -> bool:
-        """Run the group prefill (prefill_rows: newcomers arriving together, eager) twice with two rows of unequal
-        lengths (WARM_GROUP_LENGTHS), so its first-call costs (the
-        CUDA modules of its kernels loaded at their first launch, the GEMM plans of a new shape, Triton's
-        specializations) are paid at start-up and not by the first group of users: on 2026-12-05 (s5) the first
-        group of 8 chats after start-up got its first tokens ~100 ms later than the same group run again.
-        Returns whether it ran; a failure is noted (the group's own failure fails only its rows). Start-up only: it
-        writes the pool's first blocks, which a prefix cache may hold later."""
+    def _make_rows_functions(self, compiled: bool) -> None:
+        """The group prefill's layer (layer_prefill_rows, one closure per distinct layer spec), compiled or not.
+        Compiled, Inductor fuses its norms, rotary and activations and it launches a fraction of the eager kernels:
+        on 2026-12-05 (s5, H100) the eager group pass of 4 x 512 tokens took ~90 ms where its GEMMs and weight
+        dequantization need ~45."""
+        f = self.fast
+
+        def bind(spec: LayerSpec) -> Callable[..., Any]:
+            def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kc: torch.Tensor,
+                      vc: torch.Tensor, index: torch.Tensor | None, w: list[torch.Tensor],
+                      paged: tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] | None) -> Any:
+                return layer_prefill_rows(spec, h, hn, cos, sin, kc, vc, index, w, paged)
+            return layer
+
+        wrap: Callable[[Callable[..., Any]], Callable[..., Any]] = f._compile if compiled else (lambda fn: fn)
+        fns: dict[int, Callable[..., Any]] = {}
+        self._rows_fns = [fns.setdefault(id(spec), wrap(bind(spec))) for spec in f._layer_specs]
+        self.rows_compiled = compiled
+
+    def _warm_prefill_rows(self, compiled: bool = False) -> bool:
+        """Run the group prefill (prefill_rows: newcomers arriving together) twice, with two rows of unequal lengths
+        (WARM_GROUP_LENGTHS), so its first-call costs are paid at start-up and not by the first group of users: the
+        compile (`compiled`: one graph, its rows, length and positions symbolic; eager if compiling fails, said in
+        `notes`), the CUDA modules of its kernels loaded at their first launch, the GEMM plans of a new shape,
+        Triton's specializations. On 2026-12-05 (s5, H100) the first group of 8 chats after start-up got its first
+        tokens ~100 ms later than the same group run again. Returns whether it ran. Start-up only: it writes the
+        pool's first blocks, which a prefix cache may hold later."""
         if self.k is None or self.slots < 2:
             return False
+        if compiled:
+            try:
+                self._make_rows_functions(compiled=True)
+                if self._run_warm_groups():
+                    return True
+            except Exception as exc:  # noqa: BLE001 - the eager group prefill is the same math
+                log.warning("Group prefill not compiled: %s: %s", type(exc).__name__, exc)
+                self.notes.append(f"group prefill eager: compiling failed ({type(exc).__name__}: {str(exc)[:120]})")
+            self._make_rows_functions(compiled=False)
+        try:
+            return self._run_warm_groups()
+        except Exception as exc:  # noqa: BLE001 - a warm-up: the group prefill's own failures fail only its rows
+            log.warning("Warming the group prefill failed (%s: %s)", type(exc).__name__, exc)
+            self.notes.append(f"group prefill not warmed ({type(exc).__name__})")
+            return False
+
+    def _run_warm_groups(self) -> bool:
+        """_warm_prefill_rows' runs (False: two rows of its length do not fit); the rows left idle."""
         vocab = self.fast._arch.vocab
         try:
             for n in WARM_GROUP_LENGTHS:
@@ -506,10 +546,6 @@ class SlotDecoder:
                 for hn in self.prefill_rows([0, 1], ids):
                     self.first_scores(0, hn)
             self.sync()
-        except Exception as exc:  # noqa: BLE001 - a warm-up: the group prefill's own failures fail only its rows
-            log.warning("Warming the group prefill failed (%s: %s)", type(exc).__name__, exc)
-            self.notes.append(f"group prefill not warmed ({type(exc).__name__})")
-            return False
         finally:
             self.release_all()
         return True
@@ -719,6 +755,7 @@ class SlotDecoder:
         pos = torch.arange(ids.shape[1], device=self.device)
         cos, sin = f._arch.rotary(h, pos[None])
         hn = rms_norm(h, f._norm0, f._head_spec.eps0)
+        index = dest = real = None
         if not self.paged:
             index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
         else:  # each prompt's real rows go to its blocks; the padding is never written
@@ -728,12 +765,15 @@ class SlotDecoder:
             span = torch.arange(ids.shape[1], device=self.device)[None, :]
             real = ((span < torch.tensor(lengths, device=self.device)[:, None])
                     & (span >= torch.tensor(starts, device=self.device)[:, None])).nonzero(as_tuple=True)  # once
+        paged = (dest, real) if dest is not None and real is not None else None
+        if self.rows_compiled:  # one graph for every group: its rows, length and real positions symbolic
+            flat = [*paged[0], *paged[1]] if paged is not None else [index]
+            for t, dims in ((h, (0, 1)), (hn, (0, 1)), (cos, (1,)), (sin, (1,)), *((t, (0,)) for t in flat)):
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
-            for i, (spec, w) in enumerate(zip(f._layer_specs, f._layer_weights, strict=True)):
-                if not self.paged:
-                    h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], index, w)
-                    continue
-                h, hn = layer_prefill_rows(spec, h, hn, cos, sin, self.k[i], self.v[i], None, w, (dest, real))
+            for i, (fn, w) in enumerate(zip(self._rows_fns, f._layer_weights, strict=True)):
+                h, hn = fn(h, hn, cos, sin, self.k[i], self.v[i], None if self.paged else index, w, paged)
         return [hn[b, n - 1:n].clone() for b, n in enumerate(lengths)]
 
     def first_scores(self, slot: int, hn_last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
