@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -394,25 +394,32 @@ def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
     assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
 
 
-def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
-    """The start-up measurement's worst moment on the pool (one row's last prefill chunk at the end of the whole
-    pool, then a step with every row at its end): it reports the pool's length, and afterwards every row is idle with
-    a table naming only the scratch block, and a reply's tokens are what they were before it."""
-    decoder = paged_engine.backend.decoder
-    rows = SlotDecoder(decoder, slots=2, slot_tokens=64, layout="paged")
+def _leaves_no_trace(rows: SlotDecoder, action: Callable[[], Any]) -> Any:
+    """Run `action` between two replies of the same prompt on `rows`: afterwards every row is idle with a table
+    naming only the scratch block, and the reply has the tokens it had before. Returns what `action` returned."""
     prompt = list(range(500, 530))
-    scheduler = Scheduler(FastRunner(rows), eos_token_ids=[])
+    scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
     try:
         before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
         scheduler.close()
-        profile = rows.profile_worst_reply(32)
-        assert profile["tokens"] == 128 and profile["slots"] == 2
+        out = action()
         assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
         scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
         after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
     finally:
         scheduler.close()
     assert after == before
+    return out
+
+
+def test_the_paged_worst_reply_profile_spans_the_pool_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
+    """The start-up measurement's worst moment on the pool (one row's last prefill chunk at the end of the whole
+    pool, then a step with every row at its end): it reports the pool's length, and afterwards every row is idle with
+    a table naming only the scratch block, and a reply's tokens are what they were before it."""
+    rows = SlotDecoder(paged_engine.backend.decoder, slots=2, slot_tokens=64, layout="paged")
+    profile = _leaves_no_trace(rows, lambda: rows.profile_worst_reply(32))
+    assert profile["tokens"] == 128 and profile["slots"] == 2
+
 
 def test_warming_the_group_prefill_runs_it_and_leaves_no_trace(paged_engine: ChatEngine) -> None:
     """The start-up warm-up of the group prefill (newcomers arriving together): it runs prefill_rows on two rows of
@@ -421,28 +428,22 @@ def test_warming_the_group_prefill_runs_it_and_leaves_no_trace(paged_engine: Cha
     shorter than the warm prompt) it does nothing and says so."""
     decoder = paged_engine.backend.decoder
     rows = SlotDecoder(decoder, slots=2, slot_tokens=256, layout="paged")
-    prompt = list(range(500, 530))
     calls: list[list[int]] = []
-    scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
-    try:
-        before = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
-        scheduler.close()
-        run = rows.prefill_rows
+    run = rows.prefill_rows
 
-        def counted(slots: Any, ids: Any, keep: Any = None) -> Any:
-            calls.append([int(i.numel()) for i in ids])
-            return run(slots, ids, keep)
+    def counted(slots: Any, ids: Any, keep: Any = None) -> Any:
+        calls.append([int(i.numel()) for i in ids])
+        return run(slots, ids, keep)
 
+    def warm() -> bool:
         rows.prefill_rows = counted  # type: ignore[method-assign]
-        assert rows._warm_prefill_rows() is True
-        del rows.prefill_rows
-        assert calls == [[n, n - 1] for n in WARM_GROUP_LENGTHS]
-        assert not rows.active.any() and bool((rows.table == rows.num_blocks).all())
-        scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
-        after = _tokens(scheduler, scheduler.submit(prompt, GREEDY, 12, threading.Event()))
-    finally:
-        scheduler.close()
-    assert after == before
+        try:
+            return rows._warm_prefill_rows()
+        finally:
+            del rows.prefill_rows
+
+    assert _leaves_no_trace(rows, warm) is True
+    assert calls == [[n, n - 1] for n in WARM_GROUP_LENGTHS]
     for lone in (SlotDecoder(decoder, slots=1, slot_tokens=256, layout="paged"),
                  SlotDecoder(decoder, slots=2, slot_tokens=64, layout="slots")):
         lone.allocate()
