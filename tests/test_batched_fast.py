@@ -306,9 +306,10 @@ def test_each_batch_bucket_takes_its_fastest_rows_kernel_and_dequantize_and_matm
 def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a_time(
         nf4_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Batches above rows_max (or with the kernel off) take dequantize + matmul; for the fused q/k/v and gate/up of
-    NF4 weights it runs per part (llm_core.fast.layer.linear_prefill_parts: the weight temporary is one part's),
+    NF4 weights it runs per part (llm_core.fast.rows.fused_rows calls llm_core.fast.layer.linear_prefill_parts: the
+    weight temporary is one part's),
     with the same outputs as one matmul over the fused weight."""
-    import llm_core.fast.batched as batched
+    import llm_core.fast.rows as rows_module
     from llm_core.fast import layer as fast_layer
 
     engine = ChatEngine(nf4_engine.loaded, make_settings(DECODE_PATH="fast", MAX_BATCH_SIZE="2"))
@@ -326,7 +327,7 @@ def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a
             calls.append(len(s.splits))
             return real_parts(s, x, ts, gemm)
 
-        monkeypatch.setattr(batched, "linear_prefill_parts", counting)
+        monkeypatch.setattr(rows_module, "linear_prefill_parts", counting)
         g = torch.Generator().manual_seed(0)
         h = torch.randn(2, spec.n_heads * spec.head_dim, generator=g).to(f.dtype)
         cos, sin = f._arch.rotary(h[:, None], torch.tensor([[3], [5]]))
@@ -334,7 +335,7 @@ def test_a_batched_layer_without_the_rows_kernel_dequantizes_one_fused_part_at_a
         kc, vc = slots.k[0, :2], slots.v[0, :2]
         out = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)
         assert sorted(calls) == [2, 3]  # gate/up and q/k/v, each per part
-        monkeypatch.setattr(batched, "linear_prefill_parts",
+        monkeypatch.setattr(rows_module, "linear_prefill_parts",
                             lambda s, x, ts, gemm=True: fast_layer.linear_prefill(s, x, ts, gemm).split(
                                 list(s.splits), dim=-1))
         fused = layer_rows(spec, h, h, cos[:, 0], sin[:, 0], pos, last, kc, vc, w, rows_max=0)

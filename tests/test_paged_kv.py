@@ -21,9 +21,10 @@ from llm_core.engine.fast_runner import FastRunner
 from llm_core.engine.scheduler import Scheduler
 from llm_core.errors import ContextBudgetError
 from llm_core.fast import kvquant
-from llm_core.fast.batched import WARM_GROUP_LENGTHS, SlotDecoder, attention_rows
+from llm_core.fast.batched import SlotDecoder, attention_rows
 from llm_core.fast.kernels.attention import gather_blocks
 from llm_core.fast.layer import LayerSpec
+from llm_core.fast.slot_warmup import WARM_GROUP_LENGTHS
 from llm_core.sampling import SamplingOptions
 from tests.conftest import drain, make_settings
 from tests.test_batched_fast import FP32, MAX_NEW, PROMPTS, staggered

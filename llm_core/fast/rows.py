@@ -11,7 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
+from .kernels.nf4_mm import MM_MAX
+from .layer import linear_decode, linear_prefill, linear_prefill_parts
 from .pack import LinSpec, absmax_2d, bias_of, code_of
 
 ROWS_KERNELS = ("mm", "bnb", "dequant")
@@ -68,3 +71,29 @@ def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[to
                                                 ts[1], ts[4], ts[5])
     return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], absmax_2d(spec, ts).view(-1),
                                             spec.blocksize, "nf4", bias)
+
+
+def linear_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0
+                ) -> torch.Tensor:
+    """x (B, K) -> (B, N): the single-reply kernel for one row; for more, NF4 through the plan's kernel for B
+    (llm_core.fast.rows: llm_core.nf4_mm or bitsandbytes' gemm_4bit; an int n: nf4_mm for B <= n), cuBLAS (dense),
+    or dequantize + matmul (NF4, int8: correct on every device)."""
+    if x.shape[0] == 1:
+        return linear_decode(spec, x, ts)
+    if spec.fmt == "dense":
+        return F.linear(x, ts[0], bias_of(spec, ts))
+    kernel = kernel_for(rows_max, x.shape[0]) if spec.fmt == "nf4" and x.shape[0] <= MM_MAX else "dequant"
+    if kernel != "dequant":
+        return nf4_rows_linear(kernel, spec, x, ts)
+    return linear_prefill(spec, x, ts, gemm=False)
+
+
+def fused_rows(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], rows_max: RowsPlan | int = 0
+               ) -> Sequence[torch.Tensor]:
+    """A fused linear (q/k/v, gate/up) over B rows, one output per part: as linear_rows, except that where that
+    would dequantize + matmul, each part's weight is dequantized on its own (linear_prefill_parts)."""
+    rows = x.shape[0]
+    served = spec.fmt == "nf4" and rows <= MM_MAX and kernel_for(rows_max, rows) != "dequant"
+    if rows > 1 and spec.fmt != "dense" and not served:
+        return linear_prefill_parts(spec, x, ts, gemm=False)
+    return linear_rows(spec, x, ts, rows_max).split(list(spec.splits), dim=-1)
