@@ -1,5 +1,6 @@
 """Small cards: the demo's own path (ChatEngine, default settings) and the seed recipe (plain generate,
-no guard) on emulated 8/12/16/24 GiB cards, a chat growing by ~2k tokens a turn to 32k tokens of history.
+no guard) on emulated 8/12/16/24 GiB cards, a chat growing by ~2k tokens a turn to 32k tokens of history, or until
+history trimming has held ours' context for PLATEAU_TURNS turns (a `turns-end` record says so).
 
 A card is emulated with torch.cuda.set_per_process_memory_fraction(cap) and VRAM_BUDGET = cap - 0.5 GiB (what the
 demo derives on a real card). Random-weight checkpoints of real shapes (bench.harness.make_random_checkpoint). Per
@@ -64,6 +65,16 @@ class Scale:
 
 
 SCALE = Scale()
+# ours' turns stop once this many in a row dropped older turns: history trimming then holds the kept context at the
+# card's limit, and each further turn measures the same length again (2026-12-06: 12 such turns took the run's budget
+# before the seed recipe ran)
+PLATEAU_TURNS = 3
+
+
+def plateaued(dropped_per_turn: list[int], turns: int = PLATEAU_TURNS) -> bool:
+    """Whether each of the last `turns` replies had older turns dropped from its history (`dropped_turns` > 0)."""
+    tail = dropped_per_turn[-turns:]
+    return len(tail) == turns and all(d > 0 for d in tail)
 
 
 @dataclass(frozen=True)
@@ -185,7 +196,12 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
     per_turn = SCALE.words_per_turn + SCALE.new_tokens
     turn = 0
     replies: dict[int, Any] = {}
+    dropped: list[int] = []  # each answered turn's dropped_turns
     while turn * per_turn < SCALE.history_limit_tokens and time.perf_counter() < deadline:
+        if plateaued(dropped):
+            rec.add(**base, what="turns-end", turn=turn,
+                    reason=f"history trimmed on {PLATEAU_TURNS} turns in a row: the kept context stopped growing")
+            break
         text = message(turn)
         sent.append(list(history))
         record = dict(base, what="turn", turn=turn, history_tokens=turn * per_turn + SCALE.words_per_turn)
@@ -196,6 +212,7 @@ def run_ours(case: Case, folder: Path, rec: Recorder, base: dict[str, Any],
                     **_prefill_timing(engine))
             replies[turn] = last.text
             history = history + [Turn(text, last.text)]
+            dropped.append(int(fields.get("dropped_turns") or 0))
         except ContextBudgetError as exc:
             rec.add(**record, outcome="refused", error=str(exc)[:400])
             history = history + [Turn(text, "ok")]

@@ -116,3 +116,18 @@ def test_prefill_gemm_summary_sums_each_familys_best_per_layer_and_keys_round_tr
     assert row["linears"] == ["qkv", "o"]
     assert (row["gemm_us"], row["dequant+matmul_us"], row["bf16_us"]) == (30.0, 60.0, 20.0)
     assert row["dequant+matmul_over_gemm"] == 2.0 and row["gemm_over_bf16"] == 1.5
+
+
+def test_cards_stops_a_chat_once_trimming_holds_its_context() -> None:
+    """bench.cards' turns end once PLATEAU_TURNS replies in a row had older turns dropped from their history (the
+    kept context no longer grows), not after one or two such replies, nor while whole histories still fit. The
+    2026-12-06 run's sequence (trimming from turn 6, 12 turns more) stops at turn 9."""
+    from bench.cards import PLATEAU_TURNS, plateaued
+
+    assert PLATEAU_TURNS == 3
+    assert not plateaued([0, 0, 0, 0, 0, 0])  # nothing trimmed yet
+    assert not plateaued([0, 0, 0, 2, 0, 2])  # not three in a row
+    assert not plateaued([0, 0, 0, 2, 2])  # two
+    assert plateaued([0, 0, 0, 2, 2, 4])  # three
+    run = [0, 0, 0, 0, 0, 0, 2, 2, 4, 4, 5, 7, 7, 8, 10, 10, 11, 13]
+    assert next(turn for turn in range(len(run) + 1) if plateaued(run[:turn])) == 9
