@@ -141,47 +141,45 @@ class SlotWarmup:
         compile (`compiled`: one graph, its rows, length and positions symbolic; eager if compiling fails, said in
         `notes`), the CUDA modules of its kernels loaded at their first launch, the GEMM plans of a new shape,
         Triton's specializations. On 2026-12-05 (s5, H100) the first group of 8 chats after start-up got its first
-        tokens ~100 ms later than the same group run again. Returns whether it ran. Start-up only: it writes the
+        tokens ~100 ms later than the same group run again. Returns whether it ran (not where two rows of its
+        longest length do not fit). Start-up only: it writes the
         pool's first blocks, which a prefix cache may hold later."""
-        if self.k is None or self.slots < 2:
+        longest = max(WARM_GROUP_LENGTHS)
+        fits = 2 * -(-longest // self.block_size) <= self.num_blocks if self.paged else longest <= self.slot_tokens
+        if self.k is None or self.slots < 2 or not fits:
             return False
         if compiled:
             try:
                 self._make_rows_functions(compiled=True)
-                if self._run_warm_groups():
-                    return True
+                self._run_warm_groups()
+                return True
             except Exception as exc:  # noqa: BLE001 - the eager group prefill is the same math
                 log.warning("Group prefill not compiled: %s: %s", type(exc).__name__, exc)
                 self.notes.append(f"group prefill eager: compiling failed ({type(exc).__name__}: {str(exc)[:120]})")
             self._make_rows_functions(compiled=False)
         try:
-            return self._run_warm_groups()
+            self._run_warm_groups()
+            return True
         except Exception as exc:  # noqa: BLE001 - a warm-up: the group prefill's own failures fail only its rows
             log.warning("Warming the group prefill failed (%s: %s)", type(exc).__name__, exc)
             self.notes.append(f"group prefill not warmed ({type(exc).__name__})")
             return False
 
-    def _run_warm_groups(self) -> bool:
-        """_warm_prefill_rows' runs (False: two rows of its length do not fit); the rows left idle."""
+    def _run_warm_groups(self) -> None:
+        """_warm_prefill_rows' runs on rows 0 and 1 (it checked that two rows of each length fit); rows left idle."""
         vocab = self.fast._arch.vocab
         try:
             for n in WARM_GROUP_LENGTHS:
-                lengths = (n, n - 1)
                 if self.paged:
                     per = -(-n // self.block_size)
-                    if 2 * per > self.num_blocks:
-                        return False
                     self.set_blocks(0, range(per))
                     self.set_blocks(1, range(per, 2 * per))
-                elif n > self.slot_tokens:
-                    return False
-                ids = [(torch.arange(m, device=self.device) * 7 + 3) % vocab for m in lengths]
+                ids = [(torch.arange(m, device=self.device) * 7 + 3) % vocab for m in (n, n - 1)]
                 for hn in self.prefill_rows([0, 1], ids):
                     self.first_scores(0, hn)
             self.sync()
         finally:
             self.release_all()
-        return True
 
     def _compile_step(self) -> None:
         try:
