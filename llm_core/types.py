@@ -38,6 +38,7 @@ class LoadReport:
     decode_path_reason: str = ""
     warmup_s: float = 0.0
     memory_plan: str = ""  # set by the engine after warm-up: budget, KV cache, prefill chunks
+    startup_notes: tuple[str, ...] = ()  # set by the engine after warm-up: what start-up re-sized, chose or fell back
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,6 +73,8 @@ class LoadReport:
         text = "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
         if self.notes:
             text += "\n\n" + "\n".join(f"- {n}" for n in self.notes)
+        if self.startup_notes:
+            text += "\n\n**Start-up**\n\n" + "\n".join(f"- {n}" for n in self.startup_notes)
         return text
 
 

@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -260,6 +261,36 @@ def test_the_model_panel_names_the_4bit_kernel_of_the_fast_path() -> None:
     decoder = engine.fast_decoder
     assert decoder.options.prefill_graph_tokens == 128 and decoder._pf_ids is not None
     assert decoder._pf_ids.numel() == 128 and decoder.describe()["prefill_graphs"] == []
+
+
+def test_the_model_panel_lists_what_start_up_noted(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What start-up noted reaches the Model panel under "Start-up": the path's own notes (a re-sizing, a release)
+    and its decoders' (a kernel switched off, a compile fall-back), each once, after warm-up and again after a
+    re-plan; before, they reached only the benchmark records."""
+    import llm_core.engine.chat as chat_module
+
+    loaded = replace(fp32_engine.loaded)  # its own report: warm-up replaces it
+    engine = ChatEngine(loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="plain"))
+    assert engine.report.startup_notes == () and "**Start-up**" not in engine.report.as_markdown()
+    slots = SimpleNamespace(slots=8, slot_tokens=1744,
+                            notes=["batched CUDA graphs off (OutOfMemoryError)", "group prefill not warmed (X)"],
+                            fast=SimpleNamespace(notes=["prefill eager: compiling it failed (X)",
+                                                        "group prefill not warmed (X)"]))
+    sized = "Sizing the 8 KV slots from measured memory: 1,824 -> 1,744 tokens each…"
+
+    def warm(path: Any, *args: Any) -> Any:
+        return replace(path, notes=(sized,), fast_scheduler=SimpleNamespace(runner=SimpleNamespace(decoder=slots)))
+
+    monkeypatch.setattr(chat_module, "warm_decode_path", warm)
+    engine.warmup()
+    assert engine.report.startup_notes == (sized, "prefill eager: compiling it failed (X)",
+                                           "group prefill not warmed (X)", "batched CUDA graphs off (OutOfMemoryError)")
+    panel = engine.report.as_markdown()
+    assert panel.index("**Start-up**") < panel.index(f"- {sized}") < panel.index("- batched CUDA graphs off")
+    assert panel.count("group prefill not warmed") == 1
+    engine._replan(lambda builder: builder._note("KV cache re-planned after a reply: 512 -> 448 tokens"))
+    assert engine.report.startup_notes[:2] == (sized, "KV cache re-planned after a reply: 512 -> 448 tokens")
+    assert fp32_engine.report.startup_notes == ()  # the shared model's report untouched
 
 
 def test_prepare_tokenizes_each_message_list_once(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -210,11 +210,16 @@ class ChatEngine:
         self._adopt(warm_decode_path(self.path, self.loaded, self.settings, self.memory_budget, self.memory_facts,
                                      self._warm_reply, say))
         warmup_s = time.perf_counter() - t0
-        self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3),
-                                     decode_path=self.backend.name, decode_path_reason=self.backend.reason,
-                                     memory_plan=self.memory_plan)
+        self.loaded.report = replace(self.loaded.report, warmup_s=round(warmup_s, 3))
+        self._report_path()
         say(f"Ready ({warmup_s:.1f} s warm-up).")
         return warmup_s
+
+    def _report_path(self) -> None:
+        """The Model panel's view of the path serving now: after warm-up, and again after a re-plan."""
+        path = self.path
+        self.loaded.report = replace(self.loaded.report, decode_path=path.name, decode_path_reason=path.reason,
+                                     memory_plan=self.memory_plan, startup_notes=path.startup_notes)
 
     def _warm_reply(self, path: DecodePath) -> tuple[DecodePath, ModelMemoryFacts]:
         """warm_decode_path's reply: two greedy tokens on `path`, through the whole request path; the path and the
@@ -240,6 +245,7 @@ class ChatEngine:
         they are now; the path it leaves is swapped in whole."""
         with self._path_lock:
             self._adopt(replan(self.path, self.loaded, self.settings, self.memory_budget, self.memory_facts, step))
+            self._report_path()
 
     def _refit_fast_cache(self, max_new_tokens: int) -> None:
         """The one re-plan after start-up: the reserve learned from replies may ask for a smaller static cache

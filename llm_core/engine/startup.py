@@ -109,6 +109,17 @@ class DecodePath:
         """The llm_core.fast FastDecoder when the single-reply fast path serves, else None."""
         return self.backend.decoder if isinstance(self.backend, FastBackend) else None
 
+    @property
+    def startup_notes(self) -> tuple[str, ...]:
+        """What start-up noted, for the Model panel, each once and in order: the path's own notes (what it re-sized,
+        compacted or released) and its decoders' (the kernels chosen or switched off, a compile or CUDA-graph
+        fall-back), which would otherwise reach only the benchmark records."""
+        slots = self.fast_scheduler.runner.decoder if self.fast_scheduler is not None else None
+        found = list(self.notes)
+        for decoder in (self.fast_decoder, getattr(slots, "fast", None), slots):
+            found.extend(getattr(decoder, "notes", None) or ())
+        return tuple(dict.fromkeys(n for n in found if n))
+
     def serves_fast(self, kv_cache: str) -> bool:
         """Whether a reply with this KV cache mode runs on the fast path (its static cache is of that mode)."""
         return self.name in FAST_NAMES and kv_cache == self.fast_kv_cache
