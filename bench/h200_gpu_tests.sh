@@ -8,7 +8,7 @@
 # Left out: test_nf4_gemv and test_dense_gemv (kernels unchanged since their 2026-11-30 GPU pass; add them here).
 set -uo pipefail
 source bench/h200_env.sh || exit 1
-FILES=${GPU_TEST_FILES:-"test_paged_kv:60 test_kv_int4:100 test_int8_tables:100 test_nf4_mm:60 test_constrained_gpu:90 test_batched_fast:90 test_prefix_cache:60 test_fast_decode:150 test_cards:120"}
+FILES=${GPU_TEST_FILES:-"test_prefix_attention:40 test_paged_kv:60 test_kv_int4:100 test_int8_tables:100 test_nf4_mm:60 test_constrained_gpu:90 test_batched_fast:90 test_prefix_cache:60 test_fast_decode:150 test_cards:120"}
 for entry in $FILES; do
   name=${entry%%:*} limit=${entry##*:}
   timeout -s INT -k 15 "$limit" python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider "tests/$name.py" \

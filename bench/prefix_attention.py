@@ -5,6 +5,12 @@ query, 8 K/V heads), head_dim 128, bf16, timed in a CUDA graph; TFLOP/s count 4*
 causal part skipped). What a part can do, not a user's number: bench.multiturn gives the turn's TTFT.
 
     python -m bench.prefix_attention --out bench/results/<date>-h200-prefix-attention.json
+
+--paged times instead what a later chunk of the paged pool costs per layer, bf16 and int8 rows, chunks of 1,024 (the
+small-card default) and 3,000 new tokens: the engine's path today (SlotDecoder.prefill: the row's prefix gathered out
+of the pool into a temporary, dequantized and flash-attended PREFIX_HEADS K/V heads at a time) against the paged
+prefix attention kernel (llm_core.fast.kernels.prefix_attention, the pool read in place) at a few launch
+configurations, with the largest difference between the two outputs.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ CASES = [(3000, 0), (3000, 3000), (3000, 9000), (3000, 15000), (3000, 24000), (5
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--paged", action="store_true", help="the paged pool's forms (see above)")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
-    records = []
-    for model, (heads, kv_heads) in SHAPES.items():
+    records = paged_records(dev) if args.paged else []
+    for model, (heads, kv_heads) in SHAPES.items() if not args.paged else ():
         dim = 128
         for seq, start in CASES:
             spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True)
@@ -68,6 +75,89 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as fh:
         json.dump({"meta": meta, "records": records}, fh, indent=1)
     return 0
+
+
+PAGED_CASES = [(1024, 8000), (1024, 24000), (3000, 3000), (3000, 24000)]  # (new, cached)
+PAGED_LAUNCHES = [dict(block_m=64, block_n=64, num_warps=4), dict(block_m=128, block_n=64, num_warps=8),
+                  dict(block_m=128, block_n=32, num_warps=4), dict(block_m=64, block_n=32, num_warps=4, num_stages=2)]
+PAGE = 16  # the pool's block size (KV_BLOCK_TOKENS' default)
+
+
+def engine_prefix_attention(spec: layer.LayerSpec, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            table: torch.Tensor, start: int) -> torch.Tensor:
+    """What SlotDecoder.prefill and layer.layer_prefill do for a later chunk's attention over the paged pool: the
+    prefix gathered into a contiguous (end, Hkv, row) temporary, then per PREFIX_HEADS K/V heads dequantized (int8)
+    or made contiguous, and flash-attended with its causal mask bottom-right. q (1, Hq, S, D) -> (1, S, Hq * D)."""
+    from llm_core.fast.kernels.attention import gather_blocks
+    from llm_core.fast.kvquant import from_cache
+
+    seq = q.shape[2]
+    end = start + seq
+    cache = k_pool.new_empty(end, *k_pool.shape[2:]), v_pool.new_empty(end, *v_pool.shape[2:])
+    blocks = table[None, :-(-end // PAGE)]
+    for temp, pool in zip(cache, (k_pool, v_pool), strict=True):
+        temp[:] = gather_blocks(pool, blocks)[0, :end]  # the prefix (and, in the engine, the chunk's own rows)
+    groups = spec.n_heads // spec.n_kv_heads
+    parts = []
+    for first in range(0, spec.n_kv_heads, layer.PREFIX_HEADS):
+        last = min(first + layer.PREFIX_HEADS, spec.n_kv_heads)
+        keys = from_cache(cache[0][:end, first:last], q.dtype).transpose(0, 1)[None]
+        values = from_cache(cache[1][:end, first:last], q.dtype).transpose(0, 1)[None]
+        part = q[:, first * groups:last * groups]
+        if spec.prefix_flash:
+            parts.append(layer._prefix_flash_attention(spec, part, keys, values))
+        else:  # the masked form (CPU, fp32): as layer.layer_prefill
+            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+            parts.append(layer._prefill_attention(spec, part, keys, values, mask))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def paged_records(dev: torch.device) -> list[dict[str, object]]:
+    from llm_core.fast.kernels.prefix_attention import prefix_attention_paged
+    from llm_core.fast.kvquant import quantize_rows
+
+    records: list[dict[str, object]] = []
+    dim = 128
+    for model, (heads, kv_heads) in SHAPES.items():
+        spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True)
+        for rows in ("bf16", "int8"):
+            for seq, start in PAGED_CASES:
+                end = start + seq
+                blocks = -(-end // PAGE)
+                g = torch.Generator(device=dev).manual_seed(0)
+                k = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                v = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                if rows == "int8":
+                    k, v = quantize_rows(k), quantize_rows(v)
+                table = torch.randperm(blocks + 8, device=dev, generator=g)[:blocks].to(torch.int32)
+                q = torch.randn(seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                flops = 4 * seq * (start + (seq + 1) / 2) * heads * dim
+                rec: dict[str, object] = {"model": model, "rows": rows, "new_tokens": seq, "cached_tokens": start,
+                                          "page": PAGE}
+                forms = {"engine_gather_flash": partial(engine_prefix_attention, spec, q.transpose(0, 1)[None], k, v,
+                                                        table, start)}
+                for i, launch in enumerate(PAGED_LAUNCHES):
+                    forms[f"paged_kernel_{i}"] = partial(prefix_attention_paged, q, k, v, table, start, spec.scale,
+                                                         **launch)
+                outs = {}
+                for name, fn in forms.items():
+                    try:
+                        with layer._prefill_attention_scope("flash", dev):
+                            outs[name] = fn().reshape(seq, heads * dim).float()
+                            ms = time_in_cuda_graph(fn, dev, reps=3, replays=5, warmups=2) / 1000.0
+                        rec[f"{name}_ms"] = round(ms, 3)
+                        rec[f"{name}_tflops"] = round(flops / (ms / 1e3) / 1e12, 1)
+                    except Exception as exc:  # noqa: BLE001 - a form that cannot run is recorded as such
+                        rec[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                if "engine_gather_flash" in outs:
+                    ref = outs["engine_gather_flash"]
+                    rec["max_abs_diff"] = max((float((o - ref).abs().max()) for n, o in outs.items()
+                                               if n != "engine_gather_flash"), default=None)
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+                del k, v, q, table, outs
+                torch.cuda.empty_cache()
+    return records
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Make the Triton interpreter's bf16 arithmetic match the GPU's, for the CPU tests of Triton kernels.
 
 Triton's interpreter (3.9) holds bf16 as raw uint16: its `tl.dot` multiplies those raw bits as integers, and its
-fp32 -> bf16 cast truncates where the GPU rounds to nearest even. `exact_bf16(monkeypatch)` patches both, for one
+fp32 -> bf16 cast truncates where the GPU rounds to nearest even, and an integer -> bf16 cast keeps the integer's
+value as the result's bits. `exact_bf16(monkeypatch)` patches these, for one
 test: dot operands in bf16 are widened to fp32 (exact), the cast rounds as torch does (nearest even)."""
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ def exact_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             return ti.TensorHandle(_f32_to_bf16_bits(src.data), dst_type.scalar)
+        if src.dtype.scalar.is_int() and dst_type.scalar == tl.bfloat16:  # the interpreter keeps the integer as bits
+            return ti.TensorHandle(_f32_to_bf16_bits(src.data.astype(np.float32)), dst_type.scalar)
         return cast(self, src, dst_type)
 
     def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
