@@ -37,6 +37,7 @@ KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 # Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
+PREFIX_ATTENTIONS = ("gather", "paged")  # how a later prefill chunk of the paged pool reads its prefix
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
@@ -458,6 +459,11 @@ class MemorySettings:
         "batched fast path: slots = each of MAX_BATCH_SIZE rows a fixed share of the KV memory; paged = one pool of "
         "blocks a row takes as it grows (a lone reply may use all of it; full blocks of finished replies stay "
         "cached for the next prompt with that prefix, with PREFIX_CACHE)")
+    # a later prefill chunk on the paged pool: gather its prefix into a temporary (default) or read the pool in place
+    prefix_attention: str = setting("PREFIX_ATTENTION", "gather", _parse_choice(PREFIX_ATTENTIONS),
+        "KV_LAYOUT=paged, a prompt chunk after cached tokens: gather = copy the prefix out of the pool and "
+        "flash-attend it; paged = a Triton kernel reads the pool in place (no copy; experimental: not yet timed "
+        "on a GPU)")
 
 
 @dataclass(frozen=True)

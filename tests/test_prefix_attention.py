@@ -8,14 +8,19 @@ gathered rows (llm_core.fast.layer); the kernel compiles for sm_90 (bf16 and int
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
 
+from llm_core.engine.chat import ChatEngine
 from llm_core.errors import GenerationError
 from llm_core.fast import kvquant
+from llm_core.fast.batched import SlotDecoder
 from llm_core.fast.kernels.attention import gather_blocks
 from llm_core.fast.layer import LayerSpec, _prefill_attention
+from llm_core.history import Turn
+from tests.conftest import drain, make_settings
 
 try:
     from llm_core.fast.kernels import prefix_attention as pa
@@ -186,3 +191,104 @@ def test_gpu_prefix_attention_equals_the_reference(rows: str) -> None:
     for launch in PAGED_LAUNCHES:
         got = pa.prefix_attention_paged(q, k, v, table, start, 128 ** -0.5, **launch)  # type: ignore[union-attr]
         assert _rel(got, want) <= 2e-2, launch
+
+
+# --- wired in: PREFIX_ATTENTION=paged on the batched path's paged pool (CPU: the op's torch form) -------------------
+
+
+def _engine(fp32_engine: ChatEngine, mode: str, kv_cache: str) -> ChatEngine:
+    return ChatEngine(fp32_engine.loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32",
+                                                        DECODE_PATH="fast", MAX_BATCH_SIZE="2", KV_LAYOUT="paged",
+                                                        KV_CACHE=kv_cache, PREFIX_ATTENTION=mode))
+
+
+@pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
+def test_later_chunks_read_in_place_equal_the_gathered_prefix(fp32_engine: ChatEngine, kv_cache: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 100-token prompt prefilled in three chunks (0-40, 40-75, 75-100) into shuffled blocks: with
+    PREFIX_ATTENTION=paged the chunks after the first never gather the prefix (layer_prefill_paged reads the pool),
+    and each chunk's last hidden state and every K/V row written equal the gather path's (fp32 rows; int8 rows as
+    the values they hold, within a code step's rounding)."""
+    engines = {mode: _engine(fp32_engine, mode, kv_cache) for mode in ("gather", "paged")}
+    try:
+        results = {}
+        for mode, engine in engines.items():
+            rows = SlotDecoder(engine.backend.decoder, slots=2, slot_tokens=128, layout="paged")
+            assert rows.reads_pool_in_place == (mode == "paged")
+            rows.allocate()
+            blocks = [11, 3, 7, 0, 9, 5, 14]
+            rows.set_blocks(0, blocks)
+            if mode == "paged":
+                def first_chunk_only(pool: Any, slot: int, start: int, end: int, gathered: Any = rows._gathered) -> Any:
+                    if start:
+                        pytest.fail("a later chunk gathered its prefix")
+                    return gathered(pool, slot, start, end)
+
+                monkeypatch.setattr(rows, "_gathered", first_chunk_only)
+            ids = (torch.arange(100) * 13 + 7) % engine.backend.decoder._arch.vocab
+            hidden = [rows.prefill(0, ids[a:b], a) for a, b in ((0, 40), (40, 75), (75, 100))]
+            keys = kvquant.from_cache(rows.k[:, blocks], torch.float32)
+            values = kvquant.from_cache(rows.v[:, blocks], torch.float32)
+            results[mode] = hidden, keys, values
+        # fp32 rows: the same values up to summation order. int8 rows: the attention differs by ~2e-7 as in fp32
+        # (measured at layer 0), but a later layer's K/V row rounds that difference to a whole code step now and then
+        # (2^(1/8)/254 of the row's largest value), so its values differ by ~3e-3 of their norm
+        bound = 1e-5 if kv_cache == "bf16" else 1e-2
+        for got, want in zip(results["paged"][0], results["gather"][0], strict=True):
+            assert _rel(got, want) <= bound
+        for got, want in zip(results["paged"][1:], results["gather"][1:], strict=True):
+            assert _rel(got, want) <= bound
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def test_a_chat_turn_after_a_cached_prefix_is_the_same_reply_read_in_place(fp32_engine: ChatEngine) -> None:
+    """Through ChatEngine (what the app runs), PREFIX_ATTENTION=paged: a second turn's prompt comes from the pool
+    but its last tokens (cached_prompt_tokens > 0), and both turns' greedy replies equal the default engine's."""
+    replies = {}
+    for mode in ("gather", "paged"):
+        engine = _engine(fp32_engine, mode, "bf16")
+        try:
+            gen = engine.request_options(max_new_tokens=8, repetition_penalty=1.0)
+            first = drain(engine.stream_chat("Name three rivers of Europe and one fact about each.", [], gen=gen))
+            history = [Turn("Name three rivers of Europe and one fact about each.", first.text)]
+            second = drain(engine.stream_chat("Which of them is the longest?", history, gen=gen))
+            assert second.stats.cached_prompt_tokens > 0, mode
+            replies[mode] = first.token_ids, second.token_ids
+        finally:
+            engine.close()
+    assert replies["paged"] == replies["gather"]
+
+
+def test_the_in_place_chunk_compiles_once_for_every_start_and_length(fp32_engine: ChatEngine,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """layer_prefill_paged compiled (as the CUDA fast path compiles its prefill; Inductor on CPU here): two later
+    chunks at different starts and lengths (what start-up's _warm_prefill runs) leave start and length symbolic, so a
+    third chunk of another start and length runs without compiling inside a reply; each equals the eager chunk."""
+    engine = _engine(fp32_engine, "paged", "bf16")
+    try:
+        decoder = engine.backend.decoder
+        ids = (torch.arange(120) * 13 + 7) % decoder._arch.vocab
+        chunks = ((0, 30), (30, 61), (61, 89), (89, 120))
+
+        def run(compiled: bool) -> list[torch.Tensor]:
+            rows = SlotDecoder(decoder, slots=2, slot_tokens=128, layout="paged")
+            rows.allocate()
+            rows.set_blocks(0, [6, 2, 9, 4, 11, 0, 13, 1])
+            if compiled:
+                rows.compile = True
+                rows._make_prefix_functions()
+                assert rows._prefix_fns[0] is not rows._prefix_eager_fns[0]
+                monkeypatch.setattr(decoder, "_prefill_compiled_ok", True)  # prefill() takes the compiled layers
+            out = [rows.prefill(0, ids[a:b], a) for a, b in chunks[:3]]
+            with torch._dynamo.config.patch(error_on_recompile=compiled):
+                out.append(rows.prefill(0, ids[chunks[3][0]:chunks[3][1]], chunks[3][0]))
+            return out
+
+        eager = run(False)
+        torch._dynamo.reset()
+        for got, want in zip(run(True), eager, strict=True):
+            assert _rel(got, want) <= 1e-4
+    finally:
+        engine.close()

@@ -342,7 +342,8 @@ class PathBuilder:
         self.prefill_graph_tokens = self.resolve_prefill_graph_tokens()
         options = fast.FastDecodeOptions(prefill_graph_tokens=self.prefill_graph_tokens,
                                          prefill_chunk_tokens=self.prefill_chunk_tokens,
-                                         kv_cache=self.fast_kv_cache)
+                                         kv_cache=self.fast_kv_cache,
+                                         prefix_attention=self.settings.memory.prefix_attention)
         plain_facts = self.facts
         try:
             cache_tokens = self.fast_cache_tokens()

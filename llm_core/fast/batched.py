@@ -45,6 +45,7 @@ from .layer import (
     _project_qkv,
     _split_linears,
     embed_prologue,
+    layer_prefill_paged,
     layer_prefill_rows,
     rms_norm,
     rotate_half,
@@ -224,6 +225,10 @@ class SlotDecoder(SlotWarmup):
         self.release_all()
         self._make_functions(compiled=False)
         self._make_rows_functions(compiled=False)
+        self._prefix_eager_fns: list[Callable[..., Any]] = []
+        self._prefix_fns: list[Callable[..., Any]] = []  # layer_prefill_paged (PREFIX_ATTENTION=paged)
+        if self.reads_pool_in_place:
+            self._make_prefix_functions()
 
     # --- memory ----------------------------------------------------------------------------------------------------
     def kv_bytes_per_token(self) -> int:
@@ -466,6 +471,8 @@ class SlotDecoder(SlotWarmup):
         with _prefill_attention_scope(f.options.prefill_attention, self.device):
             end = start + ids.numel()
             dest = self._pool_places(slot, start, end) if self.paged else None
+            if dest is not None and start and self.reads_pool_in_place:
+                return self._prefill_in_place(slot, h, hn, cos, sin, start, dest, compiled)
             for i, (fn, w) in enumerate(zip(fns, f._layer_weights, strict=True)):
                 if dest is not None:  # paged: the same prefill layer over the row's positions gathered in order
                     kc, vc = self._gathered(self.k[i], slot, start, end), self._gathered(self.v[i], slot, start, end)
@@ -481,6 +488,48 @@ class SlotDecoder(SlotWarmup):
                     write_paged_rows(self.k[i], dest, kc[start:end])
                     write_paged_rows(self.v[i], dest, vc[start:end])
         return hn[0, -1:].clone()
+
+    @property
+    def reads_pool_in_place(self) -> bool:
+        """Whether a later chunk of a paged row attends to its prefix in the pool itself (PREFIX_ATTENTION=paged,
+        layer_prefill_paged) instead of a gathered copy; int4 rows always take the copy."""
+        return self.paged and self.fast.options.prefix_attention == "paged" and self.fast.options.kv_cache != "int4"
+
+    def _prefill_in_place(self, slot: int, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          start: int, dest: tuple[torch.Tensor, torch.Tensor], compiled: bool) -> torch.Tensor:
+        """prefill's later chunk of a paged row through layer_prefill_paged: the chunk's K/V written into the pool,
+        its attention read from there through the row's block table (one copy of the table row per chunk: a view of
+        a different row per slot would be another input to the compiled layer)."""
+        f = self.fast
+        assert self.k is not None and self.v is not None
+        fns = self._prefix_fns if compiled else self._prefix_eager_fns
+        table = self.table[slot].clone()
+        if compiled:
+            for t in (h, hn, cos, sin):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+            for t in dest:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        for i, (fn, w) in enumerate(zip(fns, f._layer_weights, strict=True)):
+            h, hn = fn(h, hn, cos, sin, start, self.k[i], self.v[i], dest, table, w)
+        return hn[0, -1:].clone()
+
+    def _make_prefix_functions(self) -> None:
+        """layer_prefill_paged per distinct layer spec, eager and (lazily) compiled where the prefill compiles."""
+        f = self.fast
+
+        def bind(spec: LayerSpec) -> Callable[..., Any]:
+            def layer(h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                      k_pool: torch.Tensor, v_pool: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor],
+                      table: torch.Tensor, w: list[torch.Tensor]) -> Any:
+                return layer_prefill_paged(spec, h, hn, cos, sin, start, k_pool, v_pool, dest, table, w)
+            return layer
+
+        eager: dict[int, Callable[..., Any]] = {}
+        self._prefix_eager_fns = [eager.setdefault(id(spec), bind(spec)) for spec in f._layer_specs]
+        self._prefix_fns = self._prefix_eager_fns
+        if self.compile and f.options.compile_prefill:
+            compiled: dict[int, Callable[..., Any]] = {}
+            self._prefix_fns = [compiled.setdefault(id(fn), f._compile(fn)) for fn in self._prefix_eager_fns]
 
     def _gathered(self, pool: torch.Tensor, slot: int, start: int, end: int) -> torch.Tensor:
         """Paged prefill: a contiguous (end, Hkv, row) copy of row `slot`'s positions (rows before start read from

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import prefill_gemm as _prefill_gemm  # noqa: F401 - registers torch.ops.llm_core.nf4_prefill
+from .kernels import prefix_attention as _prefix_attention  # noqa: F401 - registers ...prefix_attention_paged
 from .kvquant import from_cache, is_quantized, to_cache
 from .pack import LinSpec, absmax_2d, bias_of, code_of
 from .tables import embed_rows
@@ -292,6 +293,25 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
         parts.append(_prefix_flash_attention(spec, q_part, keys, values) if spec.prefix_flash
                      else _prefill_attention(spec, q_part, keys, values, mask))
     return _prefill_out(spec, h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), lins, used)
+
+
+def layer_prefill_paged(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        start: int, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                        dest: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor, w: Sequence[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_prefill for a chunk of one sequence in the paged pool, read in place (PREFIX_ATTENTION=paged): h, hn
+    (1, S, H) at positions start..start+S-1; k/v_pool (num_blocks, block_size, Hkv, row) this layer's pool; dest =
+    (blocks, offsets) where the chunk's positions live (write_paged_rows); table (max_blocks,) int32 the sequence's
+    block table. The chunk's K/V rows go into the pool first, then its queries attend to every position up to their
+    own through the table (torch.ops.llm_core.prefix_attention_paged): no gathered or dequantized copy of the prefix.
+    bf16/fp32 and int8 rows (int4 rows take layer_prefill over the gathered prefix)."""
+    lins = _split_linears(spec, w)
+    seq = h.shape[1]
+    q, k, v, used = _prefill_qkv(spec, hn, cos, sin, lins)
+    write_paged_rows(k_pool, dest, to_cache(k[0].transpose(0, 1), k_pool))
+    write_paged_rows(v_pool, dest, to_cache(v[0].transpose(0, 1), v_pool))
+    attn = torch.ops.llm_core.prefix_attention_paged(q[0].transpose(0, 1), k_pool, v_pool, table, start, spec.scale)
+    return _prefill_out(spec, h, attn.reshape(1, seq, spec.n_heads * spec.head_dim), lins, used)
 
 
 def write_paged_rows(pool: torch.Tensor, dest: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:

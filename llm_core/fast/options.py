@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import DEFAULT_PREFILL_GRAPH_TOKENS
+from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, PREFIX_ATTENTIONS
 from ..errors import GenerationError
 from .kernels.attention import triton
 from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
@@ -61,6 +61,10 @@ class FastDecodeOptions:
     # The prefill's NF4 matmul: auto (time llm_core.nf4_gemm against dequantize + matmul per chunk size at start-up,
     # CUDA only: llm_core.fast.prefill_gemm) | off (dequantize + matmul, as bitsandbytes does)
     prefill_gemm: str = "auto"
+    # A later prefill chunk of the batched path's paged pool: gather (copy the row's prefix out of its blocks, then
+    # dequantize and flash-attend it PREFIX_HEADS K/V heads at a time) | paged (read the pool in place:
+    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather). Opt-in until timed on a GPU.
+    prefix_attention: str = "gather"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
@@ -75,6 +79,8 @@ class FastDecodeOptions:
         if self.kv_cache == "int4" and (head_dim < 32 or head_dim & (head_dim - 1)):
             raise GenerationError(f"KV_CACHE=int4 needs a head_dim that is a power of two of at least 32 (its "
                                   f"Hadamard rotation and groups of 32), not {head_dim}; use KV_CACHE=int8.")
+        if self.prefix_attention not in PREFIX_ATTENTIONS:
+            raise GenerationError(f"Unknown prefix attention {self.prefix_attention!r}; choose gather or paged.")
         if self.prefill_gemm not in ("auto", "off"):
             raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
         if self.absmax not in ABSMAX_MODES:

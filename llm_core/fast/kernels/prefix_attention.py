@@ -9,9 +9,10 @@ third, and runs flash attention over 8 K/V heads at a time (layer.PREFIX_HEADS, 
 cards). At a 1,024-token chunk (the small-card default) that is 64 programs a call on a 132-SM card: half of it idle,
 and the copies repeat for every chunk. This kernel reads the pool in place, no temporary, every head in one launch.
 
-NOT YET WIRED INTO THE ENGINE: it is developed on CPU (Triton's interpreter, tests/test_prefix_attention.py) and
-timed against the engine's gather + flash path by `python -m bench.prefix_attention` on a GPU; the prefill switches
-to it once that timing says it is faster (docs/prefix_cache.md).
+Opt-in until timed: PREFIX_ATTENTION=paged routes the batched path's later prefill chunks through it (the custom op
+torch.ops.llm_core.prefix_attention_paged, whose CPU form is the torch reference below); the default stays the
+gather + flash path until `python -m bench.prefix_attention --paged` and bench.multiturn on a GPU say it is faster
+(docs/prefix_cache.md). Developed on CPU under Triton's interpreter (tests/test_prefix_attention.py).
 
 Program (query block m, query head hq): BLOCK_M queries of head hq, the K/V head hq // G, online softmax (exp2) over
 key blocks of BLOCK_N up to the block's last query position; the causal mask is applied per block.
@@ -19,6 +20,7 @@ key blocks of BLOCK_N up to the block's last query position; the causal mask is 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -142,4 +144,20 @@ def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scores = torch.einsum("shd,thd->hst", q.float(), keys) * scale
     seen = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
     probs = torch.softmax(scores.masked_fill(~seen.to(scores.device), float("-inf")), dim=-1)
-    return torch.einsum("hst,thd->shd", probs, values).to(q.dtype)
+    return torch.einsum("hst,thd->shd", probs, values).to(q.dtype).contiguous()
+
+
+@torch.library.custom_op("llm_core::prefix_attention_paged", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor table, SymInt start, float scale) -> Tensor")
+def _prefix_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, start: int,
+                               scale: float) -> torch.Tensor:
+    """The paged prefill's later-chunk attention (llm_core.fast.layer.layer_prefill_paged): the Triton kernel on CUDA
+    (and under Triton's interpreter), the torch reference elsewhere."""
+    if triton is not None and (q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return prefix_attention_paged(q, k, v, table, start, scale)
+    return prefix_attention_reference(q, k, v, table, start, scale)
+
+
+@_prefix_attention_paged_op.register_fake
+def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    return q.new_empty(q.shape)  # contiguous, as both forms return it (q itself may be a transposed view)
