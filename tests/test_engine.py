@@ -269,6 +269,7 @@ def test_the_model_panel_lists_what_start_up_noted(fp32_engine: ChatEngine, monk
     re-plan; before, they reached only the benchmark records."""
     import llm_core.engine.chat as chat_module
 
+    shared = fp32_engine.report
     loaded = replace(fp32_engine.loaded)  # its own report: warm-up replaces it
     engine = ChatEngine(loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="plain"))
     assert engine.report.startup_notes == () and "**Start-up**" not in engine.report.as_markdown()
@@ -290,7 +291,7 @@ def test_the_model_panel_lists_what_start_up_noted(fp32_engine: ChatEngine, monk
     assert panel.count("group prefill not warmed") == 1
     engine._replan(lambda builder: builder._note("KV cache re-planned after a reply: 512 -> 448 tokens"))
     assert engine.report.startup_notes[:2] == (sized, "KV cache re-planned after a reply: 512 -> 448 tokens")
-    assert fp32_engine.report.startup_notes == ()  # the shared model's report untouched
+    assert fp32_engine.report is shared  # the shared model's report untouched
 
 
 def test_prepare_tokenizes_each_message_list_once(fp32_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
