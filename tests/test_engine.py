@@ -270,7 +270,8 @@ def test_the_model_panel_lists_what_start_up_noted(fp32_engine: ChatEngine, monk
     import llm_core.engine.chat as chat_module
 
     shared = fp32_engine.report
-    loaded = replace(fp32_engine.loaded)  # its own report: warm-up replaces it
+    # its own report, without notes earlier tests' warm-ups on the shared model left in it (warm-up replaces it)
+    loaded = replace(fp32_engine.loaded, report=replace(shared, startup_notes=()))
     engine = ChatEngine(loaded, make_settings(QUANTIZATION="none", COMPUTE_DTYPE="float32", DECODE_PATH="plain"))
     assert engine.report.startup_notes == () and "**Start-up**" not in engine.report.as_markdown()
     slots = SimpleNamespace(slots=8, slot_tokens=1744,
