@@ -85,31 +85,19 @@ PAGE = 16  # the pool's block size (KV_BLOCK_TOKENS' default)
 
 def engine_prefix_attention(spec: layer.LayerSpec, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                             table: torch.Tensor, start: int) -> torch.Tensor:
-    """What SlotDecoder.prefill and layer.layer_prefill do for a later chunk's attention over the paged pool: the
-    prefix gathered into a contiguous (end, Hkv, row) temporary, then per PREFIX_HEADS K/V heads dequantized (int8)
-    or made contiguous, and flash-attended with its causal mask bottom-right. q (1, Hq, S, D) -> (1, S, Hq * D)."""
+    """What SlotDecoder.prefill does for a later chunk's attention over the paged pool: the row's positions gathered
+    into a contiguous (end, Hkv, row) temporary, then layer.prefix_attention_over_cache (dequantized or made
+    contiguous and flash-attended PREFIX_HEADS K/V heads at a time). q (1, Hq, S, D) -> (1, S, Hq * D)."""
     from llm_core.fast.kernels.attention import gather_blocks
-    from llm_core.fast.kvquant import from_cache
 
-    seq = q.shape[2]
-    end = start + seq
-    cache = k_pool.new_empty(end, *k_pool.shape[2:]), v_pool.new_empty(end, *v_pool.shape[2:])
+    end = start + q.shape[2]
     blocks = table[None, :-(-end // PAGE)]
-    for temp, pool in zip(cache, (k_pool, v_pool), strict=True):
-        temp[:] = gather_blocks(pool, blocks)[0, :end]  # the prefix (and, in the engine, the chunk's own rows)
-    groups = spec.n_heads // spec.n_kv_heads
-    parts = []
-    for first in range(0, spec.n_kv_heads, layer.PREFIX_HEADS):
-        last = min(first + layer.PREFIX_HEADS, spec.n_kv_heads)
-        keys = from_cache(cache[0][:end, first:last], q.dtype).transpose(0, 1)[None]
-        values = from_cache(cache[1][:end, first:last], q.dtype).transpose(0, 1)[None]
-        part = q[:, first * groups:last * groups]
-        if spec.prefix_flash:
-            parts.append(layer._prefix_flash_attention(spec, part, keys, values))
-        else:  # the masked form (CPU, fp32): as layer.layer_prefill
-            mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
-            parts.append(layer._prefill_attention(spec, part, keys, values, mask))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    cache = []
+    for pool in (k_pool, v_pool):  # as SlotDecoder._gathered: a gather, then a copy into the layer's temporary
+        temp = pool.new_empty(end, *pool.shape[2:])
+        temp[:] = gather_blocks(pool, blocks)[0, :end]
+        cache.append(temp)
+    return layer.prefix_attention_over_cache(spec, q, cache[0], cache[1], start)
 
 
 def paged_records(dev: torch.device) -> list[dict[str, object]]:

@@ -276,13 +276,20 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
     v_cache[start:start + seq].copy_(to_cache(v[0].transpose(0, 1), v_cache))
     if start == 0:
         return _prefill_out(spec, h, _prefill_attention(spec, q, k, v, None), lins, used)
-    # a later chunk attends to everything cached so far (bottom-right aligned causal mask), PREFIX_HEADS K/V heads
-    # at a time: the cached prefix is read back as a bf16 temporary (dequantized, or made contiguous), and for a
-    # model with 32 K/V heads (Llama-2-7B) at 9.5k tokens that is 156 MB at once, part of the peak the start-up
-    # measures and the KV cache pays for; a quarter of it per group. Softmax is per head: the same values.
-    end = start + seq
+    return _prefill_out(spec, h, prefix_attention_over_cache(spec, q, k_cache, v_cache, start), lins, used)
+
+
+def prefix_attention_over_cache(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                start: int) -> torch.Tensor:
+    """A later chunk's attention (layer_prefill): q (1, H, S, D) at positions start..start+S-1 over k/v_cache
+    (L, Hkv, row) rows 0..start+S-1 (the chunk's own written) -> (1, S, H * D). The chunk attends to everything
+    cached so far (bottom-right aligned causal mask), PREFIX_HEADS K/V heads at a time: the cached prefix is read back
+    as a bf16 temporary (dequantized, or made contiguous), and for a model with 32 K/V heads (Llama-2-7B) at 9.5k
+    tokens that is 156 MB at once, part of the peak the start-up measures and the KV cache pays for; a quarter of it
+    per group. Softmax is per head: the same values."""
+    end = start + q.shape[2]
     mask = None if spec.prefix_flash else (
-        torch.arange(end, device=h.device)[None, :] <= torch.arange(start, end, device=h.device)[:, None])
+        torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None])
     groups = spec.n_heads // spec.n_kv_heads
     parts = []
     for first in range(0, spec.n_kv_heads, PREFIX_HEADS):
@@ -292,7 +299,7 @@ def layer_prefill(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch
         q_part = q[:, first * groups:last * groups]
         parts.append(_prefix_flash_attention(spec, q_part, keys, values) if spec.prefix_flash
                      else _prefill_attention(spec, q_part, keys, values, mask))
-    return _prefill_out(spec, h, parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1), lins, used)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def layer_prefill_paged(spec: LayerSpec, h: torch.Tensor, hn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

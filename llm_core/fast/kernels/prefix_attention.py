@@ -134,8 +134,9 @@ def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     dequantized), each K/V head repeated for its query heads, causal softmax with query i at position start + i."""
     seq, hq, dim = q.shape
     end = start + seq
-    keys = gather_blocks(k, table[None])[0, :end]
-    values = gather_blocks(v, table[None])[0, :end]
+    blocks = table[None, :-(-end // k.shape[1])]  # the blocks holding positions 0..end-1, not the whole table
+    keys = gather_blocks(k, blocks)[0, :end]
+    values = gather_blocks(v, blocks)[0, :end]
     if is_quantized(keys):
         keys, values = dequantize_rows(keys, torch.float32), dequantize_rows(values, torch.float32)
     groups = hq // keys.shape[1]
