@@ -102,7 +102,7 @@ class Bench:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "device": torch.cuda.get_device_name(0) if self.device.type == "cuda" else "cpu",
             "model": f"{args.arch}-shape-random", "quantization": args.quantization,
-            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+            "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "settings": args.settings,
         }
         try:
             import bitsandbytes as bnb
@@ -117,7 +117,7 @@ class Bench:
         a = self.args
         environ = {"MODEL_ID": str(self.ckpt), "QUANTIZATION": a.quantization, "DEVICE": self.device.type,
                    "DECODE_PATH": "fast", "MAX_BATCH_SIZE": str(max(a.chats)), "MAX_NEW_TOKENS": str(a.new_tokens),
-                   "STREAM_TIMEOUT_S": "300", "SESSION_MAX_WAITING": "1", "KV_LAYOUT": a.kv_layout}
+                   "STREAM_TIMEOUT_S": "300", "SESSION_MAX_WAITING": "1", "KV_LAYOUT": a.kv_layout, **a.settings}
         if a.smoke:
             environ["COMPUTE_DTYPE"] = "float32"
         t = time.perf_counter()
@@ -378,7 +378,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)
+    args.settings = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            parser.error(f"--set takes NAME=VALUE, not {item!r}")
+        args.settings[name] = value
     smoke = args.smoke
     if smoke:
         args.arch = "tiny"

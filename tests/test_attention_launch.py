@@ -172,7 +172,7 @@ def test_int8_rows_stay_copied_in_words_at_other_launches(launch: AttentionLaunc
                  "stride_l": "i32", "stride_h": "i32", "stride_t": "i32", "B": "i32"}
     strides = dict(zip(("stride_b", "stride_l", "stride_h"), rows.stride()[:3], strict=True)) | {"stride_t": 64}
     constexprs = dict(HKV=32, G=1, GP=16, D=128, BLOCK_L=launch.block_l, IEEE=False, INT8=True, INT4=False,
-                      GROUP4=16, PAGE=16, ALIGN=attention.row_alignment(rows))
+                      GROUP4=16, PAGE=16, ALIGN=attention.row_alignment(rows), PDL=False)
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
     attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in strides.items() if v % 16 == 0})

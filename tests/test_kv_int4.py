@@ -165,7 +165,8 @@ def test_int4_kernel_compiles_for_hopper_and_copies_its_rows_in_vectors() -> Non
     signature = {"q_ptr": "*bf16", "k_ptr": "*u8", "v_ptr": "*u8", "pos_ptr": "*i64", "o_ptr": "*fp32",
                  "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32", "stride_b": "i32",
                  "stride_l": "i32", "stride_h": "i32", "B": "i32"}
-    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16, ALIGN=16)
+    constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=False, INT4=True, GROUP4=16, ALIGN=16,
+                      PDL=False)
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a, t in signature.items() if t.startswith("*") or a.startswith("stride")}  # 80-byte rows x 8 heads

@@ -234,11 +234,9 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
     assert err <= max(2 * their_err, 5e-3), (err, their_err)
 
 
-@pytest.mark.gpu
-@needs_kernel
-def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) -> None:
-    """The decode step built on llm_core.nf4_gemv against the same step on bitsandbytes' kernel, teacher-forced
-    (a random tiny llama, no download): scores agree within bf16 noise."""
+def tiny_nf4_forced_case(tmp_path: Any) -> tuple[Any, torch.Tensor, list[int]]:
+    """A random tiny llama in NF4 on CUDA (no download), a 200-token prompt and 16 tokens to force after it: what the
+    decode-step comparisons teacher-force through FastDecoder (bench.probes.forced_scores)."""
     from bench.decode import load
     from bench.harness import make_random_checkpoint
 
@@ -246,6 +244,15 @@ def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) ->
     loaded = load(str(folder), "nf4", "cuda", tmp_path / "cache", "bfloat16")
     ids = torch.randint(3, 500, (1, 200), generator=torch.Generator().manual_seed(0)).cuda()
     forced = torch.randint(3, 500, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    return loaded, ids, forced
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_fast_path_with_the_kernel_matches_the_bnb_kernel_step(tmp_path: Any) -> None:
+    """The decode step built on llm_core.nf4_gemv against the same step on bitsandbytes' kernel, teacher-forced
+    (a random tiny llama, no download): scores agree within bf16 noise."""
+    loaded, ids, forced = tiny_nf4_forced_case(tmp_path)
     scores = {}
     for gemv in ("bnb", "nf4"):
         decoder = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv=gemv))

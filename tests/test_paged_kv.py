@@ -140,7 +140,7 @@ def test_paged_kernel_compiles_for_hopper(rows: str, page: int) -> None:
                  "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32",
                  "stride_b": "i32", "stride_l": "i32", "stride_h": "i32", "stride_t": "i32", "B": "i32"}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=rows == "int8", INT4=rows == "int4",
-                      GROUP4=16, PAGE=page, ALIGN={"bf16": 16, "int8": 4, "int4": 16}[rows])
+                      GROUP4=16, PAGE=page, ALIGN={"bf16": 16, "int8": 4, "int4": 16}[rows], PDL=False)
     signature.update({name: "constexpr" for name in constexprs})
     attention.triton.compile(ASTSource(fn=attention._attn_paged_split_kernel, signature=signature,
                                        constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
@@ -171,7 +171,7 @@ def test_int8_rows_of_head_dim_plus_4_bytes_are_copied_in_words(paged: bool) -> 
                  "stride_h": "i32", **({"stride_t": "i32"} if paged else {}), "B": "i32"}
     strides = dict(zip(("stride_b", "stride_l", "stride_h"), rows.stride()[:3], strict=True)) | {"stride_t": 64}
     constexprs = dict(HKV=8, G=4, GP=16, D=128, BLOCK_L=64, IEEE=False, INT8=True, INT4=False, GROUP4=16,
-                      **({"PAGE": 16} if paged else {}), ALIGN=align)
+                      **({"PAGE": 16} if paged else {}), ALIGN=align, PDL=False)
     fn = attention._attn_paged_split_kernel if paged else attention._attn_rows_split_kernel
     names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}

@@ -343,7 +343,8 @@ class PathBuilder:
         options = fast.FastDecodeOptions(prefill_graph_tokens=self.prefill_graph_tokens,
                                          prefill_chunk_tokens=self.prefill_chunk_tokens,
                                          kv_cache=self.fast_kv_cache,
-                                         prefix_attention=self.settings.memory.prefix_attention)
+                                         prefix_attention=self.settings.memory.prefix_attention,
+                                         launch_overlap=self.settings.model.launch_overlap)
         plain_facts = self.facts
         try:
             cache_tokens = self.fast_cache_tokens()

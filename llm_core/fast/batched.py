@@ -87,9 +87,9 @@ def attention_rows(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     rows = q.shape[0]
     if spec.attention == "triton":
         if table is not None:
-            out = torch.ops.llm_core.decode_attention_paged(q, k_cache, v_cache, table, pos, spec.scale)
+            out = torch.ops.llm_core.decode_attention_paged(q, k_cache, v_cache, table, pos, spec.scale, spec.pdl)
         else:
-            out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale)
+            out = torch.ops.llm_core.decode_attention_rows(q, k_cache, v_cache, pos, spec.scale, spec.pdl)
         return out.reshape(rows, spec.n_heads * spec.head_dim)
     if table is not None:
         k_cache, v_cache = gather_blocks(k_cache, table), gather_blocks(v_cache, table)

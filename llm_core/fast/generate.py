@@ -26,6 +26,7 @@ from . import kvquant, prefill_gemm
 from .compiled import own_code
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
+from .kernels.pdl import compile_options
 from .layer import (
     HeadSpec,
     LayerSpec,
@@ -226,6 +227,7 @@ class FastDecoder(DecoderWarmup):
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
+        pdl = opts.launch_overlap == "on"  # resolved: on only where pdl_support said yes
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
@@ -242,7 +244,7 @@ class FastDecoder(DecoderWarmup):
                 qk_eps = float(_eps(attn.q_norm))
             spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash)
+                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash, pdl)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)
@@ -250,6 +252,8 @@ class FastDecoder(DecoderWarmup):
         self._lm_tensors = lm.tensors
         self._embed = table_tensors(a.embed)  # [weight], or [int8 rows, row scales] (llm_core.fast.tables)
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
+        if pdl:
+            notes.add("decode kernels launched as programmatic dependent launches (LAUNCH_OVERLAP)")
         self.notes = sorted(notes)
         self._make_functions()
 
@@ -294,7 +298,10 @@ class FastDecoder(DecoderWarmup):
         backend = self.options.compile_backend
         if backend == "inductor":
             # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
-            return torch.compile(fn, fullgraph=True, options={"assert_indirect_indexing": False})
+            # LAUNCH_OVERLAP: inductor's kernels wait for and release their neighbours as ours do (kernels.pdl).
+            options = {"assert_indirect_indexing": False,
+                       **compile_options(self.options.launch_overlap == "on")}
+            return torch.compile(fn, fullgraph=True, options=options)
         return torch.compile(fn, fullgraph=True, backend=backend)
 
     def device_tensors(self) -> list[torch.Tensor]:

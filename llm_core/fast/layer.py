@@ -57,9 +57,9 @@ def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) ->
     if spec.gemv == "nf4":  # llm_core.nf4_gemv: NF4 table in registers, nested absmax read in place
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
-                                               spec.blocksize, False, list(spec.levels))
+                                               spec.blocksize, False, list(spec.levels), spec.pdl)
         return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
-                                           spec.blocksize, True, list(spec.levels))
+                                           spec.blocksize, True, list(spec.levels), spec.pdl)
     return nf4_matvec_torch(x, ts[0], absmax_2d(spec, ts), code_of(spec, ts), bias_of(spec, ts))
 
 
@@ -162,6 +162,8 @@ class LayerSpec:
     # sm80+, half precision, head_dim a multiple of 8 up to 256; prefix_flash_ok). Else SDPA with an explicit mask,
     # which flash attention refuses: memory-efficient attention reading an (S, T) bias instead.
     prefix_flash: bool = False
+    # the decode attention kernel launched as a programmatic dependent launch (llm_core.fast.kernels.pdl)
+    pdl: bool = False
 
 
 def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -219,7 +221,7 @@ def decode_attention(spec: LayerSpec, q: torch.Tensor, k_cache: torch.Tensor, v_
     Compiled form: broadcast products and reductions in fp32 (no repeat_kv copy, no fp32 copy of the cache) that
     inductor fuses into a few kernels. Eager form (CPU): the same math as two batched matmuls."""
     if spec.attention == "triton":  # reads bf16 or int8 rows (dequantized in registers)
-        out = torch.ops.llm_core.decode_attention(q, k_cache, v_cache, pos, spec.scale)
+        out = torch.ops.llm_core.decode_attention(q, k_cache, v_cache, pos, spec.scale, spec.pdl)
         return out.reshape(1, spec.n_heads * spec.head_dim)
     if is_quantized(k_cache):  # the torch forms: int8 rows dequantized first (the Triton kernel's reference)
         k_cache, v_cache = from_cache(k_cache, q.dtype), from_cache(v_cache, q.dtype)

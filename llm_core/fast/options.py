@@ -7,11 +7,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, PREFIX_ATTENTIONS
+from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, LAUNCH_OVERLAPS, PREFIX_ATTENTIONS
 from ..errors import GenerationError
 from .kernels.attention import triton
 from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
+from .kernels.pdl import pdl_support
 
 GEMV_KERNELS = ("bnb", "nf4", "torch")
 DENSE_GEMV_KERNELS = ("cublas", "triton")
@@ -63,8 +64,13 @@ class FastDecodeOptions:
     prefill_gemm: str = "auto"
     # A later prefill chunk of the batched path's paged pool: gather (copy the row's prefix out of its blocks, then
     # dequantize and flash-attend it PREFIX_HEADS K/V heads at a time) | paged (read the pool in place:
-    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather). Opt-in until timed on a GPU.
+    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather). Opt-in: it was slower than gather for int8
+    # rows on an H100 (2026-12-06, docs/prefix_cache.md).
     prefix_attention: str = "gather"
+    # Programmatic dependent launch (CUDA sm_90+, llm_core.fast.kernels.pdl): each kernel of the compiled decode
+    # step (ours and inductor's) starts while the one before it finishes and waits on the device where it reads that
+    # one's output. auto = on where the GPU and the Triton/PyTorch installed can (resolved to "on" or "off") | off.
+    launch_overlap: str = "auto"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
         if self.gemv not in ("auto", *GEMV_KERNELS):
@@ -83,6 +89,8 @@ class FastDecodeOptions:
             raise GenerationError(f"Unknown prefix attention {self.prefix_attention!r}; choose gather or paged.")
         if self.prefill_gemm not in ("auto", "off"):
             raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
+        if self.launch_overlap not in (*LAUNCH_OVERLAPS, "on"):
+            raise GenerationError(f"Unknown launch overlap {self.launch_overlap!r}; choose auto or off.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
@@ -100,7 +108,8 @@ class FastDecodeOptions:
             attention = "triton" if triton_ok and pow2 else "torch"
         if attention == "triton" and not (triton_ok and pow2):
             attention = "torch"
-        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense)
+        overlap = "on" if self.launch_overlap in ("auto", "on") and pdl_support(device)[0] else "off"
+        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap)
 
 
 def _triton_interpreter() -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,9 @@ class LinSpec:
     # nf4: prompt chunks up to this many rows prefilled by llm_core.nf4_gemm, longer ones (and 0: all) by
     # dequantize + matmul (the start-up pick: llm_core.fast.prefill_gemm)
     prefill_gemm_max: int = 0
+    # its decode kernel (llm_core.nf4_gemv, nf4_mm) launched as a programmatic dependent launch (FastDecodeOptions.
+    # launch_overlap; llm_core.fast.kernels.pdl)
+    pdl: bool = False
 
 
 @dataclass
@@ -97,7 +100,15 @@ def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
 
 def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> PackedLinear:
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
-    the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales."""
+    the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales. Its
+    decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on"."""
+    packed = _pack_linears(modules, opts, gemv)
+    if opts.launch_overlap == "on":
+        packed.spec = replace(packed.spec, pdl=True)
+    return packed
+
+
+def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> PackedLinear:
     splits = tuple(int(m.out_features) for m in modules)
     if any(is_int8_table(m) for m in modules):  # the int8 lm_head: its table's tensors, read in place
         if len(modules) != 1:

@@ -19,6 +19,8 @@ try:  # the decode attention kernel needs Triton (shipped with CUDA builds of Py
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from .pdl import pdl_meta, release_dependents, wait_for_inputs  # noqa: E402 - after the optional Triton import
+
 if triton is not None:
 
     @triton.jit
@@ -90,8 +92,9 @@ if triton is not None:
 
     @triton.jit
     def _attn_combine_kernel(o_ptr, m_ptr, l_ptr, out_ptr, nsplit, HQ: tl.constexpr, D: tl.constexpr,
-                             SP: tl.constexpr):
+                             SP: tl.constexpr, PDL: tl.constexpr = False):
         """Flash-decoding, step 2: merge the splits of one query head (log-sum-exp weights)."""
+        wait_for_inputs(PDL)
         r = tl.program_id(0)
         sp = tl.arange(0, SP)
         smask = sp < nsplit
@@ -100,6 +103,7 @@ if triton is not None:
         w = tl.exp(m - tl.max(m, axis=0))
         d = tl.arange(0, D)
         o = tl.load(o_ptr + (sp[:, None] * HQ + r) * D + d[None, :], mask=smask[:, None], other=0.0)
+        release_dependents(PDL)
         out = tl.sum(o * w[:, None], axis=0) / tl.sum(lsum * w, axis=0)
         tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
@@ -107,7 +111,8 @@ if triton is not None:
     def _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, h, sp, length, o_ptr, m_ptr, l_ptr, scale, stride_b,
                     stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                     D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                    INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr):
+                    INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr,
+                    PDL: tl.constexpr):
         """Flash-decoding, step 1, for program (row b, kv head h, split s): row b's G query heads over its cache
         rows [s*chunk, min((s+1)*chunk, length)); writes unnormalized output, running max and sum. chunk is row b's
         own: its length over the grid's splits, in whole BLOCK_L steps, so every split of a short row works too (a
@@ -120,7 +125,9 @@ if triton is not None:
         the scales onto each row's score (K) and weight (V), not onto every element. INT4: rows of
         rotated values (kvquant.quantize_rows4): the query is rotated first and the output rotated back. ALIGN: the
         elements every row start is a multiple of (the strides' common power of two, at most 16), told to the compiler:
-        a stride it was not told divides by 16 (an int8 row of D + 4 bytes) otherwise loads a byte at a time."""
+        a stride it was not told divides by 16 (an int8 row of D + 4 bytes) otherwise loads a byte at a time.
+        PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl); the kernels calling this wait
+        before reading pos."""
         hq = HKV * G
         gi = tl.arange(0, GP)
         d = tl.arange(0, D)
@@ -177,6 +184,7 @@ if triton is not None:
                 pv = tl.dot(pw.to(v.dtype), v)
             acc = acc * alpha[:, None] + pv
             m_i = m_new
+        release_dependents(PDL)
         if INT4:
             acc = _hadamard(acc, D, IEEE)
         row = (sp * B + b) * hq + h * G + gi  # partials laid out (split, row, query head)
@@ -188,34 +196,40 @@ if triton is not None:
     def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b, stride_l,
                                 stride_h, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                                 BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                                INT4: tl.constexpr, GROUP4: tl.constexpr, ALIGN: tl.constexpr):
+                                INT4: tl.constexpr, GROUP4: tl.constexpr, ALIGN: tl.constexpr,
+                                PDL: tl.constexpr = False):
         """Step 1 over each row's own cache slot (B, L, Hkv, row) up to pos[b] (_attn_split); rows after pos are
         never read, whatever the captured bucket length. One decode (the single-row path) is this with B = 1."""
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, k_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr, l_ptr,
                     scale, stride_b, stride_l, stride_h, 0, B, HKV, G, GP, D, BLOCK_L, IEEE, INT8, INT4,
-                    GROUP4, 0, ALIGN)
+                    GROUP4, 0, ALIGN, PDL)
 
     @triton.jit
     def _attn_paged_split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, scale, stride_b,
                                  stride_l, stride_h, stride_t, B, HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                                  D: tl.constexpr, BLOCK_L: tl.constexpr, IEEE: tl.constexpr, INT8: tl.constexpr,
-                                 INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr):
+                                 INT4: tl.constexpr, GROUP4: tl.constexpr, PAGE: tl.constexpr, ALIGN: tl.constexpr,
+                                 PDL: tl.constexpr = False):
         """Step 1 over a pool of blocks (num_blocks, PAGE, Hkv, row), row b's positions 0..pos[b] through its block
         table (B, max_blocks) int32 (_attn_split)."""
+        wait_for_inputs(PDL)
         b = tl.program_id(0)
         length = tl.load(pos_ptr + b).to(tl.int32) + 1
         _attn_split(q_ptr, k_ptr, v_ptr, table_ptr, b, tl.program_id(1), tl.program_id(2), length, o_ptr, m_ptr,
                     l_ptr, scale, stride_b, stride_l, stride_h, stride_t, B, HKV, G, GP, D, BLOCK_L, IEEE,
-                    INT8, INT4, GROUP4, PAGE, ALIGN)
+                    INT8, INT4, GROUP4, PAGE, ALIGN, PDL)
 
     def _attend_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, scale: float,
-                     table: torch.Tensor | None = None, launch: AttentionLaunch | None = None) -> torch.Tensor:
+                     table: torch.Tensor | None = None, launch: AttentionLaunch | None = None,
+                     pdl: bool = False) -> torch.Tensor:
         """q (B, Hq, D); pos (B,) int64 -> (B, Hq, D). table None: k/v (B, T, Hkv, row), each row's own cache slot;
         else k/v (num_blocks, block_size, Hkv, row), a pool read through table (B, max_blocks) int32. launch: the
         split kernel's launch (AttentionLaunch); None takes attention_launch's for the row format and row count
-        (what the custom ops do; bench/attention_rows.py --sweep passes others)."""
+        (what the custom ops do; bench/attention_rows.py --sweep passes others). pdl: every launch a programmatic
+        dependent launch (sm_90+, llm_core.fast.kernels.pdl)."""
         _, page, hkv, dim = k.shape
         rows = q.shape[0]
         length = page if table is None else table.shape[1] * page  # the split plan is fixed per captured shape
@@ -234,7 +248,7 @@ if triton is not None:
         shapes: dict[str, Any] = dict(
             HKV=hkv, G=groups, GP=max(16, triton.next_power_of_2(groups)), D=dim, BLOCK_L=launch.block_l,
             IEEE=q.dtype == torch.float32, INT8=k.dtype == torch.int8, INT4=k.dtype == torch.uint8, GROUP4=INT4_GROUP,
-            ALIGN=row_alignment(k), num_warps=launch.num_warps)
+            ALIGN=row_alignment(k), num_warps=launch.num_warps, **pdl_meta(pdl))
         if launch.num_stages is not None:  # None: Triton's default (3 for CUDA in Triton 3.9)
             shapes["num_stages"] = launch.num_stages
         if table is None:
@@ -250,34 +264,36 @@ if triton is not None:
                 table.stride(0), rows, **shapes, PAGE=page)
         out = torch.empty(rows * hq, dim, dtype=q.dtype, device=q.device)
         _attn_combine_kernel[(rows * hq,)](o, m, lsum, out, nsplit, HQ=rows * hq, D=dim,
-                                           SP=triton.next_power_of_2(nsplit))
+                                           SP=triton.next_power_of_2(nsplit), **pdl_meta(pdl))
         return out.view(rows, hq, dim)
 
     @torch.library.custom_op("llm_core::decode_attention_paged", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor table, Tensor pos, float scale) -> Tensor")
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor table, Tensor pos, float scale, "
+                                    "bool pdl=False) -> Tensor")
     def _decode_attention_paged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor,
-                                   pos: torch.Tensor, scale: float) -> torch.Tensor:
+                                   pos: torch.Tensor, scale: float, pdl: bool = False) -> torch.Tensor:
         """The paged batched fast path's attention: q (B, Hq, D); k/v (num_blocks, block_size, Hkv, row); table
-        (B, max_blocks) int32; pos (B,) -> (B, Hq, D)."""
-        return _attend_rows(q, k, v, pos, scale, table)
+        (B, max_blocks) int32; pos (B,) -> (B, Hq, D). pdl: programmatic dependent launches."""
+        return _attend_rows(q, k, v, pos, scale, table, pdl=pdl)
 
     @_decode_attention_paged_op.register_fake
     def _(q: torch.Tensor, *args: Any) -> torch.Tensor:
         return torch.empty_like(q)
 
     @torch.library.custom_op("llm_core::decode_attention_rows", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale, bool pdl=False) -> Tensor")
     def _decode_attention_rows_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+                                  scale: float, pdl: bool = False) -> torch.Tensor:
         """The batched fast path's attention: q (B, Hq, D); k/v (B, T, Hkv, row); pos (B,) -> (B, Hq, D)."""
-        return _attend_rows(q, k, v, pos, scale)
+        return _attend_rows(q, k, v, pos, scale, pdl=pdl)
 
     @torch.library.custom_op("llm_core::decode_attention", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale) -> Tensor")
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor pos, float scale, bool pdl=False) -> Tensor")
     def _decode_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+                             scale: float, pdl: bool = False) -> torch.Tensor:
         """One decode: q (Hq, D); k/v (T, Hkv, row); pos (1,) int64 -> (Hq, D), as one row of the batched form."""
-        return _attend_rows(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), pos.reshape(1), scale).view(q.shape)
+        return _attend_rows(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), pos.reshape(1), scale,
+                            pdl=pdl).view(q.shape)
 
     @_decode_attention_op.register_fake
     def _(q: torch.Tensor, *args: Any) -> torch.Tensor:

@@ -34,6 +34,8 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs have no such
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from .pdl import pdl_meta, release_dependents, wait_for_inputs  # noqa: E402 - after the optional Triton import
+
 AVAILABLE = triton is not None
 AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
 
@@ -124,11 +126,13 @@ if triton is not None:
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_B: tl.constexpr):
+                         BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
-        XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads."""
+        XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
+        PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl)."""
+        wait_for_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         bi = tl.arange(0, BLOCK_B)
@@ -165,6 +169,7 @@ if triton is not None:
             else:
                 scale = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
             acc += dot * scale
+        release_dependents(PDL)
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
@@ -188,11 +193,13 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-             math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None) -> torch.Tensor:
+             math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning; `math` see dot8_asm;
-    `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm)."""
+    `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
+    launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl)."""
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
@@ -210,7 +217,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
                              absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": _asm_for(tuple(float(v) for v in code), math),
-             "XVEC": bool(xvec)}
+             "XVEC": bool(xvec), **pdl_meta(pdl)}
     if config is not None:
         bn, bb, warps = config
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)
@@ -231,7 +238,7 @@ def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, a
 
 
 _OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-              "Tensor? bias, int blocksize, bool nested, float[] code) -> Tensor")
+              "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False) -> Tensor")
 
 
 def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callable[[torch.Tensor], int]) -> Any:
@@ -241,9 +248,9 @@ def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callab
     @torch.library.custom_op(f"llm_core::{name}", mutates_args=(), schema=_OP_SCHEMA)
     def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
            offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None, blocksize: int, nested: bool,
-           code: Sequence[float]) -> torch.Tensor:
+           code: Sequence[float], pdl: bool = False) -> torch.Tensor:
         words, scales = _op_operands(packed, absmax, q8, absmax2, offsets, code2, nested)
-        return kernel(x, words, blocksize, code, bias=bias, **scales)
+        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, **scales)
 
     @op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -379,9 +386,13 @@ def rows_shapes(x: torch.Tensor, words: torch.Tensor, absmax: torch.Tensor | Non
 def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
+             pdl: bool = False) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= ROWS_MAX -> (M, N) bf16 = x @ dequantize(W).T, each weight read once for all rows.
-    Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning."""
+    Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning. The engine serves
+    rows with llm_core.nf4_mm; this older kernel stays for bench/small_m.py and has no PDL form."""
+    if pdl:
+        raise ValueError("the older NF4 rows kernel has no PDL form; llm_core.nf4_mm has")
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     wpb = blocksize // 8
     if blocksize % 8 or wpb & (wpb - 1) or kw % wpb or kw * 8 != k:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .nf4_gemv import rows_shapes, triton, unpack8_asm
+from .pdl import pdl_meta, release_dependents, wait_for_inputs
 
 if triton is not None:
     import triton.language as tl
@@ -178,13 +179,16 @@ if triton is not None:
                        DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                        EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
-                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False):
+                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
         (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
         XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale. TILE_M (nf4_gemm, SPLIT 1): program (m tile,
         n tile) over MP rows of x from m tile * MP; the m tiles of one weight tile are launched side by side, so the
-        weight tile is read from memory once and from the L2 for the others."""
+        weight tile is read from memory once and from the L2 for the others. PDL: a programmatic dependent launch
+        (llm_core.fast.kernels.pdl)."""
+        wait_for_inputs(PDL)
         if TILE_M:
             rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             rmask = rows < N
@@ -232,6 +236,7 @@ if triton is not None:
                 acc += tl.dot(xt, tl.trans(wv))
             else:
                 acc += tl.sum(xt.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :], axis=2)
+        release_dependents(PDL)
         omask = mmask[:, None] & rmask[None, :]
         if SPLIT == 1:
             if HAS_BIAS:
@@ -242,8 +247,9 @@ if triton is not None:
 
     @triton.jit
     def _sum_splits(p_ptr, bias_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """y (M, N) bf16 = sum over s of p[s] (SPLIT, M, N) fp32, in split order, + bias."""
+        wait_for_inputs(PDL)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = i < MN
         acc = tl.load(p_ptr + i, mask=mask, other=0.0)
@@ -251,6 +257,7 @@ if triton is not None:
             acc += tl.load(p_ptr + s * MN + i, mask=mask, other=0.0)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+        release_dependents(PDL)
         tl.store(y_ptr + i, acc.to(tl.bfloat16), mask=mask)
 
 
@@ -303,16 +310,17 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
                            levels: Sequence[float] | None, nested: bool, has_bias: bool = False,
-                           arch: int = 90, divisibility: bool = True, tile_m: int = 0) -> Any:
+                           arch: int = 90, divisibility: bool = True, tile_m: int = 0, pdl: bool = False) -> Any:
     """Compile (not run) the kernel for sm_`arch` on any machine, with the argument types nf4_mm passes (with
     double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums) and the
     16-divisibility Triton's launcher specializes on (torch's buffers are 16-byte aligned; N, K, K/8, K/blocksize
     where they divide; divisibility=False: none, as the first SASS counts in docs/fast_decode.md were taken). For
-    the compile test and bench/nf4_mm_sass.py."""
+    the compile test and bench/nf4_mm_sass.py. pdl: the programmatic-dependent-launch form (kernels.pdl)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias, tile_m)
+    meta["PDL"] = pdl
     out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
     ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
@@ -332,12 +340,14 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
            absmax: torch.Tensor | None = None,
            nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            bias: torch.Tensor | None = None, config: MMConfig | None = None, decode: str = "gather",
-           levels: Sequence[float] | None = None, compiled: list[Any] | None = None) -> torch.Tensor:
+           levels: Sequence[float] | None = None, compiled: list[Any] | None = None, pdl: bool = False
+           ) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= MM_MAX -> (M, N) bf16 = x @ dequantize(W).T (+ bias). `words` (N, K/8) int32 from
     nf4_gemv.words_view(); `code` the 16 NF4 levels as an fp32 tensor on x's device (what "gather" reads); absmax
     fp32 (N * K / blocksize) or nested = (q8, absmax2, offset per 256-block, code2); `levels` the same 16 levels as
     host floats (what "asm" builds its register table from; a tensor there would sync); `config` the launch
-    (default_config when None); `compiled` (diagnostics) receives the compiled kernel."""
+    (default_config when None); `compiled` (diagnostics) receives the compiled kernel; `pdl`: both launches as
+    programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl)."""
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
         raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
@@ -358,13 +368,15 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     q8, absmax2, offsets, code2 = nested if nested is not None else (out, out, out, out)
     kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
-        bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
+        bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta,
+        **pdl_meta(pdl))
     if compiled is not None:
         compiled.append(kernel)
     if split > 1:
         block = 1024
         _sum_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, SPLIT=split,
-                                                  HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+                                                  HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                  **pdl_meta(pdl))
     return y
 
 
@@ -454,12 +466,12 @@ if triton is not None:
     @torch.library.custom_op(
         "llm_core::nf4_mm", mutates_args=(),
         schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-               "Tensor code, Tensor? bias, int blocksize, bool nested, float[] levels, str decode, int[] config) "
-               "-> Tensor")
+               "Tensor code, Tensor? bias, int blocksize, bool nested, float[] levels, str decode, int[] config, "
+               "bool pdl=False) -> Tensor")
     def _nf4_mm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
                    absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, code: torch.Tensor,
                    bias: torch.Tensor | None, blocksize: int, nested: bool, levels: Sequence[float], decode: str,
-                   config: Sequence[int]) -> torch.Tensor:
+                   config: Sequence[int], pdl: bool = False) -> torch.Tensor:
         """The kernel as one opaque op for torch.compile and CUDA graphs; packed is bitsandbytes' (N, K/2);
         config = MMConfig.as_list() or empty for default_config."""
         from .nf4_gemv import words_view
@@ -470,8 +482,9 @@ if triton is not None:
         cfg = MMConfig.from_list(config) if config else None
         if nested:
             return nf4_mm(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias, config=cfg,
-                          decode=decode, levels=levels)
-        return nf4_mm(x, words, blocksize, code, absmax=absmax, bias=bias, config=cfg, decode=decode, levels=levels)
+                          decode=decode, levels=levels, pdl=pdl)
+        return nf4_mm(x, words, blocksize, code, absmax=absmax, bias=bias, config=cfg, decode=decode, levels=levels,
+                      pdl=pdl)
 
     @_nf4_mm_op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
