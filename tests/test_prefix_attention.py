@@ -32,16 +32,19 @@ HAS_TRITON = pa is not None and pa.triton is not None
 needs_interpreter = pytest.mark.skipif(not INTERPRETED or not HAS_TRITON,
                                        reason="runs in its own process with TRITON_INTERPRET=1 (see below)")
 HEAD_DIM, KV_HEADS, GROUPS = 32, 2, 2
-# (row format, page, start, new tokens): a first chunk, one starting mid-block, one past several blocks; S < a tile
-KERNEL_CASES = [("fp32", 16, 0, 37), ("fp32", 32, 21, 30), ("fp32", 64, 70, 9), ("bf16", 16, 35, 29),
-                ("int8", 16, 40, 25), ("int8-bf16", 32, 0, 40)]
+# (row format, page, start, new tokens, query heads per K/V head): a first chunk, one starting mid-block, one past
+# several blocks; S < a tile; groups of 1, 2, 3 (not a power of two: padded rows) and 4
+KERNEL_CASES = [("fp32", 16, 0, 37, 2), ("fp32", 32, 21, 30, 2), ("fp32", 64, 70, 9, 2), ("bf16", 16, 35, 29, 2),
+                ("int8", 16, 40, 25, 2), ("int8-bf16", 32, 0, 40, 2), ("fp32", 16, 50, 23, 3), ("fp32", 32, 33, 17, 1),
+                ("int8", 16, 67, 30, 4)]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def prefix_case(fmt: str, page: int, start: int, seq: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def prefix_case(fmt: str, page: int, start: int, seq: int, seed: int = 0, groups: int = GROUPS
+                ) -> tuple[torch.Tensor, ...]:
     """q (seq, Hq, D); a pool (num_blocks, page, Hkv, row) in the format whose blocks hold the sequence's positions
     0..start+seq-1 in shuffled order (its table's unused entries and the last block's positions past the chunk hold
     1e4: any read of them would dominate the output); the table (max_blocks,) int32."""
@@ -50,7 +53,7 @@ def prefix_case(fmt: str, page: int, start: int, seq: int, seed: int = 0) -> tup
     used = -(-end // page)
     num_blocks = used + 6
     dtype = torch.bfloat16 if fmt in ("bf16", "int8-bf16") else torch.float32
-    q = torch.randn(seq, KV_HEADS * GROUPS, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(seq, KV_HEADS * groups, HEAD_DIM, generator=g).to(dtype)
     k = torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, generator=g) * 2
     v = torch.randn(num_blocks, page, KV_HEADS, HEAD_DIM, generator=g)
     order = torch.randperm(num_blocks - 1, generator=g).tolist()
@@ -86,15 +89,16 @@ def test_the_reference_is_the_engines_masked_prefill_attention_over_the_gathered
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("fmt", "page", "start", "seq"), KERNEL_CASES)
-def test_interpreted_prefix_attention_equals_the_reference(fmt: str, page: int, start: int, seq: int,
+@pytest.mark.parametrize(("fmt", "page", "start", "seq", "groups"), KERNEL_CASES)
+def test_interpreted_prefix_attention_equals_the_reference(fmt: str, page: int, start: int, seq: int, groups: int,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernel over the shuffled pool = the torch reference (fp32 rows and int8 rows with an fp32 query: 1e-5; a
-    bf16 query: 2e-2, the decode kernel's bound), and no read past the chunk (those rows hold 1e4)."""
+    bf16 query: 2e-2, the decode kernel's bound), and no read past the chunk (those rows hold 1e4); 16 query rows a
+    program, so a group of 3 or 4 heads shares each program's key tiles among 4-5 queries."""
     from tests.triton_interp import exact_bf16
 
     exact_bf16(monkeypatch)
-    q, k, v, table = prefix_case(fmt, page, start, seq)
+    q, k, v, table = prefix_case(fmt, page, start, seq, groups=groups)
     scale = HEAD_DIM ** -0.5
     got = pa.prefix_attention_paged(q, k, v, table, start, scale, block_m=16, block_n=16)  # type: ignore[union-attr]
     want = pa.prefix_attention_reference(q.float(), k if kvquant.is_quantized(k) else k.float(),  # type: ignore
@@ -140,7 +144,7 @@ def test_prefix_attention_compiles_for_hopper(rows: str) -> None:
     signature = {"q_ptr": "*bf16", "k_ptr": cache, "v_ptr": cache, "table_ptr": "*i32", "out_ptr": "*bf16",
                  "start": "i32", "S": "i32", "scale_log2": "fp32", "stride_qs": "i32", "stride_qh": "i32",
                  "stride_os": "i32", "stride_oh": "i32", "stride_b": "i32", "stride_l": "i32", "stride_h": "i32"}
-    constexprs = dict(G=4, D=128, BLOCK_M=64, BLOCK_N=64, PAGE=16, IEEE=False, INT8=rows == "int8",
+    constexprs = dict(G=4, GP=4, D=128, BLOCK_M=64, BLOCK_N=64, PAGE=16, IEEE=False, INT8=rows == "int8",
                       ALIGN={"bf16": 16, "int8": 4}[rows])
     signature.update({name: "constexpr" for name in constexprs})
     compiled = pa.triton.compile(ASTSource(fn=pa._prefix_attention_kernel, signature=signature,  # type: ignore
