@@ -24,6 +24,7 @@ import torch
 from bench.decode import measure_copy_bandwidth
 from llm_core.fast.generate import time_in_cuda_graph
 from llm_core.fast.kernels import nf4_gemv
+from llm_core.fast.kernels.pdl import pdl_support
 from llm_core.fast.kernels.tuning import tuned_pick
 from llm_core.loading import library_versions
 
@@ -96,6 +97,9 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[int, int, int]] | 
     out["ours_fp32"] = [ours(c, False) for c in wt.copies]
     out["ours_nested_x4loads"] = [ours(c, True, xvec=False) for c in wt.copies]  # activation pairs one by one
     out["ours_nested_fp32math"] = [ours(c, True, math="fp32") for c in wt.copies]  # exact products, ~1.7x instr
+    if pdl_support(x.device)[0]:  # LAUNCH_OVERLAP: each call a programmatic dependent launch of the one before
+        out["ours_nested_pdl"] = [ours(c, True, pdl=True) for c in wt.copies]
+        out["ours_nested_pdl_early"] = [ours(c, True, pdl=True, early=True) for c in wt.copies]  # + L2 prefetch
     for cfg in configs or []:
         out[f"ours_nested_cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = [ours(c, True, config=cfg) for c in wt.copies]
     return out

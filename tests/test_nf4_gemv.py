@@ -206,8 +206,9 @@ def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
 @needs_kernel
 @pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 11008), (12288, 512)])
-@pytest.mark.parametrize("variant", [{}, {"xvec": False}, {"math": "fp32"}, {"config": (16, 8, 4)}],
-                         ids=["default", "x4loads", "fp32", "16x8w4"])
+@pytest.mark.parametrize("variant", [{}, {"xvec": False}, {"math": "fp32"}, {"config": (16, 8, 4)}, {"pdl": True},
+                                     {"pdl": True, "early": True}],
+                         ids=["default", "x4loads", "fp32", "16x8w4", "pdl", "pdl-early"])
 def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int], variant: dict[str, Any]) -> None:
     """As close to x @ dequantize_4bit(W).T (fp32) as bitsandbytes' own kernel is, over shapes whose rows and
     blocks are not multiples of the block shapes (masking), for each variant of the kernel."""

@@ -40,16 +40,26 @@ def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], war
 
 
 @needs_gdc
-@pytest.mark.parametrize("on", [True, False])
-def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool) -> None:
+@pytest.mark.parametrize(("on", "early"), [(True, False), (False, False), (True, True)])
+def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool) -> None:
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                  "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
-                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PDL=on)
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
         assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
+    # early: the first weight tile (8 rows x 64 words: 2 lines a row, one per thread) prefetched before the wait
+    assert ("prefetch.global.L2" in ptx) == early
+    if early:
+        assert ptx.rindex("prefetch.global.L2") < ptx.index(WAIT)
+
+
+def test_the_gemv_refuses_an_early_prefetch_without_a_pdl_wait() -> None:
+    with pytest.raises(ValueError, match="pdl=True"):
+        nf4_gemv.nf4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32), 64,
+                          _levels(), absmax=torch.ones(4), early=True)
 
 
 @needs_gdc

@@ -123,18 +123,31 @@ fma.rn.f32 acc, fv, fx, acc;
 if triton is not None:
 
     @triton.jit
+    def _prefetch_first_tile(w_ptr, rows, rmask, KW: tl.constexpr, WPB: tl.constexpr, BLOCK_B: tl.constexpr):
+        """prefetch.global.L2 of the first BLOCK_B * WPB words of each of `rows`: one per 128-byte line."""
+        LINES: tl.constexpr = (BLOCK_B * WPB + 31) // 32
+        first = tl.minimum(tl.arange(0, LINES) * 32, KW - 1)
+        ptrs = w_ptr + tl.where(rmask, rows, 0)[:, None] * KW + first[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_B: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_B: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
-        PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl)."""
-        wait_for_inputs(PDL)
+        PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl). EARLY (with PDL): before the
+        wait, the program's first weight tile is prefetched into the L2 (weights are never written during a step),
+        so its DRAM latency overlaps the kernel before this one."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
+        if EARLY:
+            _prefetch_first_tile(w_ptr, rows, rmask, KW, WPB, BLOCK_B)
+        wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
         wi = tl.arange(0, WPB)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
@@ -194,12 +207,15 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
              math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, early: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning; `math` see dot8_asm;
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
-    launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl)."""
+    launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
+    each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine does not use it yet)."""
+    if early and not pdl:
+        raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
@@ -217,7 +233,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
                              absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": _asm_for(tuple(float(v) for v in code), math),
-             "XVEC": bool(xvec), **pdl_meta(pdl)}
+             "XVEC": bool(xvec), **pdl_meta(pdl), **({"EARLY": True} if early else {})}
     if config is not None:
         bn, bb, warps = config
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)
