@@ -26,7 +26,7 @@ from . import kvquant, prefill_gemm
 from .compiled import own_code
 from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
-from .kernels.pdl import compile_options
+from .kernels.pdl import compile_options, pdl_support
 from .layer import (
     HeadSpec,
     LayerSpec,
@@ -110,7 +110,12 @@ class FastDecoder(DecoderWarmup):
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.use_graphs = self.compile and self.device.type == "cuda"
         self._arch = Arch.from_model(loaded.model)
-        self.options = (options or FastDecodeOptions()).resolved(self.device, self._arch.head_dim)
+        requested = options or FastDecodeOptions()
+        self.options = requested.resolved(self.device, self._arch.head_dim)
+        self._overlap_note = ""  # why LAUNCH_OVERLAP=auto stayed off on a GPU that has it (a driver, a Triton)
+        if (requested.launch_overlap == "auto" and self.options.launch_overlap == "off" and self.device.type == "cuda"
+                and torch.cuda.get_device_capability(self.device)[0] >= 9):
+            self._overlap_note = "launch overlap off: " + pdl_support(self.device)[1]
         self.reason = reason
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
@@ -254,6 +259,8 @@ class FastDecoder(DecoderWarmup):
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
         if pdl:
             notes.add("decode kernels launched as programmatic dependent launches (LAUNCH_OVERLAP)")
+        if self._overlap_note:
+            notes.add(self._overlap_note)
         self.notes = sorted(notes)
         self._make_functions()
 

@@ -49,7 +49,8 @@ def inductor_has_pdl() -> bool:
 
 
 def pdl_support(device: torch.device) -> tuple[bool, str]:
-    """(usable, why not): PDL needs CUDA sm_90+ and a Triton with grid dependency control."""
+    """(usable, why not): PDL needs CUDA sm_90+, a Triton with grid dependency control, and a driver that launches
+    and captures such kernels (probed: a tiny kernel launched with the attribute, eagerly and in a CUDA graph)."""
     if device.type != "cuda":
         return False, "PDL is a CUDA feature"
     if not triton_has_gdc():
@@ -57,6 +58,28 @@ def pdl_support(device: torch.device) -> tuple[bool, str]:
     major, _ = torch.cuda.get_device_capability(device)
     if major < 9:
         return False, f"PDL needs sm_90 or newer (this GPU is sm_{major}x)"
+    return _probe(device)
+
+
+def _probe(device: torch.device) -> tuple[bool, str]:
+    """Launch _probe_kernel (read, wait, add one) twice eagerly and twice inside a captured CUDA graph, then replay
+    the graph: the counter must read 4. An old driver refuses the launch attribute or its capture: say so."""
+    try:
+        with torch.cuda.device(device):
+            counter = torch.zeros(1, dtype=torch.int32, device=device)
+            for _ in range(2):
+                _probe_kernel[(1,)](counter, **pdl_meta(True))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(2):
+                    _probe_kernel[(1,)](counter, **pdl_meta(True))
+            graph.replay()
+            torch.cuda.synchronize(device)
+            got = int(counter.item())
+    except Exception as exc:  # noqa: BLE001 - any failure means: launch one kernel after the other
+        return False, f"a programmatic dependent launch failed here ({type(exc).__name__}: {str(exc)[:120]})"
+    if got != 4:
+        return False, f"a programmatic dependent launch gave a wrong count here ({got}, not 4)"
     return True, ""
 
 
@@ -87,6 +110,14 @@ if triton is not None and triton_has_gdc():
         this one's completion itself). Call once every input has been read."""
         if PDL:
             gdc_launch_dependents()
+
+    @triton.jit
+    def _probe_kernel(counter_ptr, PDL: tl.constexpr):
+        """pdl_support's probe: counter += 1, waiting for the kernel before as every PDL kernel does."""
+        wait_for_inputs(PDL)
+        value = tl.load(counter_ptr)
+        release_dependents(PDL)
+        tl.store(counter_ptr, value + 1)
 
 elif triton is None:  # no Triton: no kernel calls these
     wait_for_inputs = release_dependents = None
