@@ -185,6 +185,9 @@ def main() -> None:
                     help="re-time the best N configs with other stages / decodes / loop forms")
     ap.add_argument("--forms", default="all", help=f"loop forms of the swept grid: one of {FORMS} or flags "
                     f"joined by '+' ({'/'.join(FORM_FLAGS)}); --refine re-times the best with the others")
+    ap.add_argument("--overlap", action="store_true",
+                    help="only the launch rule, one launch after the other and as programmatic dependent launches "
+                         "(with and without the early weight prefetch): LAUNCH_OVERLAP per linear; no grid")
     args = ap.parse_args()
 
     import bitsandbytes as bnb
@@ -192,7 +195,7 @@ def main() -> None:
     import triton
 
     from llm_core.fast.kernels import nf4_gemv
-    from llm_core.fast.kernels.nf4_mm import MMConfig, nf4_mm
+    from llm_core.fast.kernels.nf4_mm import MMConfig, default_config, nf4_mm
 
     t_start = time.perf_counter()
     torch.manual_seed(0)
@@ -227,14 +230,19 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 - a variant that cannot run is recorded, not fatal
                 rec["errors"][name] = f"{type(exc).__name__}: {str(exc)[:200]}"
 
-        def ours(cfg: MMConfig, decode: str) -> Any:
+        def ours(cfg: MMConfig, decode: str, **launch: bool) -> Any:
             return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
-                                                decode=decode, levels=s.levels))
+                                                decode=decode, levels=s.levels, **launch))
 
-        for name, kw in variants(m, n, k, sms, args.forms):
+        if args.overlap:  # LAUNCH_OVERLAP per linear: the rule one launch after the other, then as PDL launches
+            rule = default_config(m, n, k, sms)
+            timed("ours-default:asm", ours(rule, "asm"))
+            timed("ours-default-pdl:asm", ours(rule, "asm", pdl=True))
+            timed("ours-default-pdl-early:asm", ours(rule, "asm", pdl=True, early=True))
+        for name, kw in [] if args.overlap else variants(m, n, k, sms, args.forms):
             timed(name, ours(kw["config"], kw["decode"]))
         ranked = sorted((v, key) for key, v in rec["us"].items() if key.startswith("ours:"))
-        for _, key in ranked[:args.refine]:
+        for _, key in ranked[:0 if args.overlap else args.refine]:
             cfg, _, forms = config_of(key)
             for stages in (2, 4):
                 staged = cfg.replace(stages=stages)

@@ -56,21 +56,26 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
         assert ptx.rindex("prefetch.global.L2") < ptx.index(WAIT)
 
 
-def test_the_gemv_refuses_an_early_prefetch_without_a_pdl_wait() -> None:
+def test_the_kernels_refuse_an_early_prefetch_without_a_pdl_wait() -> None:
+    x, words = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="pdl=True"):
-        nf4_gemv.nf4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32), 64,
-                          _levels(), absmax=torch.ones(4), early=True)
+        nf4_gemv.nf4_gemv(x, words, 64, _levels(), absmax=torch.ones(4), early=True)
+    with pytest.raises(ValueError, match="pdl=True"):
+        mm.nf4_mm(x, words, 64, torch.zeros(16), absmax=torch.ones(4), early=True)
 
 
 @needs_gdc
-@pytest.mark.parametrize("on", [True, False])
-def test_the_small_m_matmul_waits_and_releases_only_in_its_pdl_form(on: bool) -> None:
+@pytest.mark.parametrize(("on", "early"), [(True, False), (False, False), (True, True)])
+def test_the_small_m_matmul_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool) -> None:
     kernel = mm.compile_without_device(8, 4096, 4096, 64, mm.default_config(8, 4096, 4096), "asm", list(_levels()),
-                                       True, pdl=on)
+                                       True, pdl=on, early=early)
     ptx = kernel.asm["ptx"]
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:
         assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
+    assert ("prefetch.global.L2" in ptx) == early
+    if early:
+        assert ptx.rindex("prefetch.global.L2") < ptx.index(WAIT)
 
 
 @needs_gdc
@@ -145,3 +150,48 @@ def test_gpu_the_decode_step_with_the_overlap_gives_the_scores_it_gives_without(
         del decoder
     rel = ((scores["auto"] - scores["off"]).norm(dim=-1) / scores["off"].norm(dim=-1)).max().item()
     assert rel <= 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 8])
+def test_gpu_the_pdl_forms_compute_the_same_bits(m: int) -> None:
+    """The GEMV (m = 1) and nf4_mm (m = 8) at one launch configuration: plain, as PDL launches, and with the first
+    weight tile prefetched before the wait, in a CUDA graph of several calls in a row (where the launches overlap):
+    the same bits (only the launch and the waits differ)."""
+    import bitsandbytes.functional as bf
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90 or newer")
+    n, k = 4096, 4096
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed, qs = bf.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    nb2 = qs.state2.absmax.numel()
+    nested = (qs.absmax.view(-1), qs.state2.absmax.float(), qs.offset.float().reshape(()).repeat(nb2),
+              qs.state2.code.float())
+    levels = tuple(qs.code.float().tolist())
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for name, launch in {"plain": {}, "pdl": {"pdl": True}, "early": {"pdl": True, "early": True}}.items():
+        results: list[torch.Tensor] = []
+
+        def calls(launch: dict[str, bool] = launch, results: list[torch.Tensor] = results) -> None:
+            results.clear()
+            for _ in range(4):
+                if m == 1:
+                    results.append(nf4_gemv.nf4_gemv(x, words, 64, levels, nested=nested, config=(8, 8, 4), **launch))
+                else:
+                    results.append(mm.nf4_mm(x, words, 64, qs.code.float(), nested=nested, decode="asm",
+                                             levels=levels, **launch))
+
+        calls()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+        graph.replay()
+        torch.cuda.synchronize()
+        outs[name] = [r.clone() for r in results]  # while the graph (and its pool) is alive
+    for name in ("pdl", "early"):
+        assert all(torch.equal(a, b) for a, b in zip(outs[name], outs["plain"], strict=True)), name

@@ -170,6 +170,14 @@ if triton is not None:
         return wv
 
     @triton.jit
+    def _prefetch_first_tile(w_ptr, rows, rmask, KW, first_word, WORDS: tl.constexpr):
+        """prefetch.global.L2 of WORDS int32 words of each of `rows` from first_word: one per 128-byte line."""
+        LINES: tl.constexpr = (WORDS + 31) // 32
+        ptrs = w_ptr + tl.where(rmask, rows, 0)[:, None] * KW + (first_word + tl.arange(0, LINES) * 32)[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
     def _all_true(SIZE: tl.constexpr):
         return tl.full((SIZE,), 1, tl.int1)
 
@@ -180,15 +188,15 @@ if triton is not None:
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                        EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
                        SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
         (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
         XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale. TILE_M (nf4_gemm, SPLIT 1): program (m tile,
         n tile) over MP rows of x from m tile * MP; the m tiles of one weight tile are launched side by side, so the
         weight tile is read from memory once and from the L2 for the others. PDL: a programmatic dependent launch
-        (llm_core.fast.kernels.pdl)."""
-        wait_for_inputs(PDL)
+        (llm_core.fast.kernels.pdl); EARLY (with PDL): the program's first weight tile prefetched into the L2 before
+        the wait (weights are never written during a step)."""
         if TILE_M:
             rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
             rmask = rows < N
@@ -203,6 +211,9 @@ if triton is not None:
         per_split = tl.cdiv(K, SPLIT * BLOCK_K) * BLOCK_K
         k_lo = pid_k * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
+        if EARLY:
+            _prefetch_first_tile(w_ptr, rows, rmask, KW, k_lo // 8, BLOCK_K // 8)
+        wait_for_inputs(PDL)
         if XVEC:
             k_hi = tl.multiple_of(k_hi, 8)  # K and every split's start are multiples of BS >= 8 (the wrapper checks)
             xrows = tl.minimum(mi, M - 1)  # padding rows read row M - 1 again; their outputs are not stored
@@ -310,7 +321,8 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
                            levels: Sequence[float] | None, nested: bool, has_bias: bool = False,
-                           arch: int = 90, divisibility: bool = True, tile_m: int = 0, pdl: bool = False) -> Any:
+                           arch: int = 90, divisibility: bool = True, tile_m: int = 0, pdl: bool = False,
+                           early: bool = False) -> Any:
     """Compile (not run) the kernel for sm_`arch` on any machine, with the argument types nf4_mm passes (with
     double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums) and the
     16-divisibility Triton's launcher specializes on (torch's buffers are 16-byte aligned; N, K, K/8, K/blocksize
@@ -320,7 +332,7 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig
     from triton.compiler import ASTSource
 
     meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias, tile_m)
-    meta["PDL"] = pdl
+    meta["PDL"], meta["EARLY"] = pdl, early
     out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
     ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
@@ -340,14 +352,17 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
            absmax: torch.Tensor | None = None,
            nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            bias: torch.Tensor | None = None, config: MMConfig | None = None, decode: str = "gather",
-           levels: Sequence[float] | None = None, compiled: list[Any] | None = None, pdl: bool = False
-           ) -> torch.Tensor:
+           levels: Sequence[float] | None = None, compiled: list[Any] | None = None, pdl: bool = False,
+           early: bool = False) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= MM_MAX -> (M, N) bf16 = x @ dequantize(W).T (+ bias). `words` (N, K/8) int32 from
     nf4_gemv.words_view(); `code` the 16 NF4 levels as an fp32 tensor on x's device (what "gather" reads); absmax
     fp32 (N * K / blocksize) or nested = (q8, absmax2, offset per 256-block, code2); `levels` the same 16 levels as
     host floats (what "asm" builds its register table from; a tensor there would sync); `config` the launch
     (default_config when None); `compiled` (diagnostics) receives the compiled kernel; `pdl`: both launches as
-    programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl)."""
+    programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl): each program's first
+    weight tile prefetched before the wait (bench/small_m.py times it; the engine does not use it yet)."""
+    if early and not pdl:
+        raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
         raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
@@ -369,7 +384,7 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
         bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta,
-        **pdl_meta(pdl))
+        **pdl_meta(pdl), **({"EARLY": True} if early else {}))
     if compiled is not None:
         compiled.append(kernel)
     if split > 1:
