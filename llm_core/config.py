@@ -37,7 +37,7 @@ KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 # Older names still accepted (existing .env files): dynamic = bf16, quantized = int8
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
-LAUNCH_OVERLAPS = ("auto", "off")  # programmatic dependent launch of the fast path's decode kernels
+LAUNCH_OVERLAPS = ("auto", "early", "off")  # programmatic dependent launch of the fast path's decode kernels
 PREFIX_ATTENTIONS = ("gather", "paged")  # how a later prefill chunk of the paged pool reads its prefix
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
@@ -311,7 +311,9 @@ class ModelSettings:
     # fast path on CUDA sm_90+: programmatic dependent launch of the decode kernels (llm_core.fast.kernels.pdl)
     launch_overlap: str = setting("LAUNCH_OVERLAP", "auto", _parse_choice(LAUNCH_OVERLAPS),
         "fast path: each decode kernel launched while the one before it finishes (programmatic dependent launch, "
-        "CUDA sm_90+: H100/H200); auto = where the GPU, Triton and PyTorch can; off = one kernel after the other")
+        "CUDA sm_90+: H100/H200); auto = where the GPU, Triton and PyTorch can; early = auto, and each 4-bit matmul "
+        "prefetches its first weight tile before it waits (experimental, not yet timed); off = one kernel after the "
+        "other")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

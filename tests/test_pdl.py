@@ -102,6 +102,7 @@ def test_the_overlap_resolves_off_where_pdl_cannot_run() -> None:
     assert FastDecodeOptions().launch_overlap == "auto"
     assert FastDecodeOptions().resolved(cpu, 64).launch_overlap == "off"
     assert FastDecodeOptions(launch_overlap="off").resolved(cpu, 64).launch_overlap == "off"
+    assert FastDecodeOptions(launch_overlap="early").resolved(cpu, 64).launch_overlap == "off"
     with pytest.raises(GenerationError, match="launch overlap"):
         FastDecodeOptions(launch_overlap="sometimes").resolved(cpu, 64)
     assert pdl.compile_options(False) == {}
@@ -112,6 +113,7 @@ def test_the_overlap_resolves_off_where_pdl_cannot_run() -> None:
 def test_the_setting_reaches_the_model_settings() -> None:
     assert Settings.from_env(environ={}, env_file=None).model.launch_overlap == "auto"
     assert Settings.from_env(environ={"LAUNCH_OVERLAP": "off"}, env_file=None).model.launch_overlap == "off"
+    assert Settings.from_env(environ={"LAUNCH_OVERLAP": "early"}, env_file=None).model.launch_overlap == "early"
     with pytest.raises(SettingsError, match="LAUNCH_OVERLAP"):
         Settings.from_env(environ={"LAUNCH_OVERLAP": "always"}, env_file=None)
 
@@ -119,9 +121,11 @@ def test_the_setting_reaches_the_model_settings() -> None:
 def test_packed_linears_carry_the_resolved_choice_to_their_op() -> None:
     lin = torch.nn.Linear(64, 32, bias=False)
     on = pack_linears([lin], FastDecodeOptions(launch_overlap="on", dense_gemv="cublas"), "bnb")
+    early = pack_linears([lin], FastDecodeOptions(launch_overlap="early", dense_gemv="cublas"), "bnb")
     off = pack_linears([lin], FastDecodeOptions(launch_overlap="off", dense_gemv="cublas"), "bnb")
     auto = pack_linears([lin], FastDecodeOptions(dense_gemv="cublas"), "bnb")  # unresolved: not on
-    assert (on.spec.pdl, off.spec.pdl, auto.spec.pdl) == (True, False, False)
+    assert (on.spec.pdl, early.spec.pdl, off.spec.pdl, auto.spec.pdl) == (True, True, False, False)
+    assert (on.spec.early, early.spec.early, off.spec.early) == (False, True, False)
     assert on.spec.fmt == off.spec.fmt == "dense" and on.tensors[0].data_ptr() == off.tensors[0].data_ptr()
 
 
@@ -129,8 +133,8 @@ def test_packed_linears_carry_the_resolved_choice_to_their_op() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_the_decode_step_with_the_overlap_gives_the_scores_it_gives_without(tmp_path: Any) -> None:
     """A random tiny llama in NF4 (the nf4 GEMV and the Triton attention), teacher-forced through FastDecoder with
-    LAUNCH_OVERLAP auto (on, on sm_90) and off: the same scores within bf16 noise (the kernels are the same code; only
-    the launch and the waits differ)."""
+    LAUNCH_OVERLAP auto (on, on sm_90), early and off: the same scores within bf16 noise (the kernels are the same
+    code; only the launch, the waits and the prefetch differ)."""
     from bench.probes import forced_scores
     from llm_core.fast import FastDecoder
     from tests.test_nf4_gemv import tiny_nf4_forced_case
@@ -141,15 +145,16 @@ def test_gpu_the_decode_step_with_the_overlap_gives_the_scores_it_gives_without(
     assert ok, why
     loaded, ids, forced = tiny_nf4_forced_case(tmp_path)
     scores = {}
-    for overlap in ("auto", "off"):
+    for overlap in ("auto", "early", "off"):
         decoder = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv="nf4",
                                                                                      launch_overlap=overlap))
-        assert decoder.options.launch_overlap == ("on" if overlap == "auto" else "off")
+        assert decoder.options.launch_overlap == {"auto": "on"}.get(overlap, overlap)
         decoder.warmup()
         scores[overlap] = forced_scores(decoder, ids, forced)
         del decoder
-    rel = ((scores["auto"] - scores["off"]).norm(dim=-1) / scores["off"].norm(dim=-1)).max().item()
-    assert rel <= 1e-2, rel
+    for overlap in ("auto", "early"):
+        rel = ((scores[overlap] - scores["off"]).norm(dim=-1) / scores["off"].norm(dim=-1)).max().item()
+        assert rel <= 1e-2, (overlap, rel)
 
 
 @pytest.mark.gpu

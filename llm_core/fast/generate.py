@@ -113,7 +113,7 @@ class FastDecoder(DecoderWarmup):
         requested = options or FastDecodeOptions()
         self.options = requested.resolved(self.device, self._arch.head_dim)
         self._overlap_note = ""  # why LAUNCH_OVERLAP=auto stayed off on a GPU that has it (a driver, a Triton)
-        if (requested.launch_overlap == "auto" and self.options.launch_overlap == "off" and self.device.type == "cuda"
+        if (requested.launch_overlap != "off" and self.options.launch_overlap == "off" and self.device.type == "cuda"
                 and torch.cuda.get_device_capability(self.device)[0] >= 9):
             self._overlap_note = "launch overlap off: " + pdl_support(self.device)[1]
         self.reason = reason
@@ -232,7 +232,7 @@ class FastDecoder(DecoderWarmup):
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
-        pdl = opts.launch_overlap == "on"  # resolved: on only where pdl_support said yes
+        pdl = opts.launch_overlap in ("on", "early")  # resolved: on only where pdl_support said yes
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
@@ -258,7 +258,8 @@ class FastDecoder(DecoderWarmup):
         self._embed = table_tensors(a.embed)  # [weight], or [int8 rows, row scales] (llm_core.fast.tables)
         self._norm0 = a.layers[0].input_layernorm.weight.detach()
         if pdl:
-            notes.add("decode kernels launched as programmatic dependent launches (LAUNCH_OVERLAP)")
+            notes.add("decode kernels launched as programmatic dependent launches (LAUNCH_OVERLAP"
+                      + (", 4-bit weights prefetched before each wait)" if opts.launch_overlap == "early" else ")"))
         if self._overlap_note:
             notes.add(self._overlap_note)
         self.notes = sorted(notes)
@@ -307,7 +308,7 @@ class FastDecoder(DecoderWarmup):
             # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
             # LAUNCH_OVERLAP: inductor's kernels wait for and release their neighbours as ours do (kernels.pdl).
             options = {"assert_indirect_indexing": False,
-                       **compile_options(self.options.launch_overlap == "on")}
+                       **compile_options(self.options.launch_overlap in ("on", "early"))}
             return torch.compile(fn, fullgraph=True, options=options)
         return torch.compile(fn, fullgraph=True, backend=backend)
 

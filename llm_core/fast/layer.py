@@ -57,9 +57,9 @@ def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) ->
     if spec.gemv == "nf4":  # llm_core.nf4_gemv: NF4 table in registers, nested absmax read in place
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
-                                               spec.blocksize, False, list(spec.levels), spec.pdl)
+                                               spec.blocksize, False, list(spec.levels), spec.pdl, spec.early)
         return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
-                                           spec.blocksize, True, list(spec.levels), spec.pdl)
+                                           spec.blocksize, True, list(spec.levels), spec.pdl, spec.early)
     return nf4_matvec_torch(x, ts[0], absmax_2d(spec, ts), code_of(spec, ts), bias_of(spec, ts))
 
 

@@ -69,7 +69,9 @@ class FastDecodeOptions:
     prefix_attention: str = "gather"
     # Programmatic dependent launch (CUDA sm_90+, llm_core.fast.kernels.pdl): each kernel of the compiled decode
     # step (ours and inductor's) starts while the one before it finishes and waits on the device where it reads that
-    # one's output. auto = on where the GPU and the Triton/PyTorch installed can (resolved to "on" or "off") | off.
+    # one's output. auto = on where the GPU and the Triton/PyTorch installed can (resolved to "on" or "off") | early
+    # (auto, and each 4-bit matmul prefetches its first weight tile before its wait; resolved to "early" or "off") |
+    # off.
     launch_overlap: str = "auto"
 
     def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
@@ -90,7 +92,7 @@ class FastDecodeOptions:
         if self.prefill_gemm not in ("auto", "off"):
             raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
         if self.launch_overlap not in (*LAUNCH_OVERLAPS, "on"):
-            raise GenerationError(f"Unknown launch overlap {self.launch_overlap!r}; choose auto or off.")
+            raise GenerationError(f"Unknown launch overlap {self.launch_overlap!r}; choose auto, early or off.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
@@ -108,7 +110,9 @@ class FastDecodeOptions:
             attention = "triton" if triton_ok and pow2 else "torch"
         if attention == "triton" and not (triton_ok and pow2):
             attention = "torch"
-        overlap = "on" if self.launch_overlap in ("auto", "on") and pdl_support(device)[0] else "off"
+        overlap = "off"
+        if self.launch_overlap != "off" and pdl_support(device)[0]:
+            overlap = "early" if self.launch_overlap == "early" else "on"
         return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap)
 
 

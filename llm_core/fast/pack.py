@@ -37,6 +37,8 @@ class LinSpec:
     # its decode kernel (llm_core.nf4_gemv, nf4_mm) launched as a programmatic dependent launch (FastDecodeOptions.
     # launch_overlap; llm_core.fast.kernels.pdl)
     pdl: bool = False
+    # with pdl: its 4-bit kernel prefetches its first weight tile before the wait (LAUNCH_OVERLAP=early)
+    early: bool = False
 
 
 @dataclass
@@ -101,10 +103,10 @@ def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
 def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> PackedLinear:
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
     the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales. Its
-    decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on"."""
+    decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on" or "early"."""
     packed = _pack_linears(modules, opts, gemv)
-    if opts.launch_overlap == "on":
-        packed.spec = replace(packed.spec, pdl=True)
+    if opts.launch_overlap in ("on", "early"):
+        packed.spec = replace(packed.spec, pdl=True, early=opts.launch_overlap == "early")
     return packed
 
 

@@ -60,9 +60,10 @@ def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[to
     if kernel == "mm":
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], code_of(spec, ts), bias,
-                                             spec.blocksize, False, list(spec.levels), "asm", [], spec.pdl)
+                                             spec.blocksize, False, list(spec.levels), "asm", [], spec.pdl,
+                                             spec.early)
         return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], code_of(spec, ts), bias,
-                                         spec.blocksize, True, list(spec.levels), "asm", [], spec.pdl)
+                                         spec.blocksize, True, list(spec.levels), "asm", [], spec.pdl, spec.early)
     if kernel != "bnb":
         raise ValueError(f"no rows kernel {kernel!r}")
     packed = ts[0].view(-1, 1)

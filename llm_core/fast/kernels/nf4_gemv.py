@@ -213,7 +213,8 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning; `math` see dot8_asm;
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
-    each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine does not use it yet)."""
+    each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
+    LAUNCH_OVERLAP=early)."""
     if early and not pdl:
         raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
     if triton is None:
@@ -254,7 +255,7 @@ def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, a
 
 
 _OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-              "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False) -> Tensor")
+              "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False, bool early=False) -> Tensor")
 
 
 def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callable[[torch.Tensor], int]) -> Any:
@@ -264,9 +265,9 @@ def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callab
     @torch.library.custom_op(f"llm_core::{name}", mutates_args=(), schema=_OP_SCHEMA)
     def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
            offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None, blocksize: int, nested: bool,
-           code: Sequence[float], pdl: bool = False) -> torch.Tensor:
+           code: Sequence[float], pdl: bool = False, early: bool = False) -> torch.Tensor:
         words, scales = _op_operands(packed, absmax, q8, absmax2, offsets, code2, nested)
-        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, **scales)
+        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, early=early, **scales)
 
     @op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -403,11 +404,11 @@ def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-             pdl: bool = False) -> torch.Tensor:
+             pdl: bool = False, early: bool = False) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= ROWS_MAX -> (M, N) bf16 = x @ dequantize(W).T, each weight read once for all rows.
     Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning. The engine serves
     rows with llm_core.nf4_mm; this older kernel stays for bench/small_m.py and has no PDL form."""
-    if pdl:
+    if pdl or early:
         raise ValueError("the older NF4 rows kernel has no PDL form; llm_core.nf4_mm has")
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     wpb = blocksize // 8

@@ -360,7 +360,7 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     host floats (what "asm" builds its register table from; a tensor there would sync); `config` the launch
     (default_config when None); `compiled` (diagnostics) receives the compiled kernel; `pdl`: both launches as
     programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl): each program's first
-    weight tile prefetched before the wait (bench/small_m.py times it; the engine does not use it yet)."""
+    weight tile prefetched before the wait (bench/small_m.py times it; the engine with LAUNCH_OVERLAP=early)."""
     if early and not pdl:
         raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
@@ -482,11 +482,11 @@ if triton is not None:
         "llm_core::nf4_mm", mutates_args=(),
         schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
                "Tensor code, Tensor? bias, int blocksize, bool nested, float[] levels, str decode, int[] config, "
-               "bool pdl=False) -> Tensor")
+               "bool pdl=False, bool early=False) -> Tensor")
     def _nf4_mm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
                    absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, code: torch.Tensor,
                    bias: torch.Tensor | None, blocksize: int, nested: bool, levels: Sequence[float], decode: str,
-                   config: Sequence[int], pdl: bool = False) -> torch.Tensor:
+                   config: Sequence[int], pdl: bool = False, early: bool = False) -> torch.Tensor:
         """The kernel as one opaque op for torch.compile and CUDA graphs; packed is bitsandbytes' (N, K/2);
         config = MMConfig.as_list() or empty for default_config."""
         from .nf4_gemv import words_view
@@ -497,9 +497,9 @@ if triton is not None:
         cfg = MMConfig.from_list(config) if config else None
         if nested:
             return nf4_mm(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias, config=cfg,
-                          decode=decode, levels=levels, pdl=pdl)
+                          decode=decode, levels=levels, pdl=pdl, early=early)
         return nf4_mm(x, words, blocksize, code, absmax=absmax, bias=bias, config=cfg, decode=decode, levels=levels,
-                      pdl=pdl)
+                      pdl=pdl, early=early)
 
     @_nf4_mm_op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
