@@ -111,11 +111,12 @@ class FastDecoder(DecoderWarmup):
         self.use_graphs = self.compile and self.device.type == "cuda"
         self._arch = Arch.from_model(loaded.model)
         requested = options or FastDecodeOptions()
-        self.options = requested.resolved(self.device, self._arch.head_dim)
-        self._overlap_note = ""  # why LAUNCH_OVERLAP=auto stayed off on a GPU that has it (a driver, a Triton)
-        if (requested.launch_overlap != "off" and self.options.launch_overlap == "off" and self.device.type == "cuda"
+        pdl = pdl_support(self.device) if requested.launch_overlap != "off" else (False, "")  # probed once
+        self.options = requested.resolved(self.device, self._arch.head_dim, pdl=pdl)
+        self._overlap_note = ""  # why LAUNCH_OVERLAP stayed off on a GPU that has it (a driver, a Triton)
+        if (requested.launch_overlap != "off" and not pdl[0] and self.device.type == "cuda"
                 and torch.cuda.get_device_capability(self.device)[0] >= 9):
-            self._overlap_note = "launch overlap off: " + pdl_support(self.device)[1]
+            self._overlap_note = "launch overlap off: " + pdl[1]
         self.reason = reason
         self.max_cache_len = int(max_cache_len or loaded.context_length)
         self._lock = threading.Lock()
@@ -232,7 +233,7 @@ class FastDecoder(DecoderWarmup):
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
-        pdl = opts.launch_overlap in ("on", "early")  # resolved: on only where pdl_support said yes
+        pdl = opts.overlaps  # resolved: on only where pdl_support said yes
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
         self._layer_weights: list[list[torch.Tensor]] = []
@@ -308,7 +309,7 @@ class FastDecoder(DecoderWarmup):
             # The NF4 code-table lookups index a 16-entry table with a 4-bit value: skip inductor's bounds asserts.
             # LAUNCH_OVERLAP: inductor's kernels wait for and release their neighbours as ours do (kernels.pdl).
             options = {"assert_indirect_indexing": False,
-                       **compile_options(self.options.launch_overlap in ("on", "early"))}
+                       **compile_options(self.options.overlaps)}
             return torch.compile(fn, fullgraph=True, options=options)
         return torch.compile(fn, fullgraph=True, backend=backend)
 

@@ -74,7 +74,15 @@ class FastDecodeOptions:
     # off.
     launch_overlap: str = "auto"
 
-    def resolved(self, device: torch.device, head_dim: int) -> FastDecodeOptions:
+    @property
+    def overlaps(self) -> bool:
+        """Resolved to launch the decode kernels as programmatic dependent launches (LAUNCH_OVERLAP on or early)."""
+        return self.launch_overlap in ("on", "early")
+
+    def resolved(self, device: torch.device, head_dim: int, pdl: tuple[bool, str] | None = None
+                 ) -> FastDecodeOptions:
+        """The choices made for `device`; `pdl`: what kernels.pdl.pdl_support said there, where the caller already
+        asked (its probe launches kernels), else asked here when the overlap is wanted."""
         if self.gemv not in ("auto", *GEMV_KERNELS):
             raise GenerationError(f"Unknown gemv kernel {self.gemv!r}; choose one of {', '.join(GEMV_KERNELS)}.")
         if self.dense_gemv not in ("auto", *DENSE_GEMV_KERNELS):
@@ -111,7 +119,7 @@ class FastDecodeOptions:
         if attention == "triton" and not (triton_ok and pow2):
             attention = "torch"
         overlap = "off"
-        if self.launch_overlap != "off" and pdl_support(device)[0]:
+        if self.launch_overlap != "off" and (pdl if pdl is not None else pdl_support(device))[0]:
             overlap = "early" if self.launch_overlap == "early" else "on"
         return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap)
 

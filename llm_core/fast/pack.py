@@ -105,7 +105,7 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> 
     the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales. Its
     decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on" or "early"."""
     packed = _pack_linears(modules, opts, gemv)
-    if opts.launch_overlap in ("on", "early"):
+    if opts.overlaps:
         packed.spec = replace(packed.spec, pdl=True, early=opts.launch_overlap == "early")
     return packed
 

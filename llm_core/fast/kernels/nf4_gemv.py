@@ -34,7 +34,7 @@ try:  # Triton ships with CUDA builds of PyTorch; CPU-only installs have no such
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-from .pdl import pdl_meta, release_dependents, wait_for_inputs  # noqa: E402 - after the optional Triton import
+from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_inputs  # noqa: E402 - after the optional Triton import
 
 AVAILABLE = triton is not None
 AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
@@ -123,15 +123,6 @@ fma.rn.f32 acc, fv, fx, acc;
 if triton is not None:
 
     @triton.jit
-    def _prefetch_first_tile(w_ptr, rows, rmask, KW: tl.constexpr, WPB: tl.constexpr, BLOCK_B: tl.constexpr):
-        """prefetch.global.L2 of the first BLOCK_B * WPB words of each of `rows`: one per 128-byte line."""
-        LINES: tl.constexpr = (BLOCK_B * WPB + 31) // 32
-        first = tl.minimum(tl.arange(0, LINES) * 32, KW - 1)
-        ptrs = w_ptr + tl.where(rmask, rows, 0)[:, None] * KW + first[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -146,7 +137,7 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         if EARLY:
-            _prefetch_first_tile(w_ptr, rows, rmask, KW, WPB, BLOCK_B)
+            prefetch_weight_rows(w_ptr, rows, rmask, KW, 0, BLOCK_B * WPB)
         wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
         wi = tl.arange(0, WPB)
@@ -215,8 +206,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
     each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
     LAUNCH_OVERLAP=early)."""
-    if early and not pdl:
-        raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
+    launch = pdl_meta(pdl, early)
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
@@ -234,7 +224,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
                              absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": _asm_for(tuple(float(v) for v in code), math),
-             "XVEC": bool(xvec), **pdl_meta(pdl), **({"EARLY": True} if early else {})}
+             "XVEC": bool(xvec), **launch}
     if config is not None:
         bn, bb, warps = config
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)

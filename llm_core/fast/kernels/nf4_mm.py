@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .nf4_gemv import rows_shapes, triton, unpack8_asm
-from .pdl import pdl_meta, release_dependents, wait_for_inputs
+from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_inputs
 
 if triton is not None:
     import triton.language as tl
@@ -170,14 +170,6 @@ if triton is not None:
         return wv
 
     @triton.jit
-    def _prefetch_first_tile(w_ptr, rows, rmask, KW, first_word, WORDS: tl.constexpr):
-        """prefetch.global.L2 of WORDS int32 words of each of `rows` from first_word: one per 128-byte line."""
-        LINES: tl.constexpr = (WORDS + 31) // 32
-        ptrs = w_ptr + tl.where(rmask, rows, 0)[:, None] * KW + (first_word + tl.arange(0, LINES) * 32)[None, :]
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-    @triton.jit
     def _all_true(SIZE: tl.constexpr):
         return tl.full((SIZE,), 1, tl.int1)
 
@@ -212,7 +204,7 @@ if triton is not None:
         k_lo = pid_k * per_split
         k_hi = tl.minimum(k_lo + per_split, K)
         if EARLY:
-            _prefetch_first_tile(w_ptr, rows, rmask, KW, k_lo // 8, BLOCK_K // 8)
+            prefetch_weight_rows(w_ptr, rows, rmask, KW, k_lo // 8, BLOCK_K // 8)
         wait_for_inputs(PDL)
         if XVEC:
             k_hi = tl.multiple_of(k_hi, 8)  # K and every split's start are multiples of BS >= 8 (the wrapper checks)
@@ -361,8 +353,7 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     (default_config when None); `compiled` (diagnostics) receives the compiled kernel; `pdl`: both launches as
     programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl): each program's first
     weight tile prefetched before the wait (bench/small_m.py times it; the engine with LAUNCH_OVERLAP=early)."""
-    if early and not pdl:
-        raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
+    launch = pdl_meta(pdl, early)
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
         raise ValueError(f"blocksize {blocksize} / K {k} do not fit the kernel")
@@ -384,7 +375,7 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
         bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta,
-        **pdl_meta(pdl), **({"EARLY": True} if early else {}))
+        **launch)
     if compiled is not None:
         compiled.append(kernel)
     if split > 1:

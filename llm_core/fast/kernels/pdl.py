@@ -84,10 +84,13 @@ def _probe(device: torch.device) -> tuple[bool, str]:
     return True, ""
 
 
-def pdl_meta(pdl: bool) -> dict[str, Any]:
-    """A kernel's launch keywords for a programmatic dependent launch: its PDL constexpr and Triton's launch_pdl
-    (nothing otherwise, so the interpreter and an older Triton never see either)."""
-    return {"PDL": True, "launch_pdl": True} if pdl else {}
+def pdl_meta(pdl: bool, early: bool = False) -> dict[str, Any]:
+    """A kernel's launch keywords for a programmatic dependent launch: its PDL constexpr and Triton's launch_pdl,
+    and with `early` its EARLY constexpr (the weight prefetch before the wait: prefetch_weight_rows); nothing
+    otherwise, so the interpreter and an older Triton never see them. Raises where early comes without pdl."""
+    if early and not pdl:
+        raise ValueError("early prefetch only pays before a PDL wait: pass pdl=True with early=True")
+    return {"PDL": True, "launch_pdl": True, **({"EARLY": True} if early else {})} if pdl else {}
 
 
 def compile_options(pdl: bool) -> dict[str, Any]:
@@ -132,3 +135,19 @@ else:  # a Triton without gdc: the constexpr is never True there (pdl_support sa
     @triton.jit
     def release_dependents(PDL: tl.constexpr):
         pass
+
+if triton is not None:
+
+    @triton.jit
+    def prefetch_weight_rows(w_ptr, rows, rmask, KW, first_word, WORDS: tl.constexpr):
+        """EARLY: prefetch.global.L2 of WORDS int32 words of each of `rows` (KW words a row) from first_word, one per
+        128-byte line, clamped to the row. Weights are never written during a step, so a PDL kernel may issue this
+        before its wait."""
+        LINES: tl.constexpr = (WORDS + 31) // 32
+        cols = tl.minimum(first_word + tl.arange(0, LINES) * 32, KW - 1)
+        ptrs = w_ptr + tl.where(rmask, rows, 0)[:, None] * KW + cols[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+else:  # no Triton: no kernel calls it
+    prefetch_weight_rows = None
