@@ -56,6 +56,17 @@ from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.fast.rows import RowsPlan
 
 CONTEXT_TOKENS = 4096
+
+
+def restrict_gemv_to_plain_configs() -> None:
+    """--gemv-configs plain: this process's NF4 one-token autotuner keeps only its configs without a load pipeline
+    (bench-only: the library always offers them all)."""
+    from llm_core.fast.kernels import nf4_gemv
+
+    tuner = nf4_gemv.AUTOTUNER
+    if tuner is not None:
+        tuner.configs = [c for c in tuner.configs
+                         if not c.kwargs.get("PREFETCH", False)]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -254,6 +265,9 @@ class Bench:
             shape = "tiny" if a.smoke else a.arch
             make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
+        if a.gemv_configs == "plain":
+            restrict_gemv_to_plain_configs()
+        self.rec.set_summary(gemv_configs=a.gemv_configs)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
         phases = [(n, mode) for n in a.chats for mode in modes]
@@ -378,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
+                        help="the NF4 one-token kernel's autotuner: every config (the library's), or only the ones "
+                             "without a load prefetch (PREFETCH off: the configs the kernel had before): an A/B "
+                             "of the pipeline through the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

@@ -33,6 +33,14 @@ SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
     "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
 LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
+# --sweep: these tiles (BLOCK_N, BLOCK_B, warps), each plain and with its next step's loads in registers (PREFETCH)
+SWEEP_TILES = [(8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2), (16, 16, 4), (8, 16, 8), (4, 32, 4)]
+SWEEP_MODES = [(False,), (True,)]
+
+
+def sweep_name(cfg: tuple[Any, ...]) -> str:
+    bn, bb, w, pf = cfg
+    return f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "")
 
 
 def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
@@ -74,7 +82,7 @@ class Weights:
         return self.n * self.k // 2 + self.n * self.k // 64  # packed + one uint8 absmax per block
 
 
-def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[int, int, int]] | None) -> dict[str, list[Callable]]:
+def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[Any, ...]] | None) -> dict[str, list[Callable]]:
     n, k = wt.n, wt.k
     out: dict[str, list[Callable]] = {}
     out["bnb_gemm_4bit_nested"] = [
@@ -101,7 +109,7 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[int, int, int]] | 
         out["ours_nested_pdl"] = [ours(c, True, pdl=True) for c in wt.copies]
         out["ours_nested_pdl_early"] = [ours(c, True, pdl=True, early=True) for c in wt.copies]  # + L2 prefetch
     for cfg in configs or []:
-        out[f"ours_nested_cfg{cfg[0]}x{cfg[1]}w{cfg[2]}"] = [ours(c, True, config=cfg) for c in wt.copies]
+        out[sweep_name(cfg)] = [ours(c, True, config=cfg) for c in wt.copies]
     return out
 
 
@@ -141,7 +149,9 @@ def dump_asm(call: Callable[[], Any], stem: Path) -> dict[str, int] | str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--sweep", action="store_true", help="also time every block shape of ours, untuned")
+    ap.add_argument("--sweep", action="store_true",
+                    help="also time SWEEP_TILES x SWEEP_MODES of ours, untuned (first arch only)")
+    ap.add_argument("--kernels", help="comma-separated names of the fixed kernels to time (default: all)")
     ap.add_argument("--min-bytes", type=float, default=1.0e9, help="weights per timed graph (>> L2)")
     ap.add_argument("--budget-s", type=float, default=420.0)
     ap.add_argument("--asm-dir", type=Path, help="write PTX and SASS of the tuned kernels here, with opcode counts")
@@ -165,8 +175,13 @@ def main(argv: list[str] | None = None) -> int:
             del probe
             wt = Weights(n, k, copies)
             ref = x.float() @ wt.deq.T
-            sweep = [tuple(c) for c in nf4_gemv.CONFIGS] if args.sweep and arch == args.arch[0] else None
-            for kname, calls in kernels(wt, x, sweep).items():
+            sweep = ([(*t, *m) for m in SWEEP_MODES for t in SWEEP_TILES] if args.sweep and arch == args.arch[0]
+                     else None)
+            chosen = kernels(wt, x, sweep)
+            if args.kernels:
+                keep = set(args.kernels.split(","))
+                chosen = {kn: c for kn, c in chosen.items() if kn in keep or kn.startswith("ours_nested_cfg")}
+            for kname, calls in chosen.items():
                 rec: dict[str, Any] = {"arch": arch, "shape": name, "n": n, "k": k, "kernel": kname, "copies": copies}
                 try:
                     y = calls[0]().float()
@@ -176,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                     rec["us_per_call"] = us
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
-                        rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8, ("BLOCK_N", "BLOCK_B"))
+                        rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8,
+                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH"))
                         if args.asm_dir is not None and arch == args.arch[0]:
                             rec["sass_opcodes"] = dump_asm(calls[0], args.asm_dir / f"{kname}-{name}")
                     per_layer[kname] = per_layer.get(kname, 0.0) + us

@@ -206,9 +206,12 @@ def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
 @needs_kernel
 @pytest.mark.parametrize("nested", [True, False])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1000, 11008), (12288, 512)])
-@pytest.mark.parametrize("variant", [{}, {"xvec": False}, {"math": "fp32"}, {"config": (16, 8, 4)}, {"pdl": True},
-                                     {"pdl": True, "early": True}],
-                         ids=["default", "x4loads", "fp32", "16x8w4", "pdl", "pdl-early"])
+@pytest.mark.parametrize("variant", [{}, {"xvec": False, "config": (8, 16, 4)}, {"math": "fp32", "config": (8, 16, 4)},
+                                     {"config": (16, 8, 4)}, {"pdl": True}, {"pdl": True, "early": True},
+                                     {"config": (16, 8, 4, True)}, {"config": (8, 8, 2, True), "xvec": False},
+                                     {"config": (4, 16, 4, True), "pdl": True, "early": True}],
+                         ids=["default", "x4loads", "fp32", "16x8w4", "pdl", "pdl-early", "prefetch",
+                              "prefetch-x4loads", "prefetch-pdl-early"])
 def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int], variant: dict[str, Any]) -> None:
     """As close to x @ dequantize_4bit(W).T (fp32) as bitsandbytes' own kernel is, over shapes whose rows and
     blocks are not multiples of the block shapes (masking), for each variant of the kernel."""

@@ -45,7 +45,7 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                  "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
-                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PDL=on, EARLY=early)
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
@@ -54,6 +54,18 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     assert ("prefetch.global.L2" in ptx) == early
     if early:
         assert ptx.rindex("prefetch.global.L2") < ptx.index(WAIT)
+
+
+@needs_gdc
+def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait() -> None:
+    """PREFETCH issues the first step's loads before the loop: they must come after the wait, or the first step
+    would read activations the kernel before it has not written yet."""
+    signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
+                 "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
+    constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, PDL=True, EARLY=False)
+    ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
+    assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
 
 
 def test_the_kernels_refuse_an_early_prefetch_without_a_pdl_wait() -> None:

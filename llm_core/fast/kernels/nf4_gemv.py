@@ -123,14 +123,44 @@ fma.rn.f32 acc, fv, fx, acc;
 if triton is not None:
 
     @triton.jit
+    def _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW: tl.constexpr, NBLK: tl.constexpr,
+                         WPB: tl.constexpr, NESTED: tl.constexpr, XVEC: tl.constexpr, BLOCK_B: tl.constexpr):
+        """The global loads of one step (quant blocks b0 .. b0 + BLOCK_B of `rows`): the weight words (rows, blocks,
+        words), the activations as int32 pairs (one (blocks, words, 4) tile with XVEC, else pair 0 of each word,
+        the other pairs loaded by the caller) and the raw block scales (the double-quant byte or the fp32 absmax).
+        Blocks past the row come back as zeros."""
+        blks = b0 + tl.arange(0, BLOCK_B)
+        bmask = blks < NBLK
+        words = blks[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCK_B, WPB) word index within a row
+        w = tl.load(w_ptr + rows[:, None, None] * KW + words[None, :, :],
+                    mask=rmask[:, None, None] & bmask[None, :, None], other=0)
+        if XVEC:
+            xq = tl.load(x_ptr + (words * 4)[:, :, None] + tl.arange(0, 4)[None, None, :], mask=bmask[:, None, None],
+                         other=0)
+        else:
+            xq = tl.load(x_ptr + words * 4, mask=bmask[:, None], other=0)
+        blk = rows[:, None] * NBLK + blks[None, :]
+        m2 = rmask[:, None] & bmask[None, :]
+        if NESTED:
+            raw = tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32)
+        else:
+            raw = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
+        return w, xq, raw
+
+    @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_B: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+                         BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                         EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
+        PREFETCH: each step issues the next step's loads (weights, activations, block scales) into registers before
+        it decodes its own, so their memory latency hides behind a step of arithmetic; costs the registers of one
+        more step. (Triton's own pipeline, `tl.range(num_stages=2 or 3)`, cp.async copies through shared memory,
+        was slower for every tile on an H100: docs/fast_decode.md.)
         PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl). EARLY (with PDL): before the
         wait, the program's first weight tile is prefetched into the L2 (weights are never written during a step),
         so its DRAM latency overlaps the kernel before this one."""
@@ -142,36 +172,41 @@ if triton is not None:
         bi = tl.arange(0, BLOCK_B)
         wi = tl.arange(0, WPB)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
+        if PREFETCH:
+            w, xq, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB, NESTED,
+                                          XVEC, BLOCK_B)
         for b0 in range(0, NBLK, BLOCK_B):
+            if PREFETCH:
+                w_now, xq_now, raw_now = w, xq, raw
+                w, xq, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0 + BLOCK_B, KW, NBLK,
+                                              WPB, NESTED, XVEC, BLOCK_B)
+            else:
+                w_now, xq_now, raw_now = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW, NBLK,
+                                                          WPB, NESTED, XVEC, BLOCK_B)
             blks = b0 + bi
             bmask = blks < NBLK
-            words = blks[:, None] * WPB + wi[None, :]  # (BLOCK_B, WPB) word index within a row
-            m3 = rmask[:, None, None] & bmask[None, :, None]
-            w = tl.load(w_ptr + rows[:, None, None] * KW + words[None, :, :], mask=m3, other=0)
-            xo = words * 4
-            xm = bmask[:, None]
             if XVEC:
-                xq = tl.load(x_ptr + xo[:, :, None] + tl.arange(0, 4)[None, None, :], mask=xm[:, :, None], other=0)
-                xa, xb = tl.split(tl.reshape(xq, (BLOCK_B, WPB, 2, 2)))  # last index 2a + b: xa = b 0, xb = b 1
+                xa, xb = tl.split(tl.reshape(xq_now, (BLOCK_B, WPB, 2, 2)))  # last index 2a + b: xa = b 0, xb = b 1
                 x0, x2 = tl.split(xa)
                 x1, x3 = tl.split(xb)
                 x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
             else:
-                x0 = tl.load(x_ptr + xo, mask=xm, other=0)[None, :, :]
+                xo = (blks[:, None] * WPB + wi[None, :]) * 4
+                xm = bmask[:, None]
+                x0 = xq_now[None, :, :]
                 x1 = tl.load(x_ptr + xo + 1, mask=xm, other=0)[None, :, :]
                 x2 = tl.load(x_ptr + xo + 2, mask=xm, other=0)[None, :, :]
                 x3 = tl.load(x_ptr + xo + 3, mask=xm, other=0)[None, :, :]
-            part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
+            part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0, x1, x2, x3], dtype=tl.float32,
                                              is_pure=True, pack=1)
             dot = tl.sum(part, axis=2)
-            blk = rows[:, None] * NBLK + blks[None, :]
-            m2 = rmask[:, None] & bmask[None, :]
             if NESTED:
-                code = tl.load(code2_ptr + tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32))
-                scale = (code * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0)
+                blk = rows[:, None] * NBLK + blks[None, :]
+                m2 = rmask[:, None] & bmask[None, :]
+                scale = (tl.load(code2_ptr + raw_now) * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0)
                          + tl.load(offsets_ptr + blk // 256, mask=m2, other=0.0))
             else:
-                scale = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
+                scale = raw_now
             acc += dot * scale
         release_dependents(PDL)
         y = tl.sum(acc, axis=1)
@@ -179,11 +214,16 @@ if triton is not None:
             y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
-    CONFIGS = [(4, 4, 4), (4, 8, 4), (8, 4, 4), (8, 8, 8), (8, 4, 8), (16, 4, 8), (4, 16, 8), (2, 8, 4),
-               (16, 2, 4), (8, 2, 4),  # (BLOCK_N, BLOCK_B, warps); below: 4-8 words per thread per step
-               (8, 8, 4), (4, 16, 4), (16, 4, 4), (16, 8, 4), (8, 16, 4), (16, 8, 8)]
+    # (BLOCK_N, BLOCK_B, warps, PREFETCH); the tiles that were fastest plain (on an H100, bench/gemv_bench.py
+    # --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
+    CONFIGS = [(4, 4, 4, False), (4, 8, 4, False), (8, 4, 4, False), (8, 8, 8, False), (8, 4, 8, False),
+               (16, 4, 8, False), (4, 16, 8, False), (2, 8, 4, False), (16, 2, 4, False), (8, 2, 4, False),
+               (8, 8, 4, False), (4, 16, 4, False), (16, 4, 4, False), (16, 8, 4, False), (8, 16, 4, False),
+               (16, 8, 8, False),  # above: 1-8 words per thread per step
+               (8, 16, 4, True), (4, 16, 4, True), (16, 8, 4, True), (8, 8, 4, True), (8, 8, 2, True)]
     _tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb}, num_warps=w) for bn, bb, w in CONFIGS],
+        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w)
+                 for bn, bb, w, pf in CONFIGS],
         key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC"])(_nf4_gemv_kernel)
     AUTOTUNER = _tuned
 
@@ -196,12 +236,13 @@ def _asm_for(code: tuple[float, ...], math: str) -> str:
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             bias: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+             bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
              math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
              pdl: bool = False, early: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
-    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps) skips autotuning; `math` see dot8_asm;
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
+    `math` see dot8_asm;
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
     each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
@@ -226,8 +267,11 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              "ASM": _asm_for(tuple(float(v) for v in code), math),
              "XVEC": bool(xvec), **launch}
     if config is not None:
-        bn, bb, warps = config
-        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, num_warps=warps)
+        if len(config) not in (3, 4):
+            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]), not {config}")
+        bn, bb, warps, prefetch = (*config, False)[:4]
+        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch,
+                                                         num_warps=warps)
     else:
         kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     if compiled is not None:
