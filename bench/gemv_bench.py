@@ -33,14 +33,15 @@ SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
     "llama-3-8b": [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)],
 }
 LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
-# --sweep: these tiles (BLOCK_N, BLOCK_B, warps), each plain and with its next step's loads in registers (PREFETCH)
+# --sweep: these tiles (BLOCK_N, BLOCK_B, warps), each plain and with its next step's loads in registers (PREFETCH),
+# with x as given and in planes (planar_pairs, the kernel's XPLANAR form)
 SWEEP_TILES = [(8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2), (16, 16, 4), (8, 16, 8), (4, 32, 4)]
-SWEEP_MODES = [(False,), (True,)]
+SWEEP_MODES = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def sweep_name(cfg: tuple[Any, ...]) -> str:
-    bn, bb, w, pf = cfg
-    return f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "")
+    bn, bb, w, pf, planar = cfg
+    return f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "") + ("planar" if planar else "")
 
 
 def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
@@ -95,21 +96,26 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[Any, ...]] | None)
         (lambda c=c: torch.ops.bitsandbytes.gemv_4bit(x, c["packed"].view(-1, 1), [n, k], c["absmax_fp32"],
                                                       wt.code, 64)) for c in wt.copies]
 
+    xp = nf4_gemv.planar_pairs(x)  # what the planar form reads (in the engine, the op before would write it so)
+
     def ours(c: dict[str, Any], nested: bool, **kw: Any) -> Callable[[], Any]:
+        xin = xp if kw.get("planar") else x
         if nested:
             state = (c["q8"], c["absmax2"], c["offsets"], wt.code2)
-            return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, nested=state, **kw)
-        return lambda: nf4_gemv.nf4_gemv(x, c["words"], 64, wt.code_host, absmax=c["absmax_fp32"], **kw)
+            return lambda: nf4_gemv.nf4_gemv(xin, c["words"], 64, wt.code_host, nested=state, **kw)
+        return lambda: nf4_gemv.nf4_gemv(xin, c["words"], 64, wt.code_host, absmax=c["absmax_fp32"], **kw)
 
     out["ours_nested"] = [ours(c, True) for c in wt.copies]  # the default: bf16x2 multiply-adds, 16-byte x loads
     out["ours_fp32"] = [ours(c, False) for c in wt.copies]
     out["ours_nested_x4loads"] = [ours(c, True, xvec=False) for c in wt.copies]  # activation pairs one by one
     out["ours_nested_fp32math"] = [ours(c, True, math="fp32") for c in wt.copies]  # exact products, ~1.7x instr
+    out["ours_nested_planar"] = [ours(c, True, planar=True) for c in wt.copies]  # x in planes: no conversion
     if pdl_support(x.device)[0]:  # LAUNCH_OVERLAP: each call a programmatic dependent launch of the one before
         out["ours_nested_pdl"] = [ours(c, True, pdl=True) for c in wt.copies]
+        out["ours_nested_planar_pdl"] = [ours(c, True, planar=True, pdl=True) for c in wt.copies]
         out["ours_nested_pdl_early"] = [ours(c, True, pdl=True, early=True) for c in wt.copies]  # + L2 prefetch
     for cfg in configs or []:
-        out[sweep_name(cfg)] = [ours(c, True, config=cfg) for c in wt.copies]
+        out[sweep_name(cfg)] = [ours(c, True, config=cfg[:4], planar=cfg[4]) for c in wt.copies]
     return out
 
 

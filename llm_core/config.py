@@ -38,6 +38,7 @@ KV_CACHE_MODES = ("auto", "bf16", "int8", "int4", "offload")
 KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
 LAUNCH_OVERLAPS = ("auto", "early", "off")  # programmatic dependent launch of the fast path's decode kernels
+GEMV_INPUTS = ("plain", "planar")  # how the fast path's one-token NF4 kernel reads its activations
 PREFIX_ATTENTIONS = ("gather", "paged")  # how a later prefill chunk of the paged pool reads its prefix
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
@@ -314,6 +315,11 @@ class ModelSettings:
         "CUDA sm_90+: H100/H200); auto = where the GPU, Triton and PyTorch can; early = auto, and each 4-bit matmul "
         "prefetches its first weight tile before it waits (experimental, not yet timed); off = one kernel after the "
         "other")
+    # fast path on CUDA: the one-token NF4 kernel's activations in planes (llm_core.nf4_gemv XPLANAR)
+    gemv_input: str = setting("GEMV_INPUT", "plain", _parse_choice(GEMV_INPUTS),
+        "fast path: how the one-token NF4 kernel reads its activations; plain = as the layer wrote them; planar = "
+        "permuted into planes by the kernel before it (inductor's norm and SwiGLU kernels; not the attention's "
+        "output), so the kernel loads them without a layout conversion (experimental, not yet timed)")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

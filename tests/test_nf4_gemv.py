@@ -176,6 +176,19 @@ def test_dot8_refuses_an_unknown_math() -> None:
         nf4_gemv.dot8_asm(NF4, "fp16")
 
 
+def test_planar_pairs_put_pair_p_of_word_j_at_plane_p() -> None:
+    """The XPLANAR form reads pair p of word j (activations 8j + 2p, 8j + 2p + 1) at p * K/8 + j."""
+    x = torch.randn(1, 4096).to(torch.bfloat16)
+    flat, planes = x.view(torch.int32)[0], nf4_gemv.planar_pairs(x).view(torch.int32)[0]
+    kw = 4096 // 8
+    for j in (0, 1, 7, 300, kw - 1):
+        for p in range(4):
+            assert planes[p * kw + j] == flat[4 * j + p]
+    assert torch.equal(nf4_gemv.planar_pairs(x).sort().values, x.sort().values)  # a permutation of the same values
+    with pytest.raises(ValueError, match="multiple of 8"):
+        nf4_gemv.planar_pairs(torch.zeros(1, 12, dtype=torch.bfloat16))
+
+
 def test_words_view_shares_the_bytes_and_refuses_odd_layouts() -> None:
     packed = torch.randint(0, 256, (6, 32), dtype=torch.uint8)
     words = nf4_gemv.words_view(packed)
@@ -209,9 +222,10 @@ def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
 @pytest.mark.parametrize("variant", [{}, {"xvec": False, "config": (8, 16, 4)}, {"math": "fp32", "config": (8, 16, 4)},
                                      {"config": (16, 8, 4)}, {"pdl": True}, {"pdl": True, "early": True},
                                      {"config": (16, 8, 4, True)}, {"config": (8, 8, 2, True), "xvec": False},
-                                     {"config": (4, 16, 4, True), "pdl": True, "early": True}],
+                                     {"config": (4, 16, 4, True), "pdl": True, "early": True}, {"planar": True},
+                                     {"planar": True, "config": (8, 16, 4, True), "pdl": True}],
                          ids=["default", "x4loads", "fp32", "16x8w4", "pdl", "pdl-early", "prefetch",
-                              "prefetch-x4loads", "prefetch-pdl-early"])
+                              "prefetch-x4loads", "prefetch-pdl-early", "planar", "planar-prefetch-pdl"])
 def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, int], variant: dict[str, Any]) -> None:
     """As close to x @ dequantize_4bit(W).T (fp32) as bitsandbytes' own kernel is, over shapes whose rows and
     blocks are not multiples of the block shapes (masking), for each variant of the kernel."""
@@ -225,13 +239,14 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
     words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
     assert words is not None
     code = tuple(qs.code.float().tolist())
+    xin = nf4_gemv.planar_pairs(x) if variant.get("planar") else x  # the planar form reads x in planes
     if nested:
         nb2 = qs.state2.absmax.numel()
         state = (qs.absmax.view(-1), qs.state2.absmax.float(), qs.offset.float().reshape(()).repeat(nb2),
                  qs.state2.code.float())
-        got = nf4_gemv.nf4_gemv(x, words, 64, code, nested=state, bias=bias, **variant)
+        got = nf4_gemv.nf4_gemv(xin, words, 64, code, nested=state, bias=bias, **variant)
     else:
-        got = nf4_gemv.nf4_gemv(x, words, 64, code, absmax=qs.absmax.float().view(-1), bias=bias, **variant)
+        got = nf4_gemv.nf4_gemv(xin, words, 64, code, absmax=qs.absmax.float().view(-1), bias=bias, **variant)
     theirs = bf.gemv_4bit(x, packed.t(), state=qs) + bias
     err = ((got.float() - want).norm() / want.norm()).item()
     their_err = ((theirs.float() - want).norm() / want.norm()).item()
@@ -300,3 +315,58 @@ def test_tuned_pick_reads_the_config_an_autotuner_chose_for_a_shape() -> None:
     assert tuned_pick(tuner, 4096, 512, ("BLOCK_N", "BLOCK_B")) == {"BLOCK_N": 8, "BLOCK_B": 4, "num_warps": 4}
     assert tuned_pick(tuner, 4096, 1024, ("BLOCK_N",)) is None  # not tuned for that shape yet
     assert tuned_pick(None, 4096, 512, ("BLOCK_N",)) is None  # no Triton
+
+
+def test_the_gemv_input_setting_reaches_the_options_and_only_nf4_kernels_fed_by_inductor_read_planes() -> None:
+    """GEMV_INPUT: plain by default; planar marks a packed NF4 linear on the nf4 kernel whose input the op before it
+    writes (pack_linears' planar_input: every linear of a layer but the attention's output projection), and says so
+    in a start-up note; other kernels and the attention-fed linear stay plain; unknown values are refused."""
+    from llm_core.config import Settings
+    from llm_core.errors import GenerationError, SettingsError
+    from llm_core.fast.pack import pack_linears
+    from tests.test_fast_decode import nf4_linear
+
+    assert Settings.from_env(environ={}, env_file=None).model.gemv_input == "plain"
+    assert Settings.from_env(environ={"GEMV_INPUT": "planar"}, env_file=None).model.gemv_input == "planar"
+    with pytest.raises(SettingsError, match="GEMV_INPUT"):
+        Settings.from_env(environ={"GEMV_INPUT": "tiled"}, env_file=None)
+    with pytest.raises(GenerationError, match="GEMV input"):
+        FastDecodeOptions(gemv_input="tiled").resolved(torch.device("cpu"), 64)
+    lin = nf4_linear(64, 128, 0)
+    planar = FastDecodeOptions(gemv_input="planar")
+    fed = pack_linears([lin], planar, "nf4", planar_input=True)
+    assert fed.spec.gemv == "nf4" and fed.spec.planar and "GEMV_INPUT=planar" in fed.note
+    assert not pack_linears([lin], planar, "nf4", planar_input=False).spec.planar  # fed by the attention
+    assert not pack_linears([lin], planar, "bnb", planar_input=True).spec.planar  # bitsandbytes' kernel
+    assert not pack_linears([lin], FastDecodeOptions(), "nf4", planar_input=True).spec.planar  # the default
+
+
+@pytest.mark.gpu
+@needs_kernel
+def test_gpu_the_decode_step_with_planar_gemv_input_gives_the_scores_of_plain(tmp_path: Any) -> None:
+    """GEMV_INPUT=planar against plain on the nf4 kernel, teacher-forced through FastDecoder (compiled, CUDA graphs:
+    inductor folds the permutation into the norm and SwiGLU kernels): the same scores within bf16 noise."""
+    loaded, ids, forced = tiny_nf4_forced_case(tmp_path)
+    scores = {}
+    for layout in ("plain", "planar"):
+        decoder = FastDecoder(loaded, max_cache_len=512, options=FastDecodeOptions(gemv="nf4", gemv_input=layout))
+        decoder.warmup()
+        planes = [s.planar for spec in decoder._layer_specs for s in spec.linears]
+        assert planes == [layout == "planar" and i % 4 != 1 for i in range(len(planes))]  # all but o_proj
+        scores[layout] = forced_scores(decoder, ids, forced)
+        del decoder
+    rel = ((scores["planar"] - scores["plain"]).norm(dim=-1) / scores["plain"].norm(dim=-1)).max().item()
+    assert rel <= 1e-2
+
+
+def test_planar_pairs_compile_into_the_kernel_before_them() -> None:
+    """What the decode step runs under torch.compile: a norm, then planar_pairs; the compiled function gives the
+    eager bits (the permutation is plain views and one copy, which inductor folds into the norm's store)."""
+
+    def norm_then_planes(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return nf4_gemv.planar_pairs((h * w).to(torch.bfloat16))
+
+    x, w = torch.randn(1, 256), torch.randn(256)
+    assert torch.equal(torch.compile(norm_then_planes, dynamic=False)(x, w), norm_then_planes(x, w))

@@ -45,7 +45,8 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                  "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
-                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, PDL=on, EARLY=early)
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, XPLANAR=False, EVEN_N=False, EVEN_B=False,
+                      PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
@@ -57,13 +58,15 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
 
 
 @needs_gdc
-def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait() -> None:
+@pytest.mark.parametrize("planar", [False, True])
+def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool) -> None:
     """PREFETCH issues the first step's loads before the loop: they must come after the wait, or the first step
-    would read activations the kernel before it has not written yet."""
+    would read activations the kernel before it has not written yet (plain and planar activations)."""
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                  "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
-                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, PDL=True, EARLY=False)
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True,
+                      PDL=True, EARLY=False)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
 

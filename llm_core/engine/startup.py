@@ -344,7 +344,8 @@ class PathBuilder:
                                          prefill_chunk_tokens=self.prefill_chunk_tokens,
                                          kv_cache=self.fast_kv_cache,
                                          prefix_attention=self.settings.memory.prefix_attention,
-                                         launch_overlap=self.settings.model.launch_overlap)
+                                         launch_overlap=self.settings.model.launch_overlap,
+                                         gemv_input=self.settings.model.gemv_input)
         plain_facts = self.facts
         try:
             cache_tokens = self.fast_cache_tokens()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, LAUNCH_OVERLAPS, PREFIX_ATTENTIONS
+from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, GEMV_INPUTS, LAUNCH_OVERLAPS, PREFIX_ATTENTIONS
 from ..errors import GenerationError
 from .kernels.attention import triton
 from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
@@ -73,6 +73,9 @@ class FastDecodeOptions:
     # (auto, and each 4-bit matmul prefetches its first weight tile before its wait; resolved to "early" or "off") |
     # off.
     launch_overlap: str = "auto"
+    # The one-token NF4 kernel's activations: plain | planar (GEMV_INPUT: permuted into planes by the op before it,
+    # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form). Opt-in until timed.
+    gemv_input: str = "plain"
 
     @property
     def overlaps(self) -> bool:
@@ -101,6 +104,8 @@ class FastDecodeOptions:
             raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
         if self.launch_overlap not in (*LAUNCH_OVERLAPS, "on"):
             raise GenerationError(f"Unknown launch overlap {self.launch_overlap!r}; choose auto, early or off.")
+        if self.gemv_input not in GEMV_INPUTS:
+            raise GenerationError(f"Unknown GEMV input {self.gemv_input!r}; choose plain or planar.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())

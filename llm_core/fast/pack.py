@@ -39,6 +39,8 @@ class LinSpec:
     pdl: bool = False
     # with pdl: its 4-bit kernel prefetches its first weight tile before the wait (LAUNCH_OVERLAP=early)
     early: bool = False
+    # gemv nf4: the decode step hands its kernel the activations in planes (GEMV_INPUT=planar; nf4_gemv.planar_pairs)
+    planar: bool = False
 
 
 @dataclass
@@ -100,13 +102,19 @@ def _parts_absmax_fp32(p: dict[str, Any]) -> torch.Tensor:
     return nested_absmax_fp32(p["q8"], p["absmax2"], p["offsets"], p["code2"])
 
 
-def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> PackedLinear:
+def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str, planar_input: bool = False
+                 ) -> PackedLinear:
     """One linear from one module, or a fused one from several sharing the input (rows concatenated). `gemv` is
     the 4-bit kernel; unquantized weights use opts.dense_gemv, int8 ones llm_core.dense_gemv with row scales. Its
-    decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on" or "early"."""
+    decode kernel is a programmatic dependent launch where opts.launch_overlap resolved to "on" or "early".
+    `planar_input`: the op before it is one of inductor's, which can write the activations in planes for free, so
+    with opts.gemv_input "planar" an NF4 kernel reads them so."""
     packed = _pack_linears(modules, opts, gemv)
     if opts.overlaps:
         packed.spec = replace(packed.spec, pdl=True, early=opts.launch_overlap == "early")
+    if planar_input and opts.gemv_input == "planar" and packed.spec.gemv == "nf4":
+        packed.spec = replace(packed.spec, planar=True)
+        packed.note = packed.note or "NF4 one-token kernel reads its activations in planes (GEMV_INPUT=planar)"
     return packed
 
 

@@ -48,6 +48,16 @@ def words_view(packed: torch.Tensor) -> torch.Tensor | None:
     return packed.view(torch.int32)
 
 
+def planar_pairs(x: torch.Tensor) -> torch.Tensor:
+    """x (1, K) bf16 -> the same values in the order the kernel's XPLANAR form reads: as int32 pairs, pair p of word j
+    (activations 8j + 2p and 8j + 2p + 1) at p * K/8 + j, so that each of a word's 4 pairs is a plane of K/8. Plain
+    torch views and one copy (no bit casts): inductor folds it into the kernel that computes x."""
+    k = x.shape[-1]
+    if x.dim() != 2 or x.shape[0] != 1 or k % 8 or x.dtype != torch.bfloat16:
+        raise ValueError(f"planar_pairs takes one bf16 row of a multiple of 8, not {tuple(x.shape)} {x.dtype}")
+    return x.reshape(k // 8, 4, 2).transpose(0, 1).contiguous().view(1, k)
+
+
 def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
     """The 16 NF4 levels as bf16 (round to nearest even, as bitsandbytes' kernels hold them), split into low and
     high bytes, each packed little-endian into four 32-bit words: what `prmt` looks up."""
@@ -123,44 +133,74 @@ fma.rn.f32 acc, fv, fx, acc;
 if triton is not None:
 
     @triton.jit
+    def _masked_load(ptr, mask, other, MASKED: tl.constexpr):
+        """tl.load with the mask where MASKED, without it (every lane in range) where not: no predicate, no fill."""
+        if MASKED:
+            return tl.load(ptr, mask=mask, other=other)
+        return tl.load(ptr)
+
+    @triton.jit
     def _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW: tl.constexpr, NBLK: tl.constexpr,
-                         WPB: tl.constexpr, NESTED: tl.constexpr, XVEC: tl.constexpr, BLOCK_B: tl.constexpr):
+                         WPB: tl.constexpr, NESTED: tl.constexpr, XVEC: tl.constexpr, XPLANAR: tl.constexpr,
+                         BLOCK_B: tl.constexpr, EVEN_N: tl.constexpr, EVEN_B: tl.constexpr):
         """The global loads of one step (quant blocks b0 .. b0 + BLOCK_B of `rows`): the weight words (rows, blocks,
-        words), the activations as int32 pairs (one (blocks, words, 4) tile with XVEC, else pair 0 of each word,
-        the other pairs loaded by the caller) and the raw block scales (the double-quant byte or the fp32 absmax).
-        Blocks past the row come back as zeros."""
+        words), each word's 4 activation pairs x0..x3 (see the kernel's XVEC / XPLANAR) and the raw block scales
+        (the double-quant byte or the fp32 absmax). Blocks past the row come back as zeros (EVEN_B: there are none;
+        EVEN_N: every row is in range)."""
         blks = b0 + tl.arange(0, BLOCK_B)
         bmask = blks < NBLK
         words = blks[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCK_B, WPB) word index within a row
-        w = tl.load(w_ptr + rows[:, None, None] * KW + words[None, :, :],
-                    mask=rmask[:, None, None] & bmask[None, :, None], other=0)
-        if XVEC:
-            xq = tl.load(x_ptr + (words * 4)[:, :, None] + tl.arange(0, 4)[None, None, :], mask=bmask[:, None, None],
-                         other=0)
+        m3 = rmask[:, None, None] & bmask[None, :, None]
+        MASK3: tl.constexpr = not (EVEN_N and EVEN_B)
+        w = _masked_load(w_ptr + rows[:, None, None] * KW + words[None, :, :], m3, 0, MASK3)
+        if XPLANAR:  # plane p at p * KW: each plane's tile has the words' own shape and layout (no conversion)
+            xw = x_ptr + (rows * 0)[:, None, None] + words[None, :, :]
+            x0 = _masked_load(xw, m3, 0, not EVEN_B)  # every row's address is in range: only blocks need the mask
+            x1 = _masked_load(xw + KW, m3, 0, not EVEN_B)
+            x2 = _masked_load(xw + 2 * KW, m3, 0, not EVEN_B)
+            x3 = _masked_load(xw + 3 * KW, m3, 0, not EVEN_B)
+        elif XVEC:
+            xq = _masked_load(x_ptr + (words * 4)[:, :, None] + tl.arange(0, 4)[None, None, :],
+                              bmask[:, None, None], 0, not EVEN_B)
+            xa, xb = tl.split(tl.reshape(xq, (BLOCK_B, WPB, 2, 2)))  # last index 2a + b: xa = b 0, xb = b 1
+            x0, x2 = tl.split(xa)
+            x1, x3 = tl.split(xb)
+            x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
         else:
-            xq = tl.load(x_ptr + words * 4, mask=bmask[:, None], other=0)
+            xo = words * 4
+            xm2 = bmask[:, None]
+            x0 = _masked_load(x_ptr + xo, xm2, 0, not EVEN_B)[None, :, :]
+            x1 = _masked_load(x_ptr + xo + 1, xm2, 0, not EVEN_B)[None, :, :]
+            x2 = _masked_load(x_ptr + xo + 2, xm2, 0, not EVEN_B)[None, :, :]
+            x3 = _masked_load(x_ptr + xo + 3, xm2, 0, not EVEN_B)[None, :, :]
         blk = rows[:, None] * NBLK + blks[None, :]
         m2 = rmask[:, None] & bmask[None, :]
         if NESTED:
-            raw = tl.load(q8_ptr + blk, mask=m2, other=0).to(tl.int32)
+            raw = _masked_load(q8_ptr + blk, m2, 0, MASK3).to(tl.int32)
         else:
-            raw = tl.load(absmax_ptr + blk, mask=m2, other=0.0)
-        return w, xq, raw
+            raw = _masked_load(absmax_ptr + blk, m2, 0.0, MASK3)
+        return w, x0, x1, x2, x3, raw
 
     @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+                         BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, XPLANAR: tl.constexpr = False,
+                         EVEN_N: tl.constexpr = False, EVEN_B: tl.constexpr = False, PDL: tl.constexpr = False,
                          EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
+        XPLANAR: x_ptr holds the pairs in planes instead (planar_pairs: pair p of word j at p * KW + j), so each
+        plane loads as a tile of the words' own shape and layout: no shared-memory conversion of the activations
+        (and its barriers) in the loop, for one redundant load per row a thread holds.
         PREFETCH: each step issues the next step's loads (weights, activations, block scales) into registers before
         it decodes its own, so their memory latency hides behind a step of arithmetic; costs the registers of one
         more step. (Triton's own pipeline, `tl.range(num_stages=2 or 3)`, cp.async copies through shared memory,
         was slower for every tile on an H100: docs/fast_decode.md.)
+        EVEN_N / EVEN_B (set by the launcher from the shapes): N is a multiple of BLOCK_N / NBLK of BLOCK_B, so the
+        loads go unmasked (the prefetch past the last step wraps to the first, its loads unused).
         PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl). EARLY (with PDL): before the
         wait, the program's first weight tile is prefetched into the L2 (weights are never written during a step),
         so its DRAM latency overlaps the kernel before this one."""
@@ -170,49 +210,44 @@ if triton is not None:
             prefetch_weight_rows(w_ptr, rows, rmask, KW, 0, BLOCK_B * WPB)
         wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
-        wi = tl.arange(0, WPB)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         if PREFETCH:
-            w, xq, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB, NESTED,
-                                          XVEC, BLOCK_B)
+            w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
+                                                      NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
         for b0 in range(0, NBLK, BLOCK_B):
             if PREFETCH:
-                w_now, xq_now, raw_now = w, xq, raw
-                w, xq, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0 + BLOCK_B, KW, NBLK,
-                                              WPB, NESTED, XVEC, BLOCK_B)
+                w_now, x0_now, x1_now, x2_now, x3_now, raw_now = w, x0, x1, x2, x3, raw
+                b_next = b0 + BLOCK_B
+                if EVEN_B:  # unmasked: past the last step, load the first again (unused)
+                    b_next = b_next % NBLK
+                w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b_next,
+                                                          KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N,
+                                                          EVEN_B)
             else:
-                w_now, xq_now, raw_now = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW, NBLK,
-                                                          WPB, NESTED, XVEC, BLOCK_B)
-            blks = b0 + bi
-            bmask = blks < NBLK
-            if XVEC:
-                xa, xb = tl.split(tl.reshape(xq_now, (BLOCK_B, WPB, 2, 2)))  # last index 2a + b: xa = b 0, xb = b 1
-                x0, x2 = tl.split(xa)
-                x1, x3 = tl.split(xb)
-                x0, x1, x2, x3 = x0[None, :, :], x1[None, :, :], x2[None, :, :], x3[None, :, :]
-            else:
-                xo = (blks[:, None] * WPB + wi[None, :]) * 4
-                xm = bmask[:, None]
-                x0 = xq_now[None, :, :]
-                x1 = tl.load(x_ptr + xo + 1, mask=xm, other=0)[None, :, :]
-                x2 = tl.load(x_ptr + xo + 2, mask=xm, other=0)[None, :, :]
-                x3 = tl.load(x_ptr + xo + 3, mask=xm, other=0)[None, :, :]
-            part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0, x1, x2, x3], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+                w_now, x0_now, x1_now, x2_now, x3_now, raw_now = _gemv_step_loads(
+                    x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B,
+                    EVEN_N, EVEN_B)
+            part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
+                                             dtype=tl.float32, is_pure=True, pack=1)
             dot = tl.sum(part, axis=2)
             if NESTED:
+                blks = b0 + bi
                 blk = rows[:, None] * NBLK + blks[None, :]
-                m2 = rmask[:, None] & bmask[None, :]
-                scale = (tl.load(code2_ptr + raw_now) * tl.load(absmax2_ptr + blk // 256, mask=m2, other=0.0)
-                         + tl.load(offsets_ptr + blk // 256, mask=m2, other=0.0))
+                m2 = rmask[:, None] & (blks < NBLK)[None, :]
+                masked: tl.constexpr = not (EVEN_N and EVEN_B)
+                scale = (tl.load(code2_ptr + raw_now) * _masked_load(absmax2_ptr + blk // 256, m2, 0.0, masked)
+                         + _masked_load(offsets_ptr + blk // 256, m2, 0.0, masked))
             else:
                 scale = raw_now
             acc += dot * scale
         release_dependents(PDL)
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+            y += _masked_load(bias_ptr + rows, rmask, 0.0, not EVEN_N).to(tl.float32)
+        if EVEN_N:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     # (BLOCK_N, BLOCK_B, warps, PREFETCH); the tiles that were fastest plain (on an H100, bench/gemv_bench.py
     # --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
@@ -221,10 +256,12 @@ if triton is not None:
                (8, 8, 4, False), (4, 16, 4, False), (16, 4, 4, False), (16, 8, 4, False), (8, 16, 4, False),
                (16, 8, 8, False),  # above: 1-8 words per thread per step
                (8, 16, 4, True), (4, 16, 4, True), (16, 8, 4, True), (8, 8, 4, True), (8, 8, 2, True)]
+    _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
+                               "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
     _tuned = triton.autotune(
         configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w)
                  for bn, bb, w, pf in CONFIGS],
-        key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC"])(_nf4_gemv_kernel)
+        key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
     AUTOTUNER = _tuned
 
 
@@ -238,7 +275,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
              math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
-             pdl: bool = False, early: bool = False) -> torch.Tensor:
+             pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
@@ -246,7 +283,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
     each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
-    LAUNCH_OVERLAP=early)."""
+    LAUNCH_OVERLAP=early); `planar`: x is given as planar_pairs(x) (the kernel's XPLANAR form)."""
     launch = pdl_meta(pdl, early)
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -265,12 +302,13 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
                              absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": _asm_for(tuple(float(v) for v in code), math),
-             "XVEC": bool(xvec), **launch}
+             "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
     if config is not None:
         if len(config) not in (3, 4):
             raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]), not {config}")
         bn, bb, warps, prefetch = (*config, False)[:4]
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch,
+                                                         EVEN_N=n % bn == 0, EVEN_B=(kw // wpb) % bb == 0,
                                                          num_warps=warps)
     else:
         kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
@@ -289,7 +327,8 @@ def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, a
 
 
 _OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
-              "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False, bool early=False) -> Tensor")
+              "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False, bool early=False, "
+              "bool planar=False) -> Tensor")
 
 
 def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callable[[torch.Tensor], int]) -> Any:
@@ -299,9 +338,9 @@ def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callab
     @torch.library.custom_op(f"llm_core::{name}", mutates_args=(), schema=_OP_SCHEMA)
     def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
            offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None, blocksize: int, nested: bool,
-           code: Sequence[float], pdl: bool = False, early: bool = False) -> torch.Tensor:
+           code: Sequence[float], pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
         words, scales = _op_operands(packed, absmax, q8, absmax2, offsets, code2, nested)
-        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, early=early, **scales)
+        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, early=early, planar=planar, **scales)
 
     @op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -438,12 +477,12 @@ def nf4_rows(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, int, int, int] | None = None,
-             pdl: bool = False, early: bool = False) -> torch.Tensor:
+             pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= ROWS_MAX -> (M, N) bf16 = x @ dequantize(W).T, each weight read once for all rows.
     Arguments as nf4_gemv; `config` = (BLOCK_N, BLOCK_W, SPLIT, num_warps) skips autotuning. The engine serves
     rows with llm_core.nf4_mm; this older kernel stays for bench/small_m.py and has no PDL form."""
-    if pdl or early:
-        raise ValueError("the older NF4 rows kernel has no PDL form; llm_core.nf4_mm has")
+    if pdl or early or planar:
+        raise ValueError("the older NF4 rows kernel has no PDL or planar form; llm_core.nf4_mm has the PDL one")
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     wpb = blocksize // 8
     if blocksize % 8 or wpb & (wpb - 1) or kw % wpb or kw * 8 != k:
