@@ -9,6 +9,7 @@ states. The kernel itself runs in the GPU tests (marked `gpu`).
 from __future__ import annotations
 
 import math
+import os
 import struct
 from typing import Any
 
@@ -370,3 +371,62 @@ def test_planar_pairs_compile_into_the_kernel_before_them() -> None:
 
     x, w = torch.randn(1, 256), torch.randn(256)
     assert torch.equal(torch.compile(norm_then_planes, dynamic=False)(x, w), norm_then_planes(x, w))
+
+
+# --- the kernel's indexing under Triton's interpreter (math="levels": no PTX) ------------------------------------
+
+
+@pytest.fixture
+def interpreter() -> None:
+    if nf4_gemv.triton is None:
+        pytest.skip("Triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter tests run in their own process: TRITON_INTERPRET=1 is read at Triton's import")
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(("n", "k"), [(64, 1024), (40, 704)], ids=["even", "ragged"])
+def test_interpreted_gemv_matches_dequantize_then_matmul_in_every_form(interpreter: None, nested: bool, n: int,
+                                                                        k: int) -> None:
+    """The one-token kernel's loads, masks, prefetch (with its wrap past the last step where the blocks divide),
+    activation planes and block scales, run by the interpreter with the levels gathered in fp32 (math="levels"):
+    every tile and form gives x @ dequantize_4bit(W).T (+ bias) to fp32 rounding. 64 x 1024: every tile divides
+    (EVEN_N, EVEN_B); 40 x 704: 11 quant blocks and 40 rows, so neither does for most tiles."""
+    import bitsandbytes.functional as bf
+
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g) * 0.02
+    packed, qs = bf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, compress_statistics=nested, quant_type="nf4")
+    want_w = bf.dequantize_4bit(packed, qs).float()
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    code = tuple(qs.code.float().tolist())
+    if nested:
+        nb2 = qs.state2.absmax.numel()
+        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
+                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
+    else:
+        scales = {"absmax": qs.absmax.float().view(-1)}
+    want = x.float() @ want_w.T + bias.float()
+    for config in [(8, 16, 4), (8, 16, 4, True), (4, 4, 2, True), (16, 2, 1), (8, 8, 2, True)]:
+        for form in [{}, {"planar": True}, {"xvec": False}]:
+            xin = nf4_gemv.planar_pairs(x) if form.get("planar") else x
+            got = nf4_gemv.nf4_gemv(xin, words, 64, code, bias=bias, config=config, math="levels", **form, **scales)
+            assert got.shape == (1, n) and got.dtype == torch.bfloat16
+            err = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
+            assert err < 1e-2, (config, form, err)  # the output's bf16 rounding; a wrong index is off by far more
+
+
+def test_the_gemv_interpreter_tests_pass_in_their_own_process() -> None:
+    """TRITON_INTERPRET is read when Triton is imported, so the interpreter tests above run in a child process."""
+    if nf4_gemv.triton is None:
+        pytest.skip("Triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("already the interpreter's process")
+    from tests.triton_interp import run_interpreted_tests
+
+    run = run_interpreted_tests(__file__)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]

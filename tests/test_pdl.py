@@ -21,6 +21,9 @@ from llm_core.fast.pack import pack_linears
 
 needs_gdc = pytest.mark.skipif(not pdl.triton_has_gdc(), reason="needs a Triton with grid dependency control")
 WAIT, RELEASE = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
+GEMV_SIGNATURE = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
+                  "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "levels_ptr": "*fp32", "bias_ptr": "*bf16",
+                  "y_ptr": "*bf16", "N": "i32"}  # what nf4_gemv passes the one-token kernel
 
 
 def _levels() -> tuple[float, ...]:
@@ -42,8 +45,7 @@ def _compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], war
 @needs_gdc
 @pytest.mark.parametrize(("on", "early"), [(True, False), (False, False), (True, True)])
 def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool) -> None:
-    signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
-                 "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
+    signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, XPLANAR=False, EVEN_N=False, EVEN_B=False,
                       PDL=on, EARLY=early)
@@ -62,8 +64,7 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
 def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool) -> None:
     """PREFETCH issues the first step's loads before the loop: they must come after the wait, or the first step
     would read activations the kernel before it has not written yet (plain and planar activations)."""
-    signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
-                 "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16", "N": "i32"}
+    signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True,
                       PDL=True, EARLY=False)

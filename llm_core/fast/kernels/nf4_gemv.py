@@ -71,7 +71,9 @@ def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
     return words(lo), words(hi)
 
 
-MATH = ("bf16x2", "fp32")  # how dot8_asm multiplies and adds (see there); bf16x2 is the default
+MATH = ("bf16x2", "fp32", "levels")  # how a word is dotted: dot8_asm's two forms (bf16x2 the default) or "levels"
+# (no PTX: each level gathered from a 16-entry table in memory, fp32 products; slow, but Triton's interpreter runs it,
+# so the CPU tests check the kernel's indexing, masks, prefetch and planes)
 
 
 def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
@@ -86,8 +88,8 @@ def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
     and the two halves are added in fp32. About 3.5 instructions per weight.
     math="fp32": every level and activation widened to fp32 (a shift or a mask) and one fp32 `fma` per weight:
     exact products, about 6 instructions per weight."""
-    if math not in MATH:
-        raise ValueError(f"math must be one of {MATH}, got {math!r}")
+    if math not in MATH or math == "levels":
+        raise ValueError(f"dot8_asm's math is bf16x2 or fp32, got {math!r}")
     lo, hi = table_bytes(code)
     consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
     regs = ".reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r"
@@ -131,6 +133,20 @@ fma.rn.f32 acc, fv, fx, acc;
 
 
 if triton is not None:
+
+    @triton.jit
+    def _dot8_levels(w, x0, x1, x2, x3, levels_ptr):
+        """What dot8_asm computes, in Triton ops (math="levels"): word w's 8 NF4 indices (byte p: weight 2p in the
+        high nibble, 2p + 1 in the low one) dotted with the bf16 pairs x0..x3 (pair p: weight 2p in the low half),
+        each level gathered from levels_ptr, products and sum in fp32."""
+        acc = tl.zeros(w.shape, dtype=tl.float32)
+        for p in tl.static_range(4):
+            byte = (w >> (8 * p)) & 0xFF
+            xp = x0 if p == 0 else (x1 if p == 1 else (x2 if p == 2 else x3))
+            even = (xp << 16).to(tl.float32, bitcast=True)
+            odd = ((xp >> 16) << 16).to(tl.float32, bitcast=True)
+            acc += tl.load(levels_ptr + (byte >> 4)) * even + tl.load(levels_ptr + (byte & 15)) * odd
+        return acc
 
     @triton.jit
     def _masked_load(ptr, mask, other, MASKED: tl.constexpr):
@@ -182,13 +198,15 @@ if triton is not None:
         return w, x0, x1, x2, x3, raw
 
     @triton.jit
-    def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr, N,
+    def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, levels_ptr, bias_ptr,
+                         y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, XPLANAR: tl.constexpr = False,
                          EVEN_N: tl.constexpr = False, EVEN_B: tl.constexpr = False, PDL: tl.constexpr = False,
                          EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
+        ASM: dot8_asm's PTX, or "" for math="levels" (levels_ptr: the 16 levels in fp32; a dummy otherwise).
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
@@ -227,8 +245,11 @@ if triton is not None:
                 w_now, x0_now, x1_now, x2_now, x3_now, raw_now = _gemv_step_loads(
                     x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B,
                     EVEN_N, EVEN_B)
-            part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
-                                             dtype=tl.float32, is_pure=True, pack=1)
+            if ASM == "":  # math="levels": no PTX (the interpreter's form)
+                part = _dot8_levels(w_now, x0_now, x1_now, x2_now, x3_now, levels_ptr)
+            else:
+                part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
+                                                 dtype=tl.float32, is_pure=True, pack=1)
             dot = tl.sum(part, axis=2)
             if NESTED:
                 blks = b0 + bi
@@ -279,7 +300,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
-    `math` see dot8_asm;
+    `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
     each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
@@ -298,10 +319,11 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     dummy = y
     q8, absmax2, offsets, code2 = nested if nested is not None else (dummy, dummy, dummy, dummy)
+    levels = torch.tensor([float(v) for v in code], device=x.device) if math == "levels" else dummy
     args: tuple[Any, ...] = (x.contiguous().view(torch.int32), words, absmax if absmax is not None else dummy, q8,
-                             absmax2, offsets, code2, bias if bias is not None else dummy, y, n)
+                             absmax2, offsets, code2, levels, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
-             "ASM": _asm_for(tuple(float(v) for v in code), math),
+             "ASM": "" if math == "levels" else _asm_for(tuple(float(v) for v in code), math),
              "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
     if config is not None:
         if len(config) not in (3, 4):
