@@ -60,3 +60,15 @@ def run_interpreted_tests(test_file: str) -> subprocess.CompletedProcess[str]:
            "PYTHONPATH": os.pathsep.join(p for p in (str(repo), os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "interpreted",
                            str(Path(test_file))], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+
+
+def check_interpreted_tests(test_file: str, triton_module: Any) -> None:
+    """The body of each test file's "the interpreter tests pass in their own process": skips without Triton or inside
+    the child itself, else runs run_interpreted_tests and asserts that they ran (none skipped) and passed."""
+    if triton_module is None:
+        pytest.skip("Triton is not installed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("already the interpreter's process")
+    run = run_interpreted_tests(test_file)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and "skipped" not in run.stdout.splitlines()[-1], run.stdout[-500:]
