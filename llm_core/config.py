@@ -313,8 +313,8 @@ class ModelSettings:
     launch_overlap: str = setting("LAUNCH_OVERLAP", "auto", _parse_choice(LAUNCH_OVERLAPS),
         "fast path: each decode kernel launched while the one before it finishes (programmatic dependent launch, "
         "CUDA sm_90+: H100/H200); auto = where the GPU, Triton and PyTorch can; early = auto, and each 4-bit matmul "
-        "prefetches its first weight tile before it waits (timed slower than auto on an H100); off = one kernel after the "
-        "other")
+        "prefetches its first weight tile before it waits (timed slower than auto on an H100); off = one kernel "
+        "after the other")
     # fast path on CUDA: the one-token NF4 kernel's activations in planes (llm_core.nf4_gemv XPLANAR)
     gemv_input: str = setting("GEMV_INPUT", "plain", _parse_choice(GEMV_INPUTS),
         "fast path: how the one-token NF4 kernel reads its activations; plain = as the layer wrote them; planar = "
