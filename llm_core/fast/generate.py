@@ -240,7 +240,7 @@ class FastDecoder(DecoderWarmup):
         notes: set[str] = set()
         for i, layer in enumerate(a.layers):
             attn = layer.self_attn
-            packed = [pack_linears(g, opts, gemv, attn.o_proj not in g) for g in self._layer_groups(layer)]
+            packed = [pack_linears(g, opts, gemv, planar_input=attn.o_proj not in g) for g in self._layer_groups(layer)]
             notes.update(p.note for p in packed if p.note)
             next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
             rest = [layer.post_attention_layernorm.weight, next_norm.weight]

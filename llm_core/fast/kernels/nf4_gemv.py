@@ -71,9 +71,10 @@ def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
     return words(lo), words(hi)
 
 
-MATH = ("bf16x2", "fp32", "levels")  # how a word is dotted: dot8_asm's two forms (bf16x2 the default) or "levels"
-# (no PTX: each level gathered from a 16-entry table in memory, fp32 products; slow, but Triton's interpreter runs it,
-# so the CPU tests check the kernel's indexing, masks, prefetch and planes)
+ASM_MATH = ("bf16x2", "fp32")  # dot8_asm's two forms; bf16x2 is the default
+MATH = (*ASM_MATH, "levels")  # how a word is dotted: one of dot8_asm's forms or "levels" (no PTX: each level gathered
+# from a 16-entry table in memory, fp32 products; slow, but Triton's interpreter runs it, so the CPU tests check the
+# kernel's indexing, masks, prefetch and planes)
 
 
 def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
@@ -88,8 +89,8 @@ def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
     and the two halves are added in fp32. About 3.5 instructions per weight.
     math="fp32": every level and activation widened to fp32 (a shift or a mask) and one fp32 `fma` per weight:
     exact products, about 6 instructions per weight."""
-    if math not in MATH or math == "levels":
-        raise ValueError(f"dot8_asm's math is bf16x2 or fp32, got {math!r}")
+    if math not in ASM_MATH:
+        raise ValueError(f"dot8_asm's math is one of {ASM_MATH}, got {math!r}")
     lo, hi = table_bytes(code)
     consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
     regs = ".reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r"
