@@ -15,9 +15,11 @@ step (or a few) removes the Python per op. The pipeline:
   reference) and memory is not doubled.
 - weights: llm_core.fast.cpu_weights.
 - the static cache: per layer (Hkv, L, D), head-major, bf16 (fp32 for dense fp32 weights).
-- prefill: the same layer over the prompt, eager (SDPA causal attention), writing K/V into the static cache.
+- prefill: the same layer over the prompt, eager (SDPA attention), writing K/V into the static cache.
   Attention reads a bf16 cache as it is (bf16 queries, fp32 accumulation) where the CPU multiplies bf16 natively
-  (attention_dtype_is_cache), else fp32 copies of it.
+  (attention_dtype_is_cache), else fp32 copies of it. Over the bf16 cache its SDPA calls are cut by absolute
+  position (attention_blocks), so a row gets the same bits in a prefill of any chunks as in a decode step: replies
+  with and without the prefix cache are token-identical.
 - decode_step: embedding -> 30 layers -> norm -> lm_head for one token, compiled by inductor as one graph per group
   of up to LAYERS_PER_GRAPH consecutive layers (groups of one size share one graph, their weights inputs; the
   attended length dynamic, so attention reads exactly the live rows) and one for the head, which also applies the
@@ -59,6 +61,8 @@ LAYERS_PER_GRAPH = 5  # consecutive decoder layers per compiled graph (docs/cpu.
 # inductor options of the decode graphs: its wrapper's Python checks of every extern kernel's output size, stride and
 # alignment (a few per kernel, ~50 kernels per 5 layers) measured ~5% of a 135M token (docs/cpu.md)
 GRAPH_OPTIONS = {"size_asserts": False, "alignment_asserts": False, "scalar_asserts": False}
+QUERY_ROWS = 4  # the fewest query rows an SDPA call over a bf16 cache gets (attention_blocks)
+ATTENTION_BLOCK = 64  # query rows per SDPA call over a bf16 cache, read to the block's end (attention_blocks)
 DECODE_ATTENTION = "fused"  # one token's attention in the decode graphs: sdpa | fused (inductor's own reduction)
 # QUANTIZATION (what the user asked for) -> the weight format the CPU path computes with
 CPU_FORMATS = {"nf4": "int4", "fp4": "int4", "int8": "int8", "none": "dense"}
@@ -119,9 +123,11 @@ def _no_guards(entries: Sequence[Any]) -> list[bool]:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, op for op."""
+    """transformers' LlamaRMSNorm, op for op, but for the mean of squares, summed in fp64 (each fp32 square exact
+    there): the compiled decode step and the eager prefill sum a row in different orders, which in fp32 gave ~1 row
+    in 4 other bits; in fp64 the fp32 result is the same either way (docs/cpu.md, "Token-identical replies")."""
     xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xf = xf * torch.rsqrt(xf.double().pow(2).mean(-1, keepdim=True).float() + eps)
     return weight * xf.to(x.dtype)
 
 
@@ -143,9 +149,40 @@ def attention_dtype_is_cache(cache_dtype: torch.dtype) -> bool:
     return bool((probe is not None and probe()) or (amx is not None and amx()))
 
 
+AttentionBlock = tuple[int, int, int, torch.Tensor]  # rows a..b-1, keys 0..end-1, the (b - a, end) additive mask
+
+
+def attention_blocks(first: int, seq: int, rows: int, dtype: torch.dtype, block: int = ATTENTION_BLOCK
+                     ) -> list[AttentionBlock]:
+    """How attention over a bf16 cache read as stored splits query rows first..first+seq-1 into SDPA calls so that a
+    row's output has the same bits however the rows came (one prompt, a prompt in chunks, a cached prefix plus a
+    chunk, one decode step): each call holds the rows of one block of `block` absolute positions and attends keys
+    0..end-1, end the block's end, the keys after each row masked by an additive mask (0 / -inf). torch's CPU flash
+    attention sums a row's keys in key blocks of 512 and its last, shorter one whose size is the call's key count
+    (and a causal call's query block decides it): fixing that count per row fixes the order of the sums; its bf16
+    GEMMs give a row the same bits whatever the number of rows from QUERY_ROWS on (fewer rows: another kernel, other
+    bits), so a call of fewer rows gets zero rows after them (docs/cpu.md, "Token-identical replies"). The cache
+    holds rows up to the next multiple of `block` (CPUDecoder._allocate) and rows past the written ones are zeroed
+    before they are read (CPUDecoder._clean), so the masked ones are finite."""
+    blocks = []
+    a, last = first, first + seq
+    while True:
+        end = torch.sym_min((a // block + 1) * block, rows)  # rows: the cache's
+        b = last if seq == 1 else min(last, end)  # seq 1: the decode graph's position is symbolic, one block
+        # at least QUERY_ROWS query rows a call: the rows after b - a are zeros, their mask rows 0 (see above)
+        mask = torch.zeros(QUERY_ROWS if seq == 1 else max(QUERY_ROWS, b - a), end, dtype=dtype)
+        mask[:1 if seq == 1 else b - a].masked_fill_(torch.arange(end)[None, :] > torch.arange(a, b)[:, None],
+                                                      float("-inf"))
+        blocks.append((a, b, end, mask))
+        if seq == 1 or b >= last:
+            return blocks
+        a = b
+
+
 def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, n: int,
-                  norm_in: torch.Tensor, norm_post: torch.Tensor, w: Sequence[torch.Tensor]) -> torch.Tensor:
+                  norm_in: torch.Tensor, norm_post: torch.Tensor, w: Sequence[torch.Tensor],
+                  masks: Sequence[AttentionBlock] | None = None) -> torch.Tensor:
     """One decoder layer over S tokens at positions pos = start..start+S-1. h (S, H) fp32 residual; cos/sin (S, D);
     k/v_cache (Hkv, L, D): this layer's whole static cache, its own tensor, head-major (each head's rows contiguous:
     one token's attention over 6k rows takes 0.72 ms a layer against 1.02 token-major, fused form; rows pos are
@@ -161,10 +198,22 @@ def layer_forward(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, start: int
     k_cache.index_copy_(1, pos, k.transpose(0, 1).to(k_cache.dtype))
     v_cache.index_copy_(1, pos, v.view(seq, hkv, d).transpose(0, 1).to(v_cache.dtype))
     att = k_cache.dtype if spec.cache_dtype_attention else q.dtype
+    gqa = hkv != nh
+    if spec.cache_dtype_attention:  # the bf16 cache as stored: batch-invariant blocks (attention_blocks)
+        qh = q.transpose(0, 1)[None].to(att)  # (1, H, S, D)
+        parts = []
+        for a, b, end, mask in masks or attention_blocks(n - seq, seq, k_cache.shape[1], att):
+            rows = qh[:, :, a - n + seq:b - n + seq]
+            if mask.shape[0] > rows.shape[2]:
+                rows = torch.cat([rows, rows.new_zeros(1, nh, mask.shape[0] - rows.shape[2], d)], dim=2)
+            out = F.scaled_dot_product_attention(rows, k_cache[None, :, :end], v_cache[None, :, :end], attn_mask=mask,
+                                                 scale=spec.scale, enable_gqa=gqa)
+            parts.append(out[:, :, :1] if seq == 1 else out[:, :, :b - a])
+        attn = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        return _layer_tail(spec, h, attn[0].transpose(0, 1).reshape(seq, nh * d).to(h.dtype), norm_post, w, per)
     keys = k_cache[:, :n][None].to(att)  # (1, Hkv, n, D)
     values = v_cache[:, :n][None].to(att)
     qh = q.transpose(0, 1)[None].to(att)  # (1, H, S, D)
-    gqa = hkv != nh
     if seq == 1 and spec.decode_attention == "fused" and not spec.cache_dtype_attention \
             and torch.compiler.is_compiling():
         # one query over an fp32 copy, compiled: products, softmax and sums inductor fuses into its own loops (no
@@ -250,9 +299,11 @@ def forward_tokens(spec: StepSpec, ids: torch.Tensor, pos: torch.Tensor, start: 
     """S tokens `ids` (S,) through every layer -> the last position's logits (1, V) fp32. ks/vs: each layer's static
     cache; norms: per layer (input, post-attention), then the final norm."""
     h = embed(ids)  # (S, H)
+    # one set of attention masks for every layer
+    masks = attention_blocks(start, ids.shape[0], ks[0].shape[1], ks[0].dtype) if spec.cache_dtype_attention else None
     for i in range(spec.n_layers):
         h = layer_forward(spec, h, pos, start, cos, sin, ks[i], vs[i], start + ids.shape[0], norms[2 * i],
-                          norms[2 * i + 1], weights[i])
+                          norms[2 * i + 1], weights[i], masks)
     return head_forward(spec, h, norms[-1], head)
 
 
@@ -313,6 +364,7 @@ class CPUDecoder:
         self._k: list[torch.Tensor] = []  # per layer (Hkv, L, D), each its own tensor: written in place by the graph
         self._v: list[torch.Tensor] = []
         self._lengths = torch.empty(0)  # sliced to (n,): the attended length as a shape the graphs keep symbolic
+        self._clean_to = 0  # cache rows from here on were not written since _allocate (_clean)
         self._rows_used = 0
         self._cos = self._sin = torch.empty(0)  # RoPE of every cache row, made with the cache
         self._step: Callable[..., tuple[torch.Tensor, torch.Tensor]] = self._eager_step
@@ -372,9 +424,11 @@ class CPUDecoder:
         s = self.spec
         self._forget()
         self._k, self._v = [], []
+        rows = -(-tokens // ATTENTION_BLOCK) * ATTENTION_BLOCK if s.cache_dtype_attention else tokens
         for _ in range(s.n_layers):
-            self._k.append(torch.empty(s.n_kv_heads, tokens, s.head_dim, dtype=self.cache_dtype))
-            self._v.append(torch.empty(s.n_kv_heads, tokens, s.head_dim, dtype=self.cache_dtype))
+            self._k.append(torch.empty(s.n_kv_heads, rows, s.head_dim, dtype=self.cache_dtype))
+            self._v.append(torch.empty(s.n_kv_heads, rows, s.head_dim, dtype=self.cache_dtype))
+        self._clean_to = 0
         self._lengths = torch.empty(tokens, dtype=torch.int8)
         self._cos, self._sin = self._cos_sin(torch.arange(tokens))  # (tokens, D) each: RoPE, read by the graphs
 
@@ -410,6 +464,7 @@ class CPUDecoder:
     def _decode(self, token: int, position: int, sel: Selection) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed `token` at `position`: (scores (1, V) fp32 after sel's penalty and bias, their argmax (1,))."""
         n = position + 1
+        self._clean(n)
         ids = torch.tensor([token])
         pos = torch.tensor([position])
         try:
@@ -422,6 +477,17 @@ class CPUDecoder:
             self._step = self._eager_step
             return self._step(ids, pos, n, sel)
 
+    def _clean(self, n: int) -> None:
+        """Before attention reads rows 0..n-1 to the end of their block (attention_blocks): zero the rows of that span
+        not written since the cache was allocated (torch.empty), so that the masked ones are finite."""
+        if not self.spec.cache_dtype_attention:
+            return
+        end = min(-(-n // ATTENTION_BLOCK) * ATTENTION_BLOCK, int(self._k[0].shape[1]))
+        if end > self._clean_to:
+            for t in (*self._k, *self._v):
+                t[:, self._clean_to:end].zero_()
+            self._clean_to = end
+
     def _forget(self) -> None:
         """The static cache is written outside a reply (or re-allocated): nothing in it may be reused."""
         if self.prefix_cache is not None:
@@ -431,6 +497,7 @@ class CPUDecoder:
         """Eager over the prompt from position `first` (rows 0..first-1 already hold its KV), in chunks of `chunk`
         tokens; the last position's logits (1, V) fp32."""
         total = ids.numel()
+        self._clean(total)
         chunk = chunk or total - first
         logits = None
         for start in range(first, total, chunk):
