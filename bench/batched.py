@@ -58,15 +58,15 @@ from llm_core.fast.rows import RowsPlan
 CONTEXT_TOKENS = 4096
 
 
-def restrict_gemv_to_plain_configs() -> None:
-    """--gemv-configs plain: this process's NF4 one-token autotuner keeps only its configs without a load pipeline
-    (bench-only: the library always offers them all)."""
+def restrict_gemv_configs(which: str) -> None:
+    """--gemv-configs plain: this process's NF4 one-token autotuner keeps only its configs without a load pipeline;
+    notable: all but those with the level table in registers (bench-only: the library always offers them all)."""
     from llm_core.fast.kernels import nf4_gemv
 
     tuner = nf4_gemv.AUTOTUNER
-    if tuner is not None:
-        tuner.configs = [c for c in tuner.configs
-                         if not c.kwargs.get("PREFETCH", False)]
+    if tuner is not None and which != "all":
+        drop = "PREFETCH" if which == "plain" else "TABLE_REGS"
+        tuner.configs = [c for c in tuner.configs if not c.kwargs.get(drop, False)]
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -265,8 +265,7 @@ class Bench:
             shape = "tiny" if a.smoke else a.arch
             make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
-        if a.gemv_configs == "plain":
-            restrict_gemv_to_plain_configs()
+        restrict_gemv_configs(a.gemv_configs)
         self.rec.set_summary(gemv_configs=a.gemv_configs)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
@@ -392,10 +391,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
-    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
-                        help="the NF4 one-token kernel's autotuner: every config (the library's), or only the ones "
-                             "without a load prefetch (PREFETCH off: the configs the kernel had before): an A/B "
-                             "of the pipeline through the engine")
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "notable"),
+                        help="the NF4 one-token kernel's autotuner: every config (the library's), only the ones "
+                             "without a load prefetch (plain: PREFETCH off), or all but those with the level table "
+                             "in registers (notable: TABLE_REGS off): A/Bs of those forms through the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call (<= 9.5 min): the one-token NF4 kernel's new forms, first on a GPU. TABLE_REGS (the level table
+# read into registers at a thread-dependent address, so ptxas stops copying it from uniform registers before each
+# use: ~9 -> ~1 SASS instructions a word on sm_90) and XPLANAR (GEMV_INPUT=planar: activations in planes, no
+# shared-memory conversion in the loop); the restructured default loads (EVEN_N / EVEN_B) also run here first.
+# Run from the repo root with .whl carried. Records under $OUT:
+#   gpu-tests-gemv.txt   tests/test_nf4_gemv.py -m gpu (every form incl. table-regs and planar against dequantize +
+#                        matmul; the decode step with GEMV_INPUT=planar against plain)
+#   gemv.json / .log     bench.gemv_bench --sweep on Llama-2-7B (SWEEP_TILES x SWEEP_MODES) and the autotuned kernels
+#   batched-{all,notable}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
+#                        prompts, 128 new tokens, chats $CHATS): every config (the default), then without the table
+#                        configs (RUNS="planar" adds a run with GEMV_INPUT=planar)
+set -uo pipefail
+source bench/h200_env.sh || exit 1
+timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider \
+  tests/test_nf4_gemv.py > "$OUT/gpu-tests-gemv.txt" 2>&1
+echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests-gemv.txt" | head -12 | cut -c1-300
+timeout -s INT -k 15 "${BENCH_S:-170}" python3 -m bench.gemv_bench --sweep --budget-s "${BUDGET_S:-140}" \
+  --arch llama-2-7b llama-3-8b \
+  --kernels bnb_gemm_4bit_nested,ours_nested,ours_nested_pdl,ours_nested_planar,ours_nested_planar_pdl \
+  --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
+echo "gemv bench rc=$?"; tail -16 "$OUT/gemv.log" | cut -c1-160
+for run in ${RUNS:-all notable}; do
+  case $run in
+    notable) extra="--gemv-configs notable" ;;
+    all) extra="" ;;
+    planar) extra="--set GEMV_INPUT=planar" ;;
+  esac
+  timeout -s INT -k 15 "${BATCHED_S:-120}" python3 -m bench.batched --no-reference --chats "${CHATS:-1,8}" \
+    --new-tokens 128 --ckpt /tmp/l2-ckpt $extra --out "$OUT/batched-$run.json" > "$OUT/batched-$run.log" 2>&1
+  echo "batched $run rc=$?"; grep -E '"(recipe|phase)"' "$OUT/batched-$run.log" | cut -c1-300 | tail -3
+done
