@@ -162,6 +162,21 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def load_table_regs(table_ptr, like):
+        """The 8 words of table_words at table_ptr, each as a tensor shaped like `like` (the same value in every
+        element: one register a thread), loaded at an address that depends on the thread (its index AND the 0 that
+        follows the words), so ptxas neither folds them into immediates nor keeps them in uniform registers (from
+        which it copied them before every use: the TABLE_REGS forms)."""
+        tz = tl.zeros(like.shape, dtype=tl.int32)
+        zero = tl.load(table_ptr + 8) + tz
+        addr = table_ptr.to(tl.int64, bitcast=True) + tz.to(tl.int64)
+        return tl.inline_asm_elementwise(
+            "{\n.reg .u32 t;\n.reg .u64 o, a;\nmov.u32 t, %tid.x;\nand.b32 t, t, $9;\nmul.wide.u32 o, t, 4;\n"
+            "add.u64 a, $8, o;\nld.global.nc.v4.u32 {$0, $1, $2, $3}, [a];\n"
+            "ld.global.nc.v4.u32 {$4, $5, $6, $7}, [a+16];\n}",
+            "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [addr, zero], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+    @triton.jit
     def _masked_load(ptr, mask, other, MASKED: tl.constexpr):
         """tl.load with the mask where MASKED, without it (every lane in range) where not: no predicate, no fill."""
         if MASKED:
@@ -247,17 +262,9 @@ if triton is not None:
         bi = tl.arange(0, BLOCK_B)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         REGS: tl.constexpr = TABLE_REGS and ASM != ""  # math="levels" has no table to hold
-        if REGS:  # the table's 8 words loaded once into registers (levels_ptr: table_words), at an address
-            # that depends on the thread (its index AND a 0 read from memory), so ptxas neither folds them back into
-            # immediates nor parks them in uniform registers: either way it copied them before every use
-            tz = tl.zeros((BLOCK_N, BLOCK_B, WPB), dtype=tl.int32)
-            zero = tl.load(levels_ptr + 8) + tz
-            addr = levels_ptr.to(tl.int64, bitcast=True) + tz.to(tl.int64)
-            t0, t1, t2, t3, t4, t5, t6, t7 = tl.inline_asm_elementwise(
-                "{\n.reg .u32 t;\n.reg .u64 o, a;\nmov.u32 t, %tid.x;\nand.b32 t, t, $9;\nmul.wide.u32 o, t, 4;\n"
-                "add.u64 a, $8, o;\nld.global.nc.v4.u32 {$0, $1, $2, $3}, [a];\n"
-                "ld.global.nc.v4.u32 {$4, $5, $6, $7}, [a+16];\n}",
-                "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [addr, zero], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+        if REGS:  # the table's 8 words in registers, read once (levels_ptr: table_words)
+            t0, t1, t2, t3, t4, t5, t6, t7 = load_table_regs(
+                levels_ptr, tl.zeros((BLOCK_N, BLOCK_B, WPB), dtype=tl.int32))
         if PREFETCH:
             w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
                                                       NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
@@ -328,9 +335,13 @@ def _asm_for(code: tuple[float, ...], math: str, table_in: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _table_buffer(code: tuple[float, ...], device: str) -> torch.Tensor:
-    """table_words on the device, made once per code and device (at the first, uncaptured call; never written)."""
-    return torch.tensor(table_words(list(code)), dtype=torch.int32, device=device)
+def table_buffer(code: tuple[float, ...], device: str) -> torch.Tensor:
+    """table_words (then zeros to 16 words) on the device, made once per code and device at a kernel's first,
+    uncaptured call; never written. What the TABLE_REGS forms read."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the NF4 table buffer is made at a kernel's first call, which must not be captured")
+    words = table_words(list(code))
+    return torch.tensor(words + [0] * (16 - len(words)), dtype=torch.int32, device=device)  # 16: what a gather reads
 
 
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
@@ -365,7 +376,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     if math == "levels":
         levels = torch.tensor(host, device=x.device)
     else:
-        levels = _table_buffer(host, str(x.device))
+        levels = table_buffer(host, str(x.device))
     args: tuple[Any, ...] = (x.contiguous().view(torch.int32), words, absmax if absmax is not None else dummy, q8,
                              absmax2, offsets, code2, levels, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
@@ -427,12 +438,17 @@ if triton is not None:
 # --- a few rows at once (the batched fast path) ------------------------------------------------------------------
 
 
-def unpack8_asm(code: list[float]) -> str:
+def unpack8_asm(code: list[float], table_in: bool = False) -> str:
     """PTX: one int32 word of 8 NF4 indices ($4) -> its 8 levels as four bf16x2 words ($0..$3): word p holds the
     level of weight 2p in its low half and of weight 2p + 1 in its high half. The same register-table lookup as
-    dot8_asm (bf16x2), without the multiply: the rows kernel below feeds the levels to tensor-core dots."""
+    dot8_asm (bf16x2), without the multiply: the rows kernel below feeds the levels to tensor-core dots.
+    table_in: the table's 8 words come in as operands written %T0..%T7 (table_words' order), for the caller to
+    number (nf4_mm's TABLE_REGS form)."""
     lo, hi = table_bytes(code)
-    consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
+    if table_in:
+        consts = "".join(f"mov.b32 L{i}, %T{i}; mov.b32 H{i}, %T{4 + i};\n" for i in range(4))
+    else:
+        consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
     select = ("prmt.b32 la, L0, L1, {s};\nprmt.b32 lb, L2, L3, {s};\nprmt.b32 ha, H0, H1, {s};\n"
               "prmt.b32 hb, H2, H3, {s};\nlop3.b32 lo, la, lb, {m}, 0xD8;\nlop3.b32 hi, ha, hb, {m}, 0xD8;\n")
     return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, s7h, t, m, mh, la, lb, ha, hb, lo, hi;\n" + consts
