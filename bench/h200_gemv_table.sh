@@ -7,8 +7,8 @@
 #   gpu-tests-gemv.txt   tests/test_nf4_gemv.py -m gpu (every form incl. table-regs and planar against dequantize +
 #                        matmul; the decode step with GEMV_INPUT=planar against plain)
 #   gemv.json / .log     bench.gemv_bench --sweep on Llama-2-7B (SWEEP_TILES x SWEEP_MODES) and the autotuned kernels
-#   batched-{all,notable}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
-#                        prompts, 128 new tokens, chats $CHATS): every config (the default), then without the table
+#   batched-{all,table}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
+#                        prompts, 128 new tokens, chats $CHATS): the library's configs, then those plus the table
 #                        configs (RUNS="planar" adds a run with GEMV_INPUT=planar)
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -20,9 +20,9 @@ timeout -s INT -k 15 "${BENCH_S:-170}" python3 -m bench.gemv_bench --sweep --bud
   --kernels bnb_gemm_4bit_nested,ours_nested,ours_nested_pdl,ours_nested_planar,ours_nested_planar_pdl \
   --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 echo "gemv bench rc=$?"; tail -16 "$OUT/gemv.log" | cut -c1-160
-for run in ${RUNS:-all notable}; do
+for run in ${RUNS:-all table}; do
   case $run in
-    notable) extra="--gemv-configs notable" ;;
+    table) extra="--gemv-configs table" ;;
     all) extra="" ;;
     planar) extra="--set GEMV_INPUT=planar" ;;
   esac

@@ -311,15 +311,17 @@ if triton is not None:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     # (BLOCK_N, BLOCK_B, warps, PREFETCH, TABLE_REGS); the tiles that were fastest plain (on an H100,
-    # bench/gemv_bench.py --sweep, 2026-12-06 fourth session) also with their next step's loads in registers, and
-    # those also with the table in registers (untimed on a GPU when added: the autotuner decides)
+    # bench/gemv_bench.py --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
+    PREFETCH_TILES = ((8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2))
     CONFIGS = [(4, 4, 4, False, False), (4, 8, 4, False, False), (8, 4, 4, False, False), (8, 8, 8, False, False),
                (8, 4, 8, False, False), (16, 4, 8, False, False), (4, 16, 8, False, False), (2, 8, 4, False, False),
                (16, 2, 4, False, False), (8, 2, 4, False, False), (8, 8, 4, False, False), (4, 16, 4, False, False),
                (16, 4, 4, False, False), (16, 8, 4, False, False), (8, 16, 4, False, False),
                (16, 8, 8, False, False),  # above: 1-8 words per thread per step
-               *[(bn, bb, w, True, table) for table in (False, True)
-                 for bn, bb, w in ((8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2))]]
+               *[(bn, bb, w, True, False) for bn, bb, w in PREFETCH_TILES]]
+    # the same prefetching tiles with the table in registers: not offered to the autotuner until a GPU has run and
+    # timed them (bench/batched.py --gemv-configs table adds them for one process; bench/h200_gemv_table.sh)
+    TABLE_CONFIGS = [(bn, bb, w, True, True) for bn, bb, w in PREFETCH_TILES]
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
     _tuned = triton.autotune(
