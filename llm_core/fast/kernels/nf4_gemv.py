@@ -162,14 +162,13 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def load_table_regs(table_ptr, like):
-        """The 8 words of table_words at table_ptr, each as a tensor shaped like `like` (the same value in every
-        element: one register a thread), loaded at an address that depends on the thread (its index AND the 0 that
-        follows the words), so ptxas neither folds them into immediates nor keeps them in uniform registers (from
-        which it copied them before every use: the TABLE_REGS forms)."""
-        tz = tl.zeros(like.shape, dtype=tl.int32)
-        zero = tl.load(table_ptr + 8) + tz
-        addr = table_ptr.to(tl.int64, bitcast=True) + tz.to(tl.int64)
+    def load_table_regs(table_ptr):
+        """The 8 words of table_words at table_ptr (scalars: one register a thread each), loaded at an address that
+        depends on the thread (its index AND the 0 that follows the words), so ptxas neither folds them into
+        immediates nor keeps them in uniform registers (from which it copied them before every use: the TABLE_REGS
+        forms)."""
+        zero = tl.load(table_ptr + 8)
+        addr = table_ptr.to(tl.int64, bitcast=True)
         return tl.inline_asm_elementwise(
             "{\n.reg .u32 t;\n.reg .u64 o, a;\nmov.u32 t, %tid.x;\nand.b32 t, t, $9;\nmul.wide.u32 o, t, 4;\n"
             "add.u64 a, $8, o;\nld.global.nc.v4.u32 {$0, $1, $2, $3}, [a];\n"
@@ -263,8 +262,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         REGS: tl.constexpr = TABLE_REGS and ASM != ""  # math="levels" has no table to hold
         if REGS:  # the table's 8 words in registers, read once (levels_ptr: table_words)
-            t0, t1, t2, t3, t4, t5, t6, t7 = load_table_regs(
-                levels_ptr, tl.zeros((BLOCK_N, BLOCK_B, WPB), dtype=tl.int32))
+            t0, t1, t2, t3, t4, t5, t6, t7 = load_table_regs(levels_ptr)
         if PREFETCH:
             w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
                                                       NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)

@@ -237,7 +237,7 @@ if triton is not None:
         table = tl.load(code_ptr + tl.arange(0, 16))  # TABLE_REGS: code_ptr holds table_words instead
         regs = None
         if TABLE_REGS:
-            regs = load_table_regs(code_ptr, tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.int32))
+            regs = load_table_regs(code_ptr)
         acc = tl.zeros((MP, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             wcol = k0 // 8 + wj
