@@ -219,7 +219,9 @@ def test_compare_with_another_kv_mode_loads_no_second_copy(pool: EnginePool, nf4
     grown = memory_in_use(device) - before
     assert [r.stats.kv_cache for r in done.results] == ["bf16", "int8"]
     assert pool.resident() == [NF4] and done.results[1].load_s is None  # the served engine answered both
-    assert grown < 0.5 * nf4_engine.report.weights_bytes, grown  # a second copy would add at least the weights
+    # a second copy would add at least the weights on top of what the run itself allocates (plain generate with an
+    # int8 cache here: 61 MB of RSS in one CI run, against 110 MB of weights: half the weights was within reach)
+    assert grown < 0.9 * nf4_engine.report.weights_bytes, grown
 
 
 def test_a_side_the_device_cannot_run_is_refused_before_anything_loads(pool: EnginePool,

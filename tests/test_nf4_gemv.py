@@ -323,7 +323,7 @@ def test_tuned_pick_reads_the_config_an_autotuner_chose_for_a_shape() -> None:
 
 
 def test_the_gemv_input_setting_reaches_the_options_and_only_nf4_kernels_fed_by_inductor_read_planes() -> None:
-    """GEMV_INPUT: plain by default; planar marks a packed NF4 linear on the nf4 kernel whose input the op before it
+    """GEMV_INPUT: planar by default; planar marks a packed NF4 linear on the nf4 kernel whose input the op before it
     writes (pack_linears' planar_input: every linear of a layer but the attention's output projection), and says so
     in a start-up note; other kernels and the attention-fed linear stay plain; unknown values are refused."""
     from llm_core.config import Settings
@@ -331,8 +331,8 @@ def test_the_gemv_input_setting_reaches_the_options_and_only_nf4_kernels_fed_by_
     from llm_core.fast.pack import pack_linears
     from tests.test_fast_decode import nf4_linear
 
-    assert Settings.from_env(environ={}, env_file=None).model.gemv_input == "plain"
-    assert Settings.from_env(environ={"GEMV_INPUT": "planar"}, env_file=None).model.gemv_input == "planar"
+    assert Settings.from_env(environ={}, env_file=None).model.gemv_input == "planar"
+    assert Settings.from_env(environ={"GEMV_INPUT": "plain"}, env_file=None).model.gemv_input == "plain"
     with pytest.raises(SettingsError, match="GEMV_INPUT"):
         Settings.from_env(environ={"GEMV_INPUT": "tiled"}, env_file=None)
     with pytest.raises(GenerationError, match="GEMV input"):
@@ -343,7 +343,8 @@ def test_the_gemv_input_setting_reaches_the_options_and_only_nf4_kernels_fed_by_
     assert fed.spec.gemv == "nf4" and fed.spec.planar and "GEMV_INPUT=planar" in fed.note
     assert not pack_linears([lin], planar, "nf4", planar_input=False).spec.planar  # fed by the attention
     assert not pack_linears([lin], planar, "bnb", planar_input=True).spec.planar  # bitsandbytes' kernel
-    assert not pack_linears([lin], FastDecodeOptions(), "nf4", planar_input=True).spec.planar  # the default
+    assert pack_linears([lin], FastDecodeOptions(), "nf4", planar_input=True).spec.planar  # the default
+    assert not pack_linears([lin], FastDecodeOptions(gemv_input="plain"), "nf4", planar_input=True).spec.planar
 
 
 @pytest.mark.gpu

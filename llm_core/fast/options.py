@@ -74,8 +74,8 @@ class FastDecodeOptions:
     # off.
     launch_overlap: str = "auto"
     # The one-token NF4 kernel's activations: plain | planar (GEMV_INPUT: permuted into planes by the op before it,
-    # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form). Opt-in until timed.
-    gemv_input: str = "plain"
+    # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form); planar since timed (docs/fast_decode.md)
+    gemv_input: str = "planar"
 
     @property
     def overlaps(self) -> bool:
