@@ -20,7 +20,7 @@ timeout -s INT -k 15 "${BENCH_S:-170}" python3 -m bench.gemv_bench --sweep --bud
   --kernels bnb_gemm_4bit_nested,ours_nested,ours_nested_pdl,ours_nested_planar,ours_nested_planar_pdl \
   --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 echo "gemv bench rc=$?"; tail -16 "$OUT/gemv.log" | cut -c1-160
-for run in ${RUNS:-all table}; do
+for run in ${RUNS-all table}; do  # RUNS="" runs none
   case $run in
     table) extra="--gemv-configs table" ;;
     all) extra="" ;;
