@@ -11,6 +11,12 @@ small-card default) and 3,000 new tokens: the engine's path today (SlotDecoder.p
 of the pool into a temporary, dequantized and flash-attended PREFIX_HEADS K/V heads at a time) against the paged
 prefix attention kernel (llm_core.fast.kernels.prefix_attention, the pool read in place) at a few launch
 configurations, with the largest difference between the two outputs.
+
+--split times the engine's gather path against PREFIX_ATTENTION=split (layer._split_prefix_attention: the prefix
+attended without a mask, by flash or by cuDNN, the chunk's own keys causally, merged by log-sum-exp), both through
+engine_prefix_attention, with each form's largest difference from a float32 reference, and the first call of a new
+shape for the cuDNN form (its execution plan is built per shape), then cuDNN's own causal mask over the whole
+(which corner it aligns: `cudnn_causal_matches`).
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--paged", action="store_true", help="the paged pool's forms (see above)")
+    parser.add_argument("--split", action="store_true", help="PREFIX_ATTENTION=split's forms (see above)")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
-    records = paged_records(dev) if args.paged else []
-    for model, (heads, kv_heads) in SHAPES.items() if not args.paged else ():
+    records = paged_records(dev) if args.paged else split_records(dev) if args.split else []
+    for model, (heads, kv_heads) in SHAPES.items() if not (args.paged or args.split) else ():
         dim = 128
         for seq, start in CASES:
             spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True)
@@ -144,6 +151,92 @@ def paged_records(dev: torch.device) -> list[dict[str, object]]:
                 print(json.dumps(rec), flush=True)
                 records.append(rec)
                 del k, v, q, table, outs
+                torch.cuda.empty_cache()
+    return records
+
+
+SPLIT_CASES = [(1024, 8000), (1024, 16000), (3000, 3000), (3000, 12000), (3000, 24000)]  # (new, cached)
+SPLIT_FORMS = {"engine_gather_flash": "", "split_flash": "flash", "split_cudnn": "cudnn"}
+
+
+def _reference(spec: layer.LayerSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
+               ) -> torch.Tensor:
+    """float32 attention of q (1, H, S, D) at positions start.. over keys/values (1, Hkv, T, D), per head (bounded
+    memory) -> (S, H * D)."""
+    seq, end = q.shape[2], keys.shape[2]
+    groups = spec.n_heads // spec.n_kv_heads
+    mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+    outs = []
+    for h in range(spec.n_heads):
+        s = (q[0, h].float() @ keys[0, h // groups].float().T) * spec.scale
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+        outs.append(p @ values[0, h // groups].float())
+    return torch.stack(outs, 1).reshape(seq, spec.n_heads * spec.head_dim)
+
+
+def split_records(dev: torch.device) -> list[dict[str, object]]:
+    from llm_core.fast.kvquant import from_cache, quantize_rows
+
+    records: list[dict[str, object]] = []
+    dim = 128
+    cudnn_ok = layer.prefix_split_backend(dev, torch.bfloat16, dim)
+    records.append({"kind": "probe", "prefix_split_backend": cudnn_ok,
+                    "cudnn_version": torch.backends.cudnn.version()})
+    print(json.dumps(records[-1]), flush=True)
+    for model, (heads, kv_heads) in SHAPES.items():
+        for rows in ("bf16", "int8"):
+            for seq, start in SPLIT_CASES:
+                end = start + seq
+                blocks = -(-end // PAGE)
+                g = torch.Generator(device=dev).manual_seed(0)
+                k = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                v = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                if rows == "int8":
+                    k, v = quantize_rows(k), quantize_rows(v)
+                table = torch.randperm(blocks + 8, device=dev, generator=g)[:blocks].to(torch.int32)
+                q = torch.randn(1, heads, seq, dim, device=dev, dtype=torch.bfloat16, generator=g)
+                flops = 4 * seq * (start + (seq + 1) / 2) * heads * dim
+                rec: dict[str, object] = {"model": model, "rows": rows, "new_tokens": seq, "cached_tokens": start,
+                                          "page": PAGE}
+                from llm_core.fast.kernels.attention import gather_blocks
+                whole = [from_cache(gather_blocks(pool, table[None])[0, :end], torch.bfloat16).transpose(0, 1)[None]
+                         for pool in (k, v)]
+                ref = _reference(layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True,
+                                                 "triton", True), q, whole[0], whole[1], start)
+                for name, backend in SPLIT_FORMS.items():
+                    if backend == "cudnn" and cudnn_ok != "cudnn":
+                        rec[f"{name}_error"] = "cuDNN attention unavailable (prefix_split_backend)"
+                        continue
+                    spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton",
+                                           True, backend)
+                    fn = partial(engine_prefix_attention, spec, q, k, v, table, start)
+                    try:
+                        with layer._prefill_attention_scope("flash", dev):
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            out = fn().reshape(seq, heads * dim).float()
+                            torch.cuda.synchronize()
+                            rec[f"{name}_first_call_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
+                            ms = time_in_cuda_graph(fn, dev, reps=3, replays=5, warmups=2) / 1000.0
+                        rec[f"{name}_ms"] = round(ms, 3)
+                        rec[f"{name}_tflops"] = round(flops / (ms / 1e3) / 1e12, 1)
+                        rec[f"{name}_max_abs_diff_fp32"] = round(float((out - ref).abs().max()), 5)
+                    except Exception as exc:  # noqa: BLE001 - a form that cannot run is recorded as such
+                        rec[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                if cudnn_ok == "cudnn" and kv_heads == heads:  # which corner cuDNN's own causal mask takes
+                    try:
+                        got = layer.attention_lse(q, whole[0], whole[1], dim ** -0.5, True, "cudnn")[0]
+                        got = got.transpose(1, 2).reshape(seq, heads * dim).float()
+                        top_left = _reference(layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None,
+                                                              (), True, "triton", True), q, whole[0], whole[1], 0)
+                        rec["cudnn_causal_matches"] = ("bottom-right" if float((got - ref).abs().max()) < 0.02
+                                                       else "top-left" if float((got - top_left).abs().max()) < 0.02
+                                                       else "neither")
+                    except Exception as exc:  # noqa: BLE001
+                        rec["cudnn_causal_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                print(json.dumps(rec), flush=True)
+                records.append(rec)
+                del k, v, q, table, whole, ref
                 torch.cuda.empty_cache()
     return records
 

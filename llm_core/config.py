@@ -39,7 +39,7 @@ KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
 LAUNCH_OVERLAPS = ("auto", "early", "off")  # programmatic dependent launch of the fast path's decode kernels
 GEMV_INPUTS = ("plain", "planar")  # how the fast path's one-token NF4 kernel reads its activations
-PREFIX_ATTENTIONS = ("gather", "paged")  # how a later prefill chunk of the paged pool reads its prefix
+PREFIX_ATTENTIONS = ("gather", "paged", "split")  # how a later prefill chunk of the paged pool reads its prefix
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
 # Gradio's own environment variables (Hugging Face Spaces sets the first two) and the setting each stands in for
@@ -476,7 +476,8 @@ class MemorySettings:
     prefix_attention: str = setting("PREFIX_ATTENTION", "gather", _parse_choice(PREFIX_ATTENTIONS),
         "KV_LAYOUT=paged, a prompt chunk after cached tokens: gather = copy the prefix out of the pool and "
         "flash-attend it; paged = a Triton kernel reads the pool in place (no copy; experimental: faster for bf16 "
-        "rows, slower for int8 rows on an H100, docs/prefix_cache.md)")
+        "rows, slower for int8 rows on an H100, docs/prefix_cache.md); split = gather, then attend the prefix "
+        "unmasked (cuDNN where it runs) and the chunk causally, merged (experimental)")
 
 
 @dataclass(frozen=True)

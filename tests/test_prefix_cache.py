@@ -386,3 +386,101 @@ def test_bf16_chunked_prefill_compiles_the_flash_prefix_attention_and_scores_as_
             scores[flash] = torch.log_softmax(dec.prefill_scores(ids, penalties=False).float(), dim=-1)
         del dec
     assert (scores[True] - scores[False]).abs().max().item() < 0.05
+
+
+def test_two_attentions_merged_by_their_log_sum_exp_equal_one_over_all_the_keys() -> None:
+    """layer.attention_lse + merge_attention: attention over keys A and over keys B, merged by their log-sum-exp,
+    = one attention over A and B together (fp32), and the log-sum-exp is the log of the softmax denominator."""
+    from llm_core.fast import layer
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 9, 16, generator=gen)
+    k, v = torch.randn(1, 4, 30, 16, generator=gen), torch.randn(1, 4, 30, 16, generator=gen)
+    k[..., 3, :] *= 8  # one key far above the rest: the merge must not overflow
+    out_a, lse_a = layer.attention_lse(q, k[:, :, :21], v[:, :, :21], 0.25, False)
+    out_b, lse_b = layer.attention_lse(q, k[:, :, 21:], v[:, :, 21:], 0.25, False)
+    scores = (q @ k.transpose(-1, -2)) * 0.25
+    assert torch.allclose(lse_a, torch.logsumexp(scores[..., :21], -1), atol=1e-5)
+    got = layer.merge_attention(out_a, lse_a, out_b, lse_b)
+    want = torch.softmax(scores, -1) @ v
+    assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("rows", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_a_split_later_chunk_attends_as_the_masked_one(rows: str, kv_heads: int) -> None:
+    """PREFIX_ATTENTION=split's form (LayerSpec.prefix_split): a later chunk's queries over the cached prefix
+    (unmasked) and over their own keys (causal), merged = the explicit-mask form over the same cache; fp32 to 1e-5,
+    bf16 and int8 rows to bf16 rounding; the chunk's first query does not see the chunk's later keys."""
+    from llm_core.fast import layer
+    from llm_core.fast.kvquant import quantize_rows
+
+    heads, dim, start, seq = 8, 32, 45, 19
+    dtype = torch.float32 if rows == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(start + seq + 3, kv_heads, dim, generator=gen).to(dtype) for _ in range(2))
+    if rows == "int8":
+        k, v = quantize_rows(k), quantize_rows(v)
+    q = torch.randn(1, seq, heads, dim, generator=gen).to(dtype).transpose(1, 2)
+    masked = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "matmul")
+    split = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "matmul", False, "flash")
+    want = layer.prefix_attention_over_cache(masked, q, k, v, start).float()
+    got = layer.prefix_attention_over_cache(split, q, k, v, start).float()
+    assert got.shape == want.shape == (1, seq, heads * dim)
+    assert (got - want).abs().max().item() < (1e-5 if rows == "fp32" else 2e-2)
+    # a cache whose rows after the chunk's first position were different would change every query but the first
+    changed = k.clone()
+    changed[start + 1:] = changed[start + 1:].flip(0)
+    first = layer.prefix_attention_over_cache(split, q, changed, v, start).float()
+    assert (first[0, 0] - got[0, 0]).abs().max().item() == 0
+    assert (first[0, 1:] - got[0, 1:]).abs().max().item() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("kv_heads", [8, 2])
+def test_the_split_form_on_cuda_attends_as_the_fp32_mask(backend: str, kv_heads: int) -> None:
+    """The split form's CUDA backends (flash, and cuDNN where prefix_split_backend finds it) over a bf16 cache =
+    the explicit mask in fp32, within bf16 rounding."""
+    from llm_core.fast import layer
+
+    if backend == "cudnn" and layer.prefix_split_backend(torch.device("cuda"), torch.bfloat16, 128) != "cudnn":
+        pytest.skip("PyTorch's cuDNN attention does not run here")
+    heads, dim, start, seq = 8, 128, 700, 300
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, seq, heads, dim, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    k, v = (torch.randn(start + seq, kv_heads, dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
+    spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True, backend)
+    mask = torch.arange(start + seq, device="cuda")[None, :] <= torch.arange(start, start + seq, device="cuda")[:, None]
+    ref = layer._prefill_attention(spec, q.float(), k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+                                   mask)
+    got = layer.prefix_attention_over_cache(spec, q, k, v, start)
+    assert (got.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_chunked_prefill_with_split_prefix_attention_compiles_and_scores_as_gather(
+        tmp_path: Any) -> None:
+    """PREFIX_ATTENTION=split on CUDA in bf16: every layer spec carries the split backend, the compiled prefill
+    serves it (no eager fall-back), and a prompt prefilled in 256-token chunks scores as with the default."""
+    from bench.decode import load
+    from bench.harness import make_random_checkpoint
+    from llm_core.fast import FastDecodeOptions, FastDecoder
+
+    folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 4096)
+    loaded = load(str(folder), "none", "cuda", tmp_path / "cache", "bfloat16")
+    ids = torch.randint(3, 500, (1000,), generator=torch.Generator().manual_seed(0)).cuda()
+    scores = {}
+    for choice in ("gather", "split"):
+        dec = FastDecoder(loaded, max_cache_len=2048,
+                          options=FastDecodeOptions(prefill_graph_tokens=128, prefill_chunk_tokens=256,
+                                                    prefix_attention=choice))
+        dec.warmup()
+        assert all(bool(spec.prefix_split) == (choice == "split") for spec in dec._layer_specs)
+        assert dec._prefill_compiled_ok, dec.notes
+        with dec.outside_reply():
+            scores[choice] = torch.log_softmax(dec.prefill_scores(ids, penalties=False).float(), dim=-1)
+        del dec
+    assert (scores["split"] - scores["gather"]).abs().max().item() < 0.05

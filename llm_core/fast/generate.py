@@ -37,6 +37,7 @@ from .layer import (
     layer_prefill,
     linear_decode,
     prefix_flash_ok,
+    prefix_split_backend,
     rms_norm,
 )
 from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOptions
@@ -233,6 +234,8 @@ class FastDecoder(DecoderWarmup):
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
+        prefix_split = prefix_split_backend(self.device, self.dtype, a.head_dim) \
+            if prefix_flash and opts.prefix_attention == "split" else ""
         pdl = opts.overlaps  # resolved: on only where pdl_support said yes
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
@@ -250,7 +253,7 @@ class FastDecoder(DecoderWarmup):
                 qk_eps = float(_eps(attn.q_norm))
             spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash, pdl)
+                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash, prefix_split, pdl)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)

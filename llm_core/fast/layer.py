@@ -167,6 +167,11 @@ class LayerSpec:
     # sm80+, half precision, head_dim a multiple of 8 up to 256; prefix_flash_ok). Else SDPA with an explicit mask,
     # which flash attention refuses: memory-efficient attention reading an (S, T) bias instead.
     prefix_flash: bool = False
+    # PREFIX_ATTENTION=split: a later chunk's attention in two parts merged by their log-sum-exp
+    # (_split_prefix_attention): its queries over the cached prefix without any mask, by this backend ("cudnn" or
+    # "flash"; prefix_split_backend), and over the chunk's own keys with a square causal mask (flash), every K/V head
+    # in one call. "" = off.
+    prefix_split: str = ""
     # the decode attention kernel launched as a programmatic dependent launch (llm_core.fast.kernels.pdl)
     pdl: bool = False
 
@@ -295,6 +300,10 @@ def prefix_attention_over_cache(spec: LayerSpec, q: torch.Tensor, k_cache: torch
     tokens that is 156 MB at once, part of the peak the start-up measures and the KV cache pays for; a quarter of it
     per group. Softmax is per head: the same values."""
     end = start + q.shape[2]
+    if spec.prefix_split:
+        pre = [from_cache(c[:start], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
+        own = [from_cache(c[start:end], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
+        return _split_prefix_attention(spec, q, pre[0], pre[1], own[0], own[1])
     mask = None if spec.prefix_flash else (
         torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None])
     groups = spec.n_heads // spec.n_kv_heads
@@ -432,6 +441,68 @@ def _prefix_flash_attention(spec: LayerSpec, q: torch.Tensor, keys: torch.Tensor
     attn = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, True, False,
                                                               scale=spec.scale)[0]
     return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
+
+
+def attention_lse(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, causal: bool,
+                  backend: str = "flash") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q (1, H, S, D) over keys/values (1, H, T, D) with its log-sum-exp: -> out (1, H, S, D) in q's
+    dtype and lse (1, H, S) fp32 (natural log of each query's sum of exp(score)). `causal` aligns the mask top-left
+    (use it where S = T). backend: flash (CUDA; the CPU form elsewhere) | cudnn (CUDA: PyTorch's cuDNN attention op)."""
+    if backend == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, keys, values, None, True, 0.0, causal,
+                                                                       False, scale=scale)[:2]
+    elif q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, keys, values, 0.0, causal, False,
+                                                                       scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, keys, values, 0.0, causal,
+                                                                               scale=scale)
+    return out, lse.reshape(q.shape[:3]).float()
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+                    ) -> torch.Tensor:
+    """Two attentions of the same queries over disjoint key sets (attention_lse) -> the attention over their union:
+    each part weighted by its share of the softmax denominator, exp(lse_a) / (exp(lse_a) + exp(lse_b)) =
+    sigmoid(lse_a - lse_b) (no overflow). (1, H, S, D) in out_a's dtype; the sum in fp32."""
+    share = torch.sigmoid(lse_a - lse_b)[..., None]
+    b = out_b.float()
+    return (b + (out_a.float() - b) * share).to(out_a.dtype)
+
+
+def _split_prefix_attention(spec: LayerSpec, q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor,
+                            k_own: torch.Tensor, v_own: torch.Tensor) -> torch.Tensor:
+    """A later chunk's attention (LayerSpec.prefix_split): q (1, H, S, D) at the S positions after the prefix's P;
+    k/v_pre (1, Hkv, P, D) the prefix (every query sees all of it: no mask, spec.prefix_split's backend), k/v_own
+    (1, Hkv, S, D) the chunk's own rows (a square causal mask: flash) -> (1, S, H * D). Every head in one call each
+    (a grid of ceil(S / 128) x H programs; grouped K/V heads expanded as repeat_kv does). Why: PyTorch's flash
+    attention over the whole (bottom-right causal) runs near 0.34 PFLOP/s on an H100; the prefix part is free to use
+    a faster kernel that has no bottom-right mask (docs/prefix_cache.md)."""
+    rows, heads, seq = q.shape[0], q.shape[1], q.shape[2]
+    if spec.n_heads > spec.n_kv_heads:
+        k_pre, v_pre = _expand_kv(spec, heads, k_pre, v_pre)
+        k_own, v_own = _expand_kv(spec, heads, k_own, v_own)
+    out_pre, lse_pre = attention_lse(q, k_pre, v_pre, spec.scale, False, spec.prefix_split)
+    out_own, lse_own = attention_lse(q, k_own, v_own, spec.scale, True, "flash")
+    attn = merge_attention(out_pre, lse_pre, out_own, lse_own)
+    return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
+
+
+def prefix_split_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The prefix part's backend for PREFIX_ATTENTION=split on `device`: "cudnn" where PyTorch's cuDNN attention op
+    runs a small probe (CUDA, half precision, cuDNN built in), else "flash"."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or not torch.backends.cudnn.is_available():
+        return "flash"
+    try:
+        q = torch.randn(1, 64, 2, head_dim, device=device, dtype=dtype).transpose(1, 2)  # the prefill's layouts
+        kv = torch.randn(80, 2, head_dim, device=device, dtype=dtype).transpose(0, 1)[None]
+        got = attention_lse(q, kv, kv, head_dim ** -0.5, False, "cudnn")[0]
+        want = F.scaled_dot_product_attention(q.float(), kv.float(), kv.float())
+        if bool(torch.isfinite(got).all()) and float((got.float() - want).abs().max()) < 0.05:
+            return "cudnn"
+    except Exception:  # noqa: BLE001 - no cuDNN attention here: flash serves the prefix part
+        pass
+    return "flash"
 
 
 def _prefill_out(spec: LayerSpec, h: torch.Tensor, attn: torch.Tensor, lins: list[list[torch.Tensor]], used: int

@@ -64,8 +64,10 @@ class FastDecodeOptions:
     prefill_gemm: str = "auto"
     # A later prefill chunk of the batched path's paged pool: gather (copy the row's prefix out of its blocks, then
     # dequantize and flash-attend it PREFIX_HEADS K/V heads at a time) | paged (read the pool in place:
-    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather). Opt-in: it was slower than gather for int8
-    # rows on an H100 (2026-12-06, docs/prefix_cache.md).
+    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather) | split (gather, then attend the prefix without
+    # a mask, by cuDNN's attention where it runs, and the chunk's own keys causally; merged by log-sum-exp:
+    # layer._split_prefix_attention). Opt-in: paged was slower than gather for int8 rows on an H100 (2026-12-06,
+    # docs/prefix_cache.md); split is timed by bench.prefix_attention --split and bench.multiturn.
     prefix_attention: str = "gather"
     # Programmatic dependent launch (CUDA sm_90+, llm_core.fast.kernels.pdl): each kernel of the compiled decode
     # step (ours and inductor's) starts while the one before it finishes and waits on the device where it reads that
@@ -99,7 +101,7 @@ class FastDecodeOptions:
             raise GenerationError(f"KV_CACHE=int4 needs a head_dim that is a power of two of at least 32 (its "
                                   f"Hadamard rotation and groups of 32), not {head_dim}; use KV_CACHE=int8.")
         if self.prefix_attention not in PREFIX_ATTENTIONS:
-            raise GenerationError(f"Unknown prefix attention {self.prefix_attention!r}; choose gather or paged.")
+            raise GenerationError(f"Unknown prefix attention {self.prefix_attention!r}; choose gather, paged or split.")
         if self.prefill_gemm not in ("auto", "off"):
             raise GenerationError(f"Unknown prefill GEMM {self.prefill_gemm!r}; choose auto or off.")
         if self.launch_overlap not in (*LAUNCH_OVERLAPS, "on"):
