@@ -278,8 +278,11 @@ def layers_graph(spec: StepSpec, h: torch.Tensor, pos: torch.Tensor, cos_table: 
     ready whichever group is last (one row's norm, negligible)."""
     cos, sin = cos_table[pos], sin_table[pos]
     n = length.shape[0]
+    # one set of attention masks for the group's layers (as forward_tokens), not one per layer in the graph
+    masks = attention_blocks(n - 1, 1, ks[0].shape[1], ks[0].dtype) if spec.cache_dtype_attention else None
     for i in range(len(ks)):
-        h = layer_forward(spec, h, pos, 0, cos, sin, ks[i], vs[i], n, norms[2 * i], norms[2 * i + 1], weights[i])
+        h = layer_forward(spec, h, pos, 0, cos, sin, ks[i], vs[i], n, norms[2 * i], norms[2 * i + 1], weights[i],
+                          masks)
     return h, _rms_norm(h, final_norm, spec.eps)
 
 
