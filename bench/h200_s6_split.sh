@@ -3,8 +3,8 @@
 # unmasked, by cuDNN's attention where it runs, and over their own keys causally; merged by log-sum-exp). Run from the
 # repo root with .whl carried. PART=a: the GPU tests of the split form and of the flash prefix form, then
 # bench.prefix_attention --split (per layer: the engine's gather path against split with flash / cuDNN, first calls of
-# new shapes, diffs from fp32), then a 9-turn chat through ChatEngine with split. PART=b: the same chat with the
-# default (gather), then split again (the pair alternated). Llama-2-7B shape, emulated 16 GiB card (int8 KV there),
+# new shapes, diffs from fp32), then a 9-turn chat through ChatEngine with the default (gather), then with split.
+# PART=b: the same pair in the other order. Llama-2-7B shape, emulated 16 GiB card (int8 KV there),
 # 2k-word messages; records under $OUT.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -16,14 +16,15 @@ turns() {  # $1 = PREFIX_ATTENTION, $2 = the record's name
   grep -iE "Traceback|Error" "$OUT/multiturn-$2.log" | head -4 | cut -c1-300
 }
 if [ "${PART:-a}" = a ]; then
-  timeout -s INT -k 15 "${TESTS_S:-100}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
+  timeout -s INT -k 15 "${TESTS_S:-90}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
     tests/test_prefix_cache.py -k "split or flash" > "$OUT/gpu-tests-split.txt" 2>&1
   echo "tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests-split.txt" | head -14 | cut -c1-300
-  timeout -s INT -k 15 "${KERNEL_S:-150}" python3 -m bench.prefix_attention --split --out "$OUT/prefix-split.json" \
+  timeout -s INT -k 15 "${KERNEL_S:-120}" python3 -m bench.prefix_attention --split --out "$OUT/prefix-split.json" \
     > "$OUT/prefix-split.log" 2>&1
   echo "split bench rc=$?"; grep -E '^\{' "$OUT/prefix-split.log" | cut -c1-600
+  turns gather gather-1
   turns split split-1
 else
-  turns gather gather-1
   turns split split-2
+  turns gather gather-2
 fi
