@@ -60,21 +60,14 @@ CONTEXT_TOKENS = 4096
 
 def restrict_gemv_configs(which: str) -> None:
     """--gemv-configs: this process's NF4 one-token autotuner keeps only its configs without a load pipeline
-    (plain), or gets the table-in-registers configs besides the library's (table); all: the library's, unchanged
-    (bench-only)."""
-    import triton
-
+    (plain: nf4_gemv.CONFIGS without PREFETCH, made by the module's own nf4_gemv.gemv_configs); all: the library's,
+    unchanged (bench-only)."""
     from llm_core.fast.kernels import nf4_gemv
 
     tuner = nf4_gemv.AUTOTUNER
     if tuner is None or which == "all":
         return
-    if which == "plain":
-        tuner.configs = [c for c in tuner.configs if not c.kwargs.get("PREFETCH", False)]
-    else:
-        tuner.configs = [*tuner.configs, *[
-            triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf, "TABLE_REGS": table}, num_warps=w)
-            for bn, bb, w, pf, table in nf4_gemv.TABLE_CONFIGS]]
+    tuner.configs = nf4_gemv.gemv_configs([c for c in nf4_gemv.CONFIGS if not c[3]])
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -399,10 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
-    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "table"),
-                        help="the NF4 one-token kernel's autotuner: the library's configs, only the ones without a "
-                             "load prefetch (plain: PREFETCH off), or the library's plus the level table in "
-                             "registers (table: TABLE_REGS, not yet offered by default): A/Bs through the engine")
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
+                        help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
+                             "a load prefetch (plain: PREFETCH off): an A/B of the pipeline through the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

@@ -34,16 +34,14 @@ SHAPES = {  # fused projections as the fast path runs them: (name, N, K)
 }
 LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
 # --sweep: these tiles (BLOCK_N, BLOCK_B, warps) in these modes (PREFETCH: the next step's loads in registers;
-# planar: x in planes, planar_pairs, the kernel's XPLANAR form; table: the level table in registers, TABLE_REGS)
+# planar: x in planes, planar_pairs, the kernel's XPLANAR form)
 SWEEP_TILES = [(8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2)]
-SWEEP_MODES = [(False, False, False), (True, False, False), (True, False, True), (False, True, False),
-               (True, True, False), (True, True, True)]
+SWEEP_MODES = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def sweep_name(cfg: tuple[Any, ...]) -> str:
-    bn, bb, w, pf, planar, table = cfg
-    return (f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "") + ("planar" if planar else "")
-            + ("table" if table else ""))
+    bn, bb, w, pf, planar = cfg
+    return f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "") + ("planar" if planar else "")
 
 
 def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
@@ -117,7 +115,7 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[Any, ...]] | None)
         out["ours_nested_planar_pdl"] = [ours(c, True, planar=True, pdl=True) for c in wt.copies]
         out["ours_nested_pdl_early"] = [ours(c, True, pdl=True, early=True) for c in wt.copies]  # + L2 prefetch
     for cfg in configs or []:
-        out[sweep_name(cfg)] = [ours(c, True, config=(*cfg[:4], cfg[5]), planar=cfg[4]) for c in wt.copies]
+        out[sweep_name(cfg)] = [ours(c, True, config=cfg[:4], planar=cfg[4]) for c in wt.copies]
     return out
 
 
@@ -200,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
                         rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8,
-                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH", "TABLE_REGS"))
+                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH"))
                         if args.asm_dir is not None and arch == args.arch[0]:
                             rec["sass_opcodes"] = dump_asm(calls[0], args.asm_dir / f"{kname}-{name}")
                     per_layer[kname] = per_layer.get(kname, 0.0) + us

@@ -1,15 +1,13 @@
 #!/usr/bin/env bash
-# One device call (<= 9.5 min): the one-token NF4 kernel's new forms, first on a GPU. TABLE_REGS (the level table
-# read into registers at a thread-dependent address, so ptxas stops copying it from uniform registers before each
-# use: ~9 -> ~1 SASS instructions a word on sm_90) and XPLANAR (GEMV_INPUT=planar: activations in planes, no
-# shared-memory conversion in the loop); the restructured default loads (EVEN_N / EVEN_B) also run here first.
-# Run from the repo root with .whl carried. Records under $OUT:
-#   gpu-tests-gemv.txt   tests/test_nf4_gemv.py -m gpu (every form incl. table-regs and planar against dequantize +
-#                        matmul; the decode step with GEMV_INPUT=planar against plain)
+# One device call (<= 9.5 min): the one-token NF4 kernel's forms on a GPU (the name is historical: its level table
+# in registers, TABLE_REGS, was timed here, gave no gain and is removed; commit f9de589 still has it). Run from the
+# repo root with .whl carried. Records under $OUT:
+#   gpu-tests-gemv.txt   tests/test_nf4_gemv.py -m gpu (every form incl. planar against dequantize + matmul; the
+#                        decode step with GEMV_INPUT=planar against plain)
 #   gemv.json / .log     bench.gemv_bench --sweep on Llama-2-7B (SWEEP_TILES x SWEEP_MODES) and the autotuned kernels
-#   batched-{all,table}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
-#                        prompts, 128 new tokens, chats $CHATS): the library's configs, then those plus the table
-#                        configs (RUNS="planar" adds a run with GEMV_INPUT=planar)
+#   batched-{all,plain}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
+#                        prompts, 128 new tokens, chats $CHATS): the library's defaults (GEMV_INPUT=planar), then
+#                        GEMV_INPUT=plain (RUNS picks the runs, of all, plain and planar; RUNS="" runs none)
 set -uo pipefail
 source bench/h200_env.sh || exit 1
 timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA --tb=short -p no:cacheprovider \
@@ -20,10 +18,10 @@ timeout -s INT -k 15 "${BENCH_S:-170}" python3 -m bench.gemv_bench --sweep --bud
   --kernels bnb_gemm_4bit_nested,ours_nested,ours_nested_pdl,ours_nested_planar,ours_nested_planar_pdl \
   --out "$OUT/gemv.json" > "$OUT/gemv.log" 2>&1
 echo "gemv bench rc=$?"; tail -16 "$OUT/gemv.log" | cut -c1-160
-for run in ${RUNS-all table}; do  # RUNS="" runs none
+for run in ${RUNS-all plain}; do  # RUNS="" runs none
   case $run in
-    table) extra="--gemv-configs table" ;;
     all) extra="" ;;
+    plain) extra="--set GEMV_INPUT=plain" ;;
     planar) extra="--set GEMV_INPUT=planar" ;;
   esac
   timeout -s INT -k 15 "${BATCHED_S:-120}" python3 -m bench.batched --no-reference --chats "${CHATS:-1,8}" \

@@ -25,7 +25,7 @@ from typing import Any
 NF4 = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
        -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
        0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
-FLAGS = ("even", "xvec", "scale16", "asm_scale", "table")
+FLAGS = ("even", "xvec", "scale16", "asm_scale")
 _OP = re.compile(r"^\S+\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 _LABEL = re.compile(r"^\s*(\.?L\w+):\s*$")
 _BRANCH = re.compile(r"\bBRA\s+(?:`\()?(\.?L\w+)")
@@ -61,8 +61,7 @@ def config_for(tile: str, variant: str) -> Any:
 
     size, split, warps, stages = tile.split("/")
     bn, bk = (int(v) for v in size.split("x"))
-    names = ({"even", "xvec", "scale16"} | ({"table"} if variant == "all+table" else set()) if variant.startswith("all")
-             else {f for f in variant.split("+") if f != "base"})
+    names = {"even", "xvec", "scale16"} if variant == "all" else {f for f in variant.split("+") if f != "base"}
     unknown = names - set(FLAGS)
     if unknown:
         raise SystemExit(f"unknown loop forms {sorted(unknown)}; known: {FLAGS}")

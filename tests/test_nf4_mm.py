@@ -78,10 +78,7 @@ CONFIGS = {"dot": mm.MMConfig(32, 256, 1, 4, 2, True), "split3": mm.MMConfig(64,
 FORMS = {"dot+forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, True),
          "split3+forms": mm.MMConfig(64, 128, 3, 4, 2, True, True, True, True),
          "cuda_cores+forms": mm.MMConfig(16, 64, 2, 4, 2, False, True, True, True),
-         "dot+exact_forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, False, True),
-         # the level table in registers ("asm" only: a no-op in the interpreter's "gather")
-         "split3+forms+table": mm.MMConfig(64, 128, 3, 4, 2, True, True, True, True, False, True),
-         "dot+exact_forms+table": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, False, True, True)}
+         "dot+exact_forms": mm.MMConfig(32, 256, 1, 4, 2, True, True, True, False, True)}
 
 
 @pytest.fixture
@@ -130,8 +127,8 @@ def test_interpreted_kernel_matches_its_reference_and_bitsandbytes(interpreter: 
             assert got.shape == (m, p.spec.n) and got.dtype == torch.bfloat16
             assert _close_to_reference(got, ref16 if cfg.scale16 else ref), (family, m, name)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (family, m, name)
-            if name in FORMS:  # even, xvec, asm_scale and table change no bits
-                older = cfg.replace(even=False, xvec=False, asm_scale=False, table=False)
+            if name in FORMS:  # even, xvec and asm_scale change no bits
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)
                 assert torch.equal(got, _run(p, x, older)), (family, m, name)
 
 
@@ -346,8 +343,8 @@ def test_gpu_kernel_matches_reference_at_every_m(decode: str, absmax: str, shape
             # bound vs bnb only; with it both decodes compute the scale16 reference's form
             assert (decode == "asm" and not scale16) or _close_to_reference(got, ref16 if scale16 else ref), (
                 m, cfg, decode)
-            if cfg is not None and not cfg.scale16 and (cfg.even or cfg.xvec or cfg.asm_scale or cfg.table):
-                older = cfg.replace(even=False, xvec=False, asm_scale=False, table=False)  # the older loop's bits
+            if cfg is not None and not cfg.scale16 and (cfg.even or cfg.xvec or cfg.asm_scale):
+                older = cfg.replace(even=False, xvec=False, asm_scale=False)  # the same bits as the older loop
                 assert torch.equal(got, _run(p, x, older, decode)), (m, cfg, decode)
             assert _rel(got, x.float() @ w.T) < REL_BOUND, (m, cfg, decode)
 

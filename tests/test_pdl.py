@@ -48,7 +48,7 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, XPLANAR=False, EVEN_N=False, EVEN_B=False,
-                      PDL=on, EARLY=early, ASM_T="", TABLE_REGS=False)
+                      PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
@@ -67,7 +67,7 @@ def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool) ->
     signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True,
-                      PDL=True, EARLY=False, ASM_T="", TABLE_REGS=False)
+                      PDL=True, EARLY=False)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
 

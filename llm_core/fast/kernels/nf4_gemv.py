@@ -71,20 +71,13 @@ def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
     return words(lo), words(hi)
 
 
-def table_words(code: list[float]) -> list[int]:
-    """What the kernel's TABLE_REGS form reads from memory: table_bytes' low words, its high words, then a 0 (the
-    one the kernel hides the table's address behind), as signed int32."""
-    lo, hi = table_bytes(code)
-    return [v - (1 << 32) if v >= 1 << 31 else v for v in (*lo, *hi, 0)]
-
-
 ASM_MATH = ("bf16x2", "fp32")  # dot8_asm's two forms; bf16x2 is the default
 MATH = (*ASM_MATH, "levels")  # how a word is dotted: one of dot8_asm's forms or "levels" (no PTX: each level gathered
 # from a 16-entry table in memory, fp32 products; slow, but Triton's interpreter runs it, so the CPU tests check the
 # kernel's indexing, masks, prefetch and planes)
 
 
-def dot8_asm(code: list[float], math: str = "bf16x2", table_in: bool = False) -> str:
+def dot8_asm(code: list[float], math: str = "bf16x2") -> str:
     """PTX: one int32 word of 8 NF4 indices ($1) dotted with the 8 matching bf16 activations (4 bf16 pairs,
     $2..$5) into one fp32 ($0). The table lives in registers: `prmt` picks bytes of the level table by the low
     3 bits of 4 indices at once, twice (levels 0-7 and 8-15), and `lop3` keeps the right one per index by its
@@ -95,16 +88,11 @@ def dot8_asm(code: list[float], math: str = "bf16x2", table_in: bool = False) ->
     products in bf16 (one rounding per product-and-add; bitsandbytes' kernel also rounds every product to bf16),
     and the two halves are added in fp32. About 3.5 instructions per weight.
     math="fp32": every level and activation widened to fp32 (a shift or a mask) and one fp32 `fma` per weight:
-    exact products, about 6 instructions per weight.
-    table_in: the table's 8 words come in as operands $6..$13 (the kernel's TABLE_REGS form, table_words' order)
-    instead of as immediates."""
+    exact products, about 6 instructions per weight."""
     if math not in ASM_MATH:
         raise ValueError(f"dot8_asm's math is one of {ASM_MATH}, got {math!r}")
     lo, hi = table_bytes(code)
-    if table_in:
-        consts = "".join(f"mov.b32 L{i}, ${6 + i}; mov.b32 H{i}, ${10 + i};\n" for i in range(4))
-    else:
-        consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
+    consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
     regs = ".reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, t, m, la, lb, ha, hb, lo, hi, r"
     select = """prmt.b32 la, L0, L1, {s};
 prmt.b32 lb, L2, L3, {s};
@@ -162,20 +150,6 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def load_table_regs(table_ptr):
-        """The 8 words of table_words at table_ptr (scalars: one register a thread each), loaded at an address that
-        depends on the thread (its index AND the 0 that follows the words), so ptxas neither folds them into
-        immediates nor keeps them in uniform registers (from which it copied them before every use: the TABLE_REGS
-        forms)."""
-        zero = tl.load(table_ptr + 8)
-        addr = table_ptr.to(tl.int64, bitcast=True)
-        return tl.inline_asm_elementwise(
-            "{\n.reg .u32 t;\n.reg .u64 o, a;\nmov.u32 t, %tid.x;\nand.b32 t, t, $9;\nmul.wide.u32 o, t, 4;\n"
-            "add.u64 a, $8, o;\nld.global.nc.v4.u32 {$0, $1, $2, $3}, [a];\n"
-            "ld.global.nc.v4.u32 {$4, $5, $6, $7}, [a+16];\n}",
-            "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [addr, zero], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
-
-    @triton.jit
     def _masked_load(ptr, mask, other, MASKED: tl.constexpr):
         """tl.load with the mask where MASKED, without it (every lane in range) where not: no predicate, no fill."""
         if MASKED:
@@ -231,13 +205,9 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, XPLANAR: tl.constexpr = False,
                          EVEN_N: tl.constexpr = False, EVEN_B: tl.constexpr = False, PDL: tl.constexpr = False,
-                         EARLY: tl.constexpr = False, ASM_T: tl.constexpr = "", TABLE_REGS: tl.constexpr = False):
+                         EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
-        ASM: dot8_asm's PTX, or "" for math="levels" (levels_ptr: the 16 levels in fp32).
-        TABLE_REGS: ASM_T (dot8_asm with table_in) instead, its table read into registers from levels_ptr (then the
-        int32 table_words; measured per tile by bench/gemv_bench.py --sweep): without it ptxas keeps half the table
-        in uniform registers and copies it back before each use (~9 of ~51 SASS instructions per word on sm_90;
-        ~1 with it, for 53 registers a thread against 44).
+        ASM: dot8_asm's PTX, or "" for math="levels" (levels_ptr: the 16 levels in fp32; a dummy otherwise).
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
         8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
@@ -260,9 +230,6 @@ if triton is not None:
         wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-        REGS: tl.constexpr = TABLE_REGS and ASM != ""  # math="levels" has no table to hold
-        if REGS:  # the table's 8 words in registers, read once (levels_ptr: table_words)
-            t0, t1, t2, t3, t4, t5, t6, t7 = load_table_regs(levels_ptr)
         if PREFETCH:
             w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
                                                       NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
@@ -281,10 +248,6 @@ if triton is not None:
                     EVEN_N, EVEN_B)
             if ASM == "":  # math="levels": no PTX (the interpreter's form)
                 part = _dot8_levels(w_now, x0_now, x1_now, x2_now, x3_now, levels_ptr)
-            elif REGS:
-                part = tl.inline_asm_elementwise(ASM_T, "=r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                                                 [w_now, x0_now, x1_now, x2_now, x3_now, t0, t1, t2, t3, t4, t5, t6,
-                                                  t7], dtype=tl.float32, is_pure=True, pack=1)
             else:
                 part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
                                                  dtype=tl.float32, is_pure=True, pack=1)
@@ -308,40 +271,30 @@ if triton is not None:
         else:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
-    # (BLOCK_N, BLOCK_B, warps, PREFETCH, TABLE_REGS); the tiles that were fastest plain (on an H100,
-    # bench/gemv_bench.py --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
+    # (BLOCK_N, BLOCK_B, warps, PREFETCH); the tiles that were fastest plain (on an H100, bench/gemv_bench.py
+    # --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
     PREFETCH_TILES = ((8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2))
-    CONFIGS = [(4, 4, 4, False, False), (4, 8, 4, False, False), (8, 4, 4, False, False), (8, 8, 8, False, False),
-               (8, 4, 8, False, False), (16, 4, 8, False, False), (4, 16, 8, False, False), (2, 8, 4, False, False),
-               (16, 2, 4, False, False), (8, 2, 4, False, False), (8, 8, 4, False, False), (4, 16, 4, False, False),
-               (16, 4, 4, False, False), (16, 8, 4, False, False), (8, 16, 4, False, False),
-               (16, 8, 8, False, False),  # above: 1-8 words per thread per step
-               *[(bn, bb, w, True, False) for bn, bb, w in PREFETCH_TILES]]
-    # the same prefetching tiles with the table in registers: not offered to the autotuner until a GPU has run and
-    # timed them (bench/batched.py --gemv-configs table adds them for one process; bench/h200_gemv_table.sh)
-    TABLE_CONFIGS = [(bn, bb, w, True, True) for bn, bb, w in PREFETCH_TILES]
+    CONFIGS = [(4, 4, 4, False), (4, 8, 4, False), (8, 4, 4, False), (8, 8, 8, False), (8, 4, 8, False),
+               (16, 4, 8, False), (4, 16, 8, False), (2, 8, 4, False), (16, 2, 4, False), (8, 2, 4, False),
+               (8, 8, 4, False), (4, 16, 4, False), (16, 4, 4, False), (16, 8, 4, False), (8, 16, 4, False),
+               (16, 8, 8, False),  # above: 1-8 words per thread per step
+               *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
+
+    def gemv_configs(tiles: Sequence[tuple[int, int, int, bool]]) -> list[Any]:
+        """(BLOCK_N, BLOCK_B, warps, PREFETCH) tuples -> the autotuner's triton.Configs (the module's autotuner
+        over CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w) for bn, bb, w, pf in tiles]
+
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
-    _tuned = triton.autotune(
-        configs=[triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf, "TABLE_REGS": table}, num_warps=w)
-                 for bn, bb, w, pf, table in CONFIGS],
-        key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
+    _tuned = triton.autotune(configs=gemv_configs(CONFIGS),
+                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
     AUTOTUNER = _tuned
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...], math: str, table_in: bool = False) -> str:
-    return dot8_asm(list(code), math, table_in)
-
-
-@functools.lru_cache(maxsize=8)
-def table_buffer(code: tuple[float, ...], device: str) -> torch.Tensor:
-    """table_words (then zeros to 16 words) on the device, made once per code and device at a kernel's first,
-    uncaptured call; never written. What the TABLE_REGS forms read."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("the NF4 table buffer is made at a kernel's first call, which must not be captured")
-    words = table_words(list(code))
-    return torch.tensor(words + [0] * (16 - len(words)), dtype=torch.int32, device=device)  # 16: what a gather reads
+def _asm_for(code: tuple[float, ...], math: str) -> str:
+    return dot8_asm(list(code), math)
 
 
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
@@ -352,7 +305,7 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
-    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, TABLE_REGS]]) skips autotuning;
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
     `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
@@ -373,25 +326,19 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     dummy = y
     q8, absmax2, offsets, code2 = nested if nested is not None else (dummy, dummy, dummy, dummy)
     host = tuple(float(v) for v in code)
-    if math == "levels":
-        levels = torch.tensor(host, device=x.device)
-    else:
-        levels = table_buffer(host, str(x.device))
+    levels = torch.tensor(host, device=x.device) if math == "levels" else dummy
     args: tuple[Any, ...] = (x.contiguous().view(torch.int32), words, absmax if absmax is not None else dummy, q8,
                              absmax2, offsets, code2, levels, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": "" if math == "levels" else _asm_for(host, math),
-             "ASM_T": "" if math == "levels" else _asm_for(host, math, True),
              "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
     if config is not None:
-        if len(config) not in (3, 4, 5):
-            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, TABLE_REGS]]), not {config}")
-        bn, bb, warps, prefetch, table = (*config, False, False)[:5]
-        if table and math == "levels":
-            raise ValueError("TABLE_REGS is a form of the PTX kernel, not of math='levels'")
+        if len(config) not in (3, 4):
+            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]), not {config}")
+        bn, bb, warps, prefetch = (*config, False)[:4]
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch,
-                                                         TABLE_REGS=table, EVEN_N=n % bn == 0,
-                                                         EVEN_B=(kw // wpb) % bb == 0, num_warps=warps)
+                                                         EVEN_N=n % bn == 0, EVEN_B=(kw // wpb) % bb == 0,
+                                                         num_warps=warps)
     else:
         kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     if compiled is not None:
@@ -438,17 +385,12 @@ if triton is not None:
 # --- a few rows at once (the batched fast path) ------------------------------------------------------------------
 
 
-def unpack8_asm(code: list[float], table_in: bool = False) -> str:
+def unpack8_asm(code: list[float]) -> str:
     """PTX: one int32 word of 8 NF4 indices ($4) -> its 8 levels as four bf16x2 words ($0..$3): word p holds the
     level of weight 2p in its low half and of weight 2p + 1 in its high half. The same register-table lookup as
-    dot8_asm (bf16x2), without the multiply: the rows kernel below feeds the levels to tensor-core dots.
-    table_in: the table's 8 words come in as operands written %T0..%T7 (table_words' order), for the caller to
-    number (nf4_mm's TABLE_REGS form)."""
+    dot8_asm (bf16x2), without the multiply: the rows kernel below feeds the levels to tensor-core dots."""
     lo, hi = table_bytes(code)
-    if table_in:
-        consts = "".join(f"mov.b32 L{i}, %T{i}; mov.b32 H{i}, %T{4 + i};\n" for i in range(4))
-    else:
-        consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
+    consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
     select = ("prmt.b32 la, L0, L1, {s};\nprmt.b32 lb, L2, L3, {s};\nprmt.b32 ha, H0, H1, {s};\n"
               "prmt.b32 hb, H2, H3, {s};\nlop3.b32 lo, la, lb, {m}, 0xD8;\nlop3.b32 hi, ha, hb, {m}, 0xD8;\n")
     return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, s7h, t, m, mh, la, lb, ha, hb, lo, hi;\n" + consts

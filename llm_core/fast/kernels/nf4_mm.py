@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .nf4_gemv import rows_shapes, table_buffer, triton, unpack8_asm
+from .nf4_gemv import rows_shapes, triton, unpack8_asm
 from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_inputs
 
 if triton is not None:
@@ -62,9 +62,7 @@ class MMConfig:
                as bitsandbytes' own 4-bit kernels do (bf16 absmax times bf16 level).
       asm_scale: (without scale16) the "asm" decode takes the fp32 block scale and hands out bf16 weights: the
                older arithmetic and the same bits (bf16 level widened, fp32 product, rounded to bf16), but the
-               weights reach the dot in bf16 from the asm ("gather": no effect).
-      table:   ("asm" only) the level table read into registers once (nf4_gemv.load_table_regs) instead of held as
-               immediates, which ptxas re-creates or copies from uniform registers before each use; the same bits."""
+               weights reach the dot in bf16 from the asm ("gather": no effect)."""
 
     block_n: int = 64
     block_k: int = 256
@@ -76,16 +74,15 @@ class MMConfig:
     xvec: bool = False
     scale16: bool = False
     asm_scale: bool = False
-    table: bool = False
 
     def as_list(self) -> list[int]:
         return [self.block_n, self.block_k, self.split, self.warps, self.stages, int(self.dot), int(self.even),
-                int(self.xvec), int(self.scale16), int(self.asm_scale), int(self.table)]
+                int(self.xvec), int(self.scale16), int(self.asm_scale)]
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> MMConfig:
         """The inverse of as_list; a shorter list (from before the loop forms) keeps the older forms."""
-        flags = [bool(f) for f in v[6:11]] + [False] * (11 - max(6, len(v)))
+        flags = [bool(f) for f in v[6:10]] + [False] * (10 - max(6, len(v)))
         return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), bool(v[5]), *flags)
 
     def replace(self, **kw: Any) -> MMConfig:
@@ -117,7 +114,6 @@ def _sm_count(index: int) -> int:
 
 
 if triton is not None:
-    from .nf4_gemv import load_table_regs
 
     @triton.jit
     def _k_order(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -128,20 +124,12 @@ if triton is not None:
         return tl.reshape(tl.join(a, b), (BLOCK_N, BLOCK_K))
 
     @triton.jit
-    def _decode_levels(w, table, asm_code, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       regs, TABLE_REGS: tl.constexpr):
-        """w (BLOCK_N, BLOCK_K/8) int32 words -> (BLOCK_N, BLOCK_K) fp32 NF4 levels in k order. TABLE_REGS: the
-        asm takes the table's 8 words `regs` as operands."""
+    def _decode_levels(w, table, asm_code, DECODE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """w (BLOCK_N, BLOCK_K/8) int32 words -> (BLOCK_N, BLOCK_K) fp32 NF4 levels in k order."""
         if DECODE == "asm":
-            if TABLE_REGS:
-                r0, r1, r2, r3 = tl.inline_asm_elementwise(
-                    asm_code, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [w, regs[0], regs[1], regs[2], regs[3], regs[4],
-                                                                   regs[5], regs[6], regs[7]],
-                    dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-            else:
-                r0, r1, r2, r3 = tl.inline_asm_elementwise(asm_code, "=r,=r,=r,=r,r", [w],
-                                                           dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
-                                                           is_pure=True, pack=1)
+            r0, r1, r2, r3 = tl.inline_asm_elementwise(asm_code, "=r,=r,=r,=r,r", [w],
+                                                       dtype=(tl.int32, tl.int32, tl.int32, tl.int32),
+                                                       is_pure=True, pack=1)
             # r_p holds weight 8j + 2p in its low bf16 half and 8j + 2p + 1 in its high half; a bf16 is the top
             # half of an fp32, so each half widens exactly by a shift or a mask
             p0, p1 = (r0 << 16).to(tl.float32, bitcast=True), (r0 & -65536).to(tl.float32, bitcast=True)
@@ -158,8 +146,7 @@ if triton is not None:
 
     @triton.jit
     def _dequantize(w, scale, table, asm_code, DECODE: tl.constexpr, SCALE16: tl.constexpr, ASM_SCALE: tl.constexpr,
-                    BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, regs=None,
-                    TABLE_REGS: tl.constexpr = False):
+                    BS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Words (BLOCK_N, BLOCK_K/8) and their blocks' fp32 absmax (BLOCK_N, BLOCK_K/BS) -> the bf16 weights
         (BLOCK_N, BLOCK_K) in k order. SCALE16 False: level times absmax in fp32, rounded to bf16
         (dequantize_4bit's value); True: bf16 level times bf16 absmax, rounded to bf16 (bitsandbytes' kernels).
@@ -169,18 +156,11 @@ if triton is not None:
             # (as bf16x2 or in fp32, _asm_for) and hands out the 8 bf16 weights
             sw = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS // 8)),
                             (BLOCK_N, BLOCK_K // 8))
-            if TABLE_REGS:
-                p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                    asm_code, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r,r",
-                    [w, sw, regs[0], regs[1], regs[2], regs[3], regs[4], regs[5], regs[6], regs[7]],
-                    dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
-            else:
-                p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
-                    asm_code, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, sw], dtype=(tl.bfloat16,) * 8, is_pure=True,
-                    pack=1)
+            p0, p1, p2, p3, p4, p5, p6, p7 = tl.inline_asm_elementwise(
+                asm_code, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [w, sw], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
             wv = _k_order(p0, p1, p2, p3, p4, p5, p6, p7, BLOCK_N, BLOCK_K)
         else:
-            lv = _decode_levels(w, table, asm_code, DECODE, BLOCK_N, BLOCK_K, regs, TABLE_REGS)
+            lv = _decode_levels(w, table, asm_code, DECODE, BLOCK_N, BLOCK_K)
             scale_k = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // BS, BS)),
                                  (BLOCK_N, BLOCK_K))
             if SCALE16:  # the product of two bf16 is exact in fp32, so this rounds once, as the bf16x2 multiply
@@ -200,7 +180,7 @@ if triton is not None:
                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
                        EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
                        SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False,
-                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False, TABLE_REGS: tl.constexpr = False):
+                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
         (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
@@ -234,10 +214,7 @@ if triton is not None:
             xrows = mi
             xrmask = mmask
         nmask = _all_true(BLOCK_N) if EVEN_N else rmask
-        table = tl.load(code_ptr + tl.arange(0, 16))  # TABLE_REGS: code_ptr holds table_words instead
-        regs = None
-        if TABLE_REGS:
-            regs = load_table_regs(code_ptr)
+        table = tl.load(code_ptr + tl.arange(0, 16))
         acc = tl.zeros((MP, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             wcol = k0 // 8 + wj
@@ -255,7 +232,7 @@ if triton is not None:
             flat = rows[:, None] * NBLK + blk[None, :]  # (BLOCK_N, BLOCK_K / BS) quant block index
             scale = block_scale(flat, nmask[:, None] & bkmask[None, :], absmax_ptr, q8_ptr, absmax2_ptr,
                                 offsets_ptr, code2_ptr, NESTED)
-            wv = _dequantize(w, scale, table, ASM, DECODE, SCALE16, ASM_SCALE, BS, BLOCK_N, BLOCK_K, regs, TABLE_REGS)
+            wv = _dequantize(w, scale, table, ASM, DECODE, SCALE16, ASM_SCALE, BS, BLOCK_N, BLOCK_K)
             xt = tl.load(x_ptr + xrows[:, None] * K + kcol[None, :], mask=xrmask[:, None] & xkmask[None, :],
                          other=0.0)
             if DOT:
@@ -288,16 +265,14 @@ if triton is not None:
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...], scale: str = "", table_in: bool = False) -> str:
+def _asm_for(code: tuple[float, ...], scale: str = "") -> str:
     """The "asm" decode's PTX: unpack8_asm (word $4 -> four bf16x2 pairs $0..$3), or that lookup followed by the
     block scale ($8 the word, $9 its fp32 scale; the 8 bf16 weights out as $0..$7, weight 2p the low half of pair
     p): scale "bf16" rounds it once to a bf16x2 pair and multiplies it into each level pair (fma with -0.0: the
     exact product rounded once, sm_80 and later); "fp32" widens each level, multiplies in fp32 and rounds the pair
     to bf16 (the older path's bits)."""
-    text = unpack8_asm(list(code), table_in)
+    text = unpack8_asm(list(code))
     if not scale:
-        for i in range(8):
-            text = text.replace(f"%T{i}", f"${5 + i}")
         return text
     body = text.replace("$4", "$8")
     for p in range(4):
@@ -312,8 +287,6 @@ def _asm_for(code: tuple[float, ...], scale: str = "", table_in: bool = False) -
     else:
         raise ValueError(f"scale must be '', 'bf16' or 'fp32', got {scale!r}")
     tail = head + "".join(pair.format(p=p) + f"mov.b32 {{${2 * p}, ${2 * p + 1}}}, o{p};\n" for p in range(4))
-    for i in range(8):
-        body = body.replace(f"%T{i}", f"${10 + i}")
     return "{\n.reg .b32 o0, o1, o2, o3, sc, nz, fl, fh;\n" + body + "\n" + tail + "}"
 
 
@@ -330,9 +303,8 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
     block_k = max(cfg.block_k, blocksize)
     split = max(1, min(cfg.split, -(-k // block_k)))
     scale = "bf16" if cfg.scale16 else "fp32" if cfg.asm_scale else ""
-    table = cfg.table and decode == "asm" and levels is not None
-    asm = _asm_for(tuple(float(v) for v in levels), scale, table) if decode == "asm" and levels is not None else ""
-    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, DECODE=decode, ASM=asm, TABLE_REGS=table,
+    asm = _asm_for(tuple(float(v) for v in levels), scale) if decode == "asm" and levels is not None else ""
+    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, DECODE=decode, ASM=asm,
                 MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m),
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages,
                 EVEN_K=cfg.even and k % block_k == 0, EVEN_N=cfg.even and n % cfg.block_n == 0, XVEC=cfg.xvec,
@@ -356,8 +328,7 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig
     out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
     ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
-                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32",
-                 "code_ptr": "*i32" if meta["TABLE_REGS"] else "*fp32",
+                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "code_ptr": "*fp32",
                  "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out, **{name: "i32" for name in ints}}
     names = list(_nf4_mm_kernel.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
@@ -401,8 +372,6 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     q8, absmax2, offsets, code2 = nested if nested is not None else (out, out, out, out)
-    if meta["TABLE_REGS"]:  # the kernel reads table_words where the levels were
-        code = table_buffer(tuple(float(v) for v in levels or ()), str(x.device))
     kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
         x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
         bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta,
@@ -475,8 +444,6 @@ the tiles against dequantize + matmul)."""
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
-    if meta["TABLE_REGS"]:
-        code = table_buffer(tuple(float(v) for v in levels or ()), str(x.device))
     _nf4_mm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
         x, words, absmax if absmax is not None else y, q8, absmax2, offsets, code2, code,
         bias if bias is not None else y, y, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
