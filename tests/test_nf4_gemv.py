@@ -316,6 +316,14 @@ def test_tuned_pick_reads_the_config_an_autotuner_chose_for_a_shape() -> None:
     assert tuned_pick(tuner, 4096, 512, ("BLOCK_N", "BLOCK_B")) == {"BLOCK_N": 8, "BLOCK_B": 4, "num_warps": 4}
     assert tuned_pick(tuner, 4096, 1024, ("BLOCK_N",)) is None  # not tuned for that shape yet
     assert tuned_pick(None, 4096, 512, ("BLOCK_N",)) is None  # no Triton
+    # two forms of one shape (the key's other arguments differ): each form's own pick
+    planar = SimpleNamespace(kwargs={"BLOCK_N": 16, "BLOCK_B": 8}, num_warps=2)
+    tuner = SimpleNamespace(keys=["N", "KW", "XPLANAR"],
+                            cache={(4096, 512, False, "bf16"): chosen, (4096, 512, True, "bf16"): planar})
+    assert tuned_pick(tuner, 4096, 512, ("BLOCK_N",), XPLANAR=True) == {"BLOCK_N": 16, "num_warps": 2}
+    assert tuned_pick(tuner, 4096, 512, ("BLOCK_N",), XPLANAR=False) == {"BLOCK_N": 8, "num_warps": 4}
+    with pytest.raises(ValueError, match="not keys"):
+        tuned_pick(tuner, 4096, 512, ("BLOCK_N",), PLANAR=True)
 
 
 def test_the_gemv_input_setting_reaches_the_options_and_only_nf4_kernels_fed_by_inductor_read_planes() -> None:
