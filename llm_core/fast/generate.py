@@ -234,8 +234,9 @@ class FastDecoder(DecoderWarmup):
         gemv = opts.gemv
         attention = opts.attention if opts.attention == "triton" else ("reduce" if self.compile else "matmul")
         prefix_flash = opts.prefill_attention == "flash" and prefix_flash_ok(self.device, self.dtype, a.head_dim)
+        # split: where flash attention runs (CUDA), and on CPU (the eager fast path: its flash op, for tests)
         prefix_split = prefix_split_backend(self.device, self.dtype, a.head_dim) \
-            if prefix_flash and opts.prefix_attention == "split" else ""
+            if opts.prefix_attention == "split" and (prefix_flash or self.device.type == "cpu") else ""
         pdl = opts.overlaps  # resolved: on only where pdl_support said yes
         layer_specs: dict[LayerSpec, LayerSpec] = {}  # one instance per distinct spec: one compiled graph each
         self._layer_specs: list[LayerSpec] = []
