@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device calls (<= 9.5 min each) for PREFIX_ATTENTION=split (a later prefill chunk: its queries over the cached prefix
 # unmasked, by cuDNN's attention where it runs, and over their own keys causally; merged by log-sum-exp). Run from the
-# repo root with .whl carried. PART=a (~4 min): the GPU tests of the split form and of the flash prefix form, then
+# repo root with .whl carried. PART=a (~5 min): the GPU tests of the split form and of the flash prefix form, then
 # bench.prefix_attention --split (per layer: the engine's gather path against split with flash / cuDNN, first calls
 # of new shapes, diffs from fp32). PART=b (~6 min): a 9-turn chat through ChatEngine with the default (gather), then
 # with split. PART=c: the same pair in the other order. Llama-2-7B shape, emulated 16 GiB card (int8 KV there),
@@ -22,6 +22,12 @@ if [ "${PART:-a}" = a ]; then
   timeout -s INT -k 15 "${KERNEL_S:-120}" python3 -m bench.prefix_attention --split --out "$OUT/prefix-split.json" \
     > "$OUT/prefix-split.log" 2>&1
   echo "split bench rc=$?"; grep -E '^\{' "$OUT/prefix-split.log" | cut -c1-600
+  # PyTorch's opt-in (PR 155958): cuDNN attention through its ragged path for BSHD layouts, one plan for every length
+  TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 timeout -s INT -k 15 "${KERNEL_S:-120}" python3 -m bench.prefix_attention \
+    --split --out "$OUT/prefix-split-avoid-recompile.json" > "$OUT/prefix-split-avoid-recompile.log" 2>&1
+  echo "split bench, AVOID_RECOMPILE rc=$?"
+  grep -E '^\{' "$OUT/prefix-split-avoid-recompile.log" | grep -oE '"(model|rows|new_tokens|cached_tokens|split_cudnn[a-z_]*)": [^,]*' \
+    | paste -sd' ' | sed 's/"model"/\n&/g' | cut -c1-400
 elif [ "${PART}" = b ]; then
   turns gather gather-1
   turns split split-1
