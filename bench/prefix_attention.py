@@ -161,11 +161,12 @@ SPLIT_FORMS = {"engine_gather_flash": "", "split_flash": "flash", "split_cudnn":
 
 def _reference(spec: layer.LayerSpec, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int
                ) -> torch.Tensor:
-    """float32 attention of q (1, H, S, D) at positions start.. over keys/values (1, Hkv, T, D), per head (bounded
-    memory) -> (S, H * D)."""
+    """float32 attention of q (1, H, S, D) at positions start..start+S-1 over keys/values (1, Hkv, T, D), each query
+    seeing the keys up to its position, per head (bounded memory) -> (S, H * D). start = T - S: the bottom-right
+    causal mask; start = 0: the top-left one."""
     seq, end = q.shape[2], keys.shape[2]
     groups = spec.n_heads // spec.n_kv_heads
-    mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None]
+    mask = torch.arange(end, device=q.device)[None, :] <= torch.arange(start, start + seq, device=q.device)[:, None]
     outs = []
     for h in range(spec.n_heads):
         s = (q[0, h].float() @ keys[0, h // groups].float().T) * spec.scale
