@@ -107,9 +107,24 @@ def engine_prefix_attention(spec: layer.LayerSpec, q: torch.Tensor, k_pool: torc
     return layer.prefix_attention_over_cache(spec, q, cache[0], cache[1], start)
 
 
+def random_pool(dev: torch.device, rows: str, end: int, kv_heads: int, dim: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Generator]:
+    """A paged K/V pool with `end` positions of random rows (bf16, or int8 rows with their scales) in shuffled blocks
+    (8 spare), that row's block table, and the seeded generator (for the queries)."""
+    from llm_core.fast.kvquant import quantize_rows
+
+    blocks = -(-end // PAGE)
+    g = torch.Generator(device=dev).manual_seed(0)
+    k = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
+    if rows == "int8":
+        k, v = quantize_rows(k), quantize_rows(v)
+    table = torch.randperm(blocks + 8, device=dev, generator=g)[:blocks].to(torch.int32)
+    return k, v, table, g
+
+
 def paged_records(dev: torch.device) -> list[dict[str, object]]:
     from llm_core.fast.kernels.prefix_attention import prefix_attention_paged
-    from llm_core.fast.kvquant import quantize_rows
 
     records: list[dict[str, object]] = []
     dim = 128
@@ -118,13 +133,7 @@ def paged_records(dev: torch.device) -> list[dict[str, object]]:
         for rows in ("bf16", "int8"):
             for seq, start in PAGED_CASES:
                 end = start + seq
-                blocks = -(-end // PAGE)
-                g = torch.Generator(device=dev).manual_seed(0)
-                k = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
-                v = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
-                if rows == "int8":
-                    k, v = quantize_rows(k), quantize_rows(v)
-                table = torch.randperm(blocks + 8, device=dev, generator=g)[:blocks].to(torch.int32)
+                k, v, table, g = random_pool(dev, rows, end, kv_heads, dim)
                 q = torch.randn(seq, heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
                 flops = 4 * seq * (start + (seq + 1) / 2) * heads * dim
                 rec: dict[str, object] = {"model": model, "rows": rows, "new_tokens": seq, "cached_tokens": start,
@@ -176,7 +185,7 @@ def _reference(spec: layer.LayerSpec, q: torch.Tensor, keys: torch.Tensor, value
 
 
 def split_records(dev: torch.device) -> list[dict[str, object]]:
-    from llm_core.fast.kvquant import from_cache, quantize_rows
+    from llm_core.fast.kvquant import from_cache
 
     records: list[dict[str, object]] = []
     dim = 128
@@ -188,13 +197,7 @@ def split_records(dev: torch.device) -> list[dict[str, object]]:
         for rows in ("bf16", "int8"):
             for seq, start in SPLIT_CASES:
                 end = start + seq
-                blocks = -(-end // PAGE)
-                g = torch.Generator(device=dev).manual_seed(0)
-                k = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
-                v = torch.randn(blocks + 8, PAGE, kv_heads, dim, device=dev, dtype=torch.bfloat16, generator=g)
-                if rows == "int8":
-                    k, v = quantize_rows(k), quantize_rows(v)
-                table = torch.randperm(blocks + 8, device=dev, generator=g)[:blocks].to(torch.int32)
+                k, v, table, g = random_pool(dev, rows, end, kv_heads, dim)
                 q = torch.randn(1, heads, seq, dim, device=dev, dtype=torch.bfloat16, generator=g)
                 flops = 4 * seq * (start + (seq + 1) / 2) * heads * dim
                 rec: dict[str, object] = {"model": model, "rows": rows, "new_tokens": seq, "cached_tokens": start,
