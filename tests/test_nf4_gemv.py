@@ -254,6 +254,95 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
     assert err <= max(2 * their_err, 5e-3), (err, their_err)
 
 
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008), (1000, 704)])
+def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape: tuple[int, int]) -> None:
+    """SPLIT_CONFIGS and a 3-way split on CUDA (programs of a row block really concurrent): the output is the
+    workspace's partials added in split order (+ bias) to the bit, within a bf16 rounding of the unsplit kernel's,
+    as close to x @ dequantize_4bit(W).T as the unsplit kernel is; counters back at zero; then one call captured in
+    a CUDA graph (after an eager call made the workspace) and replayed twice gives the eager bits each time. A
+    workspace first needed inside a capture is refused."""
+    import bitsandbytes.functional as bf
+
+    n, k = shape
+    packed, qs = _quantized(n, k, nested)
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    code = tuple(qs.code.float().tolist())
+    if nested:
+        nb2 = qs.state2.absmax.numel()
+        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
+                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
+    else:
+        scales = {"absmax": qs.absmax.float().view(-1)}
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    want = x.float() @ bf.dequantize_4bit(packed, qs).float().T + bias.float()
+    for config in [*nf4_gemv.SPLIT_CONFIGS, (16, 8, 4, False, 3)]:
+        for planar, pdl in [(False, False), (True, True)]:
+            xin = nf4_gemv.planar_pairs(x) if planar else x
+            kw = {"bias": bias, "planar": planar, "pdl": pdl, **scales}
+            base = nf4_gemv.nf4_gemv(xin, words, 64, code, config=config[:4], **kw).float()
+            got = nf4_gemv.nf4_gemv(xin, words, 64, code, config=config, **kw)
+            torch.cuda.synchronize()
+            partials, counters = nf4_gemv.split_workspace(x.device, n, config[4])
+            assert not counters.any(), config
+            assert torch.equal(got, _split_sum(partials, n, config[4], bias).cuda()), config
+            assert ((got.float() - base).abs() <= base.abs() * 2 ** -7 + 1e-6).all(), config
+            err = ((got.float() - want).norm() / want.norm()).item()
+            base_err = ((base - want).norm() / want.norm()).item()
+            assert err <= 1.05 * base_err + 1e-4, (config, err, base_err)
+    config = nf4_gemv.SPLIT_CONFIGS[1]
+    eager = nf4_gemv.nf4_gemv(x, words, 64, code, config=config, bias=bias, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf4_gemv.nf4_gemv(x, words, 64, code, config=config, bias=bias, **scales)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        assert not nf4_gemv.split_workspace(x.device, n, config[4])[1].any()
+    with pytest.raises(RuntimeError, match="must not be captured"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            nf4_gemv.nf4_gemv(x, words, 64, code, config=(8, 16, 4, True, 7), **scales)  # no workspace for 7 yet
+
+
+@pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
+@pytest.mark.parametrize("split", [1, 4])
+def test_split_k_gemv_orders_its_partials_before_the_count_for_hopper(split: int) -> None:
+    """Compile (not run) the one-token kernel for sm_90 on CPU: SPLIT_K == 1 has no atomics; SPLIT_K > 1 stores its
+    partials, syncs the CTA, counts with a gpu-scope acq_rel atomic, syncs again (the count's broadcast), reads the
+    partials through the L2 (.cg), stores y and resets the counter, in that order (_split_k_finish)."""
+    from bitsandbytes.functional import get_4bit_type
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    code = tuple(float(v) for v in get_4bit_type("nf4", device="cpu").tolist())
+    signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
+                 "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "levels_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "y_ptr": "*bf16", "N": "i32", "partials_ptr": "*fp32", "counters_ptr": "*i32"}
+    constexprs = dict(KW=1376, NBLK=172, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(code, "bf16x2"),
+                      XVEC=True, BLOCK_N=8, BLOCK_B=16, PREFETCH=True, XPLANAR=True, EVEN_N=True, EVEN_B=False,
+                      PDL=False, EARLY=False, SPLIT_K=split)
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    kernel = nf4_gemv.triton.compile(ASTSource(fn=nf4_gemv._nf4_gemv_kernel, signature=sig, constexprs=constexprs),
+                                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    if split == 1:
+        assert "atom." not in ptx and "ld.global.cg" not in ptx
+        return
+    count = ptx.index("atom.global.gpu.acq_rel.add")
+    partial_store = ptx.rindex("st.global.b32", 0, count)
+    assert ptx.index("bar.sync", partial_store) < count  # every thread's partial before the release
+    first_read = ptx.index("ld.global.cg", count)
+    assert ptx.index("bar.sync", count) < first_read  # the acquiring thread's view passed on to the CTA
+    assert ptx.count("ld.global.cg") == split
+    assert first_read < ptx.index("st.global.b16", count) < ptx.index("atom.global.gpu.relaxed.exch")
+
+
 def tiny_nf4_forced_case(tmp_path: Any) -> tuple[Any, torch.Tensor, list[int]]:
     """A random tiny llama in NF4 on CUDA (no download), a 200-token prompt and 16 tokens to force after it: what the
     decode-step comparisons teacher-force through FastDecoder (bench.probes.forced_scores)."""
@@ -426,6 +515,120 @@ def test_interpreted_gemv_matches_dequantize_then_matmul_in_every_form(interpret
             assert got.shape == (1, n) and got.dtype == torch.bfloat16
             err = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
             assert err < 1e-2, (config, form, err)  # the output's bf16 rounding; a wrong index is off by far more
+
+
+def _cpu_case(n: int, k: int, nested: bool) -> tuple[Any, ...]:
+    """A random (n, k) NF4 weight on the CPU (blocksize 64), as nf4_gemv takes it: (words, code, scales) with x, a
+    bias and the dequantized weight in fp32."""
+    import bitsandbytes.functional as bf
+
+    g = torch.Generator().manual_seed(n * 7 + k + nested)
+    w = torch.randn(n, k, generator=g) * 0.02
+    packed, qs = bf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, compress_statistics=nested, quant_type="nf4")
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    if nested:
+        nb2 = qs.state2.absmax.numel()
+        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
+                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
+    else:
+        scales = {"absmax": qs.absmax.float().view(-1)}
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    bias = torch.randn(n, generator=g).to(torch.bfloat16)
+    return words, tuple(qs.code.float().tolist()), scales, x, bias, bf.dequantize_4bit(packed, qs).float()
+
+
+def _split_sum(partials: torch.Tensor, n: int, split: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the split kernel's last program writes: the partials added in split order in fp32, then the bias."""
+    y = torch.zeros(n)
+    for s in range(split):
+        y = y + partials[s, :n].cpu()
+    if bias is not None:
+        y = y + bias.float().cpu()
+    return y.to(torch.bfloat16)[None, :]
+
+
+def _split_per(nblk: int, block_b: int, split: int) -> int:
+    """Quant blocks per split in the kernel's SPLIT_K form (its PER): cdiv(NBLK, SPLIT_K) rounded up to whole steps."""
+    return math.ceil(math.ceil(nblk / split) / block_b) * block_b
+
+
+def _split_steps(nblk: int, block_b: int, split: int) -> list[int]:
+    """Steps of each split (0 for a split past the last block)."""
+    per = _split_per(nblk, block_b, split)
+    return [max(0, math.ceil((min(nblk, (s + 1) * per) - s * per) / block_b)) for s in range(split)]
+
+
+# (config, input form) pairs of the split tests: BLOCK_N 16 / 8 leave rows over on 36 rows, BLOCK_B 16 / 4 / 2 leave
+# splits with no steps (and, for EVEN_B with PREFETCH, the first-step prefetch past the last block)
+SPLIT_CASES = [((8, 16, 4, True), {}), ((16, 4, 2, False), {"planar": True}), ((8, 2, 4, True), {"xvec": False})]
+
+
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize(("n", "k"), [(64, 1024), (36, 704)], ids=["even", "ragged"])
+def test_interpreted_split_k_gemv_sums_its_splits_in_one_launch(interpreter: None, monkeypatch: pytest.MonkeyPatch,
+                                                                 nested: bool, n: int, k: int) -> None:
+    """SPLIT_K 2, 3, 4, 8 (grid (row blocks, SPLIT_K), partial sums in the workspace, the last program of a row
+    block adds them up): the output is the workspace's partials added in split order (+ bias) to the bit, within
+    a bf16 rounding of the unsplit kernel's, and x @ dequantize_4bit(W).T (+ bias) to the unsplit test's tolerance;
+    the counters are back at zero after every call, so a second call gives the same bits. 64 x 1024: 16 quant
+    blocks, EVEN_N / EVEN_B for every tile; 36 x 704: 11 blocks, 36 rows, neither. Several splits have no steps."""
+    from tests.triton_interp import exact_bf16
+
+    exact_bf16(monkeypatch)  # the output's bf16 rounding as the GPU's (nearest even), for the bit-exact check
+    words, code, scales, x, bias, want_w = _cpu_case(n, k, nested)
+    nblk = k // 64
+    unsplit: dict[tuple[int, bool], torch.Tensor] = {}
+    empty_splits = 0
+    for i, (config, form) in enumerate(SPLIT_CASES):
+        xin = nf4_gemv.planar_pairs(x) if form.get("planar") else x
+        for j, split in enumerate((2, 3, 4, 8)):
+            b = bias if j % 2 == 0 else None
+            kw = {"bias": b, "math": "levels", **form, **scales}
+            key = (i, b is not None)
+            if key not in unsplit:  # the unsplit kernel, once per config and bias
+                unsplit[key] = nf4_gemv.nf4_gemv(xin, words, 64, code, config=config, **kw)
+            got = nf4_gemv.nf4_gemv(xin, words, 64, code, config=(*config, split), **kw)
+            partials, counters = nf4_gemv.split_workspace(x.device, n, split)
+            assert got.shape == (1, n) and got.dtype == torch.bfloat16
+            assert not counters.any(), (config, split)  # reset by the last program of every row block
+            assert torch.equal(got, _split_sum(partials, n, split, b)), (config, split)
+            base = unsplit[key].float()
+            assert ((got.float() - base).abs() <= base.abs() * 2 ** -7 + 1e-6).all(), (config, split)
+            want = x.float() @ want_w.T + (b.float() if b is not None else 0.0)
+            err = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
+            assert err < 1e-2, (config, split, err)
+            if split == 3:  # the same workspace again: the counters started from zero
+                assert torch.equal(nf4_gemv.nf4_gemv(xin, words, 64, code, config=(*config, split), **kw), got)
+            empty_splits += _split_steps(nblk, config[1], split).count(0)
+    assert empty_splits > 0
+
+
+def test_split_k_steps_cover_every_block_once() -> None:
+    """The split bounds the kernel computes (PER rounded up to whole steps) cover blocks 0 .. NBLK - 1 once."""
+    for nblk in (11, 16, 64, 172, 224):
+        for block_b in (2, 4, 8, 16):
+            for split in (2, 3, 4, 8):
+                per = _split_per(nblk, block_b, split)
+                covered = [b for s in range(split) for b in range(s * per, min(nblk, (s + 1) * per))]
+                assert covered == list(range(nblk)) and per % block_b == 0
+                assert sum(_split_steps(nblk, block_b, split)) == math.ceil(nblk / block_b)
+
+
+@pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
+def test_split_k_calls_are_checked_before_any_launch() -> None:
+    x, words = torch.zeros(1, 64, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32)
+    levels = [float(v) for v in range(16)]
+    with pytest.raises(ValueError, match="explicit config"):
+        nf4_gemv.nf4_gemv(x, words, 64, levels, absmax=torch.ones(4), split_k=2)
+    with pytest.raises(ValueError, match="disagree"):
+        nf4_gemv.nf4_gemv(x, words, 64, levels, absmax=torch.ones(4), config=(8, 8, 4, True, 4), split_k=2)
+    with pytest.raises(ValueError, match="positive"):
+        nf4_gemv.nf4_gemv(x, words, 64, levels, absmax=torch.ones(4), config=(8, 8, 4, True), split_k=0)
+    with pytest.raises(ValueError, match="SPLIT_K"):
+        nf4_gemv.nf4_gemv(x, words, 64, levels, absmax=torch.ones(4), config=(8, 8, 4, True, 2, 1))
+    assert all(len(c) == 5 and c[4] > 1 for c in nf4_gemv.SPLIT_CONFIGS)
+    assert all(len(c) == 4 for c in nf4_gemv.CONFIGS)  # the autotuner times no split-K form
 
 
 def test_the_gemv_interpreter_tests_pass_in_their_own_process() -> None:
