@@ -209,6 +209,15 @@ needs_kernel = pytest.mark.skipif(not (torch.cuda.is_available() and nf4_gemv.AV
                                   reason="needs CUDA and Triton")
 
 
+def _scales(qs: Any, nested: bool) -> dict[str, Any]:
+    """nf4_gemv's scale argument for a bitsandbytes quant state: nested=(q8, absmax2, offsets, code2) or absmax."""
+    if nested:
+        nb2 = qs.state2.absmax.numel()
+        return {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(), qs.offset.float().reshape(()).repeat(nb2),
+                           qs.state2.code.float())}
+    return {"absmax": qs.absmax.float().view(-1)}
+
+
 def _quantized(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any]:
     import bitsandbytes.functional as bf
 
@@ -271,12 +280,7 @@ def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape
     words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
     assert words is not None
     code = tuple(qs.code.float().tolist())
-    if nested:
-        nb2 = qs.state2.absmax.numel()
-        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
-                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
-    else:
-        scales = {"absmax": qs.absmax.float().view(-1)}
+    scales = _scales(qs, nested)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ bf.dequantize_4bit(packed, qs).float().T + bias.float()
@@ -501,12 +505,7 @@ def test_interpreted_gemv_matches_dequantize_then_matmul_in_every_form(interpret
     words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
     assert words is not None
     code = tuple(qs.code.float().tolist())
-    if nested:
-        nb2 = qs.state2.absmax.numel()
-        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
-                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
-    else:
-        scales = {"absmax": qs.absmax.float().view(-1)}
+    scales = _scales(qs, nested)
     want = x.float() @ want_w.T + bias.float()
     for config in [(8, 16, 4), (8, 16, 4, True), (4, 4, 2, True), (16, 2, 1), (8, 8, 2, True)]:
         for form in [{}, {"planar": True}, {"xvec": False}]:
@@ -527,12 +526,7 @@ def _cpu_case(n: int, k: int, nested: bool) -> tuple[Any, ...]:
     packed, qs = bf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, compress_statistics=nested, quant_type="nf4")
     words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
     assert words is not None
-    if nested:
-        nb2 = qs.state2.absmax.numel()
-        scales: dict[str, Any] = {"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
-                                             qs.offset.float().reshape(()).repeat(nb2), qs.state2.code.float())}
-    else:
-        scales = {"absmax": qs.absmax.float().view(-1)}
+    scales = _scales(qs, nested)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     return words, tuple(qs.code.float().tolist()), scales, x, bias, bf.dequantize_4bit(packed, qs).float()

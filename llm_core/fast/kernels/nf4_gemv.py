@@ -199,6 +199,16 @@ if triton is not None:
         return w, x0, x1, x2, x3, raw
 
     @triton.jit
+    def _write_y(y, rows, rmask, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr, EVEN_N: tl.constexpr):
+        """The output rows: fp32 row sums y (+ the bias) stored in y's dtype (no mask where EVEN_N)."""
+        if HAS_BIAS:
+            y += _masked_load(bias_ptr + rows, rmask, 0.0, not EVEN_N).to(tl.float32)
+        if EVEN_N:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
+        else:
+            tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+
+    @triton.jit
     def _split_k_finish(part, rows, rmask, N, partials_ptr, counters_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
                         EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr):
         """Split-K's end, in every program (p, s) of the kernel: store this split's fp32 row sums `part` at
@@ -229,12 +239,7 @@ if triton is not None:
                     y += tl.load(partials_ptr + s * N + rows, cache_modifier=".cg")
                 else:
                     y += tl.load(partials_ptr + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                y += _masked_load(bias_ptr + rows, rmask, 0.0, not EVEN_N).to(tl.float32)
-            if EVEN_N:
-                tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
-            else:
-                tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+            _write_y(y, rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
             tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
     @triton.jit
@@ -321,13 +326,7 @@ if triton is not None:
             acc += dot * scale
         if SPLIT_K == 1:
             release_dependents(PDL)
-            y = tl.sum(acc, axis=1)
-            if HAS_BIAS:
-                y += _masked_load(bias_ptr + rows, rmask, 0.0, not EVEN_N).to(tl.float32)
-            if EVEN_N:
-                tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty))
-            else:
-                tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
+            _write_y(tl.sum(acc, axis=1), rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
         else:
             _split_k_finish(tl.sum(acc, axis=1), rows, rmask, N, partials_ptr, counters_ptr, bias_ptr, y_ptr,
                             HAS_BIAS, EVEN_N, SPLIT_K)
