@@ -423,25 +423,21 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
              "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
     if not isinstance(split_k, int) or split_k < 1:
         raise ValueError(f"split_k is a positive int, not {split_k!r}")
-    if config is not None:
+    if config is None:
+        if split_k != 1:
+            raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, "
+                             "SPLIT_K]): the autotuner has no split-K configs (see SPLIT_CONFIGS)")
+        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, dummy, dummy, **flags)
+    else:
         if len(config) not in (3, 4, 5):
             raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]), not {config}")
         if len(config) == 5 and split_k not in (1, config[4]):
             raise ValueError(f"split_k={split_k} and the config's SPLIT_K {config[4]} disagree")
         bn, bb, warps, prefetch, split = (*config, *(False, split_k)[len(config) - 3:])
-    elif split_k != 1:
-        raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, SPLIT_K]): "
-                         "the autotuner has no split-K configs (see SPLIT_CONFIGS)")
-    if config is None:
-        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, dummy, dummy, **flags)
-    elif split == 1:
-        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, dummy, dummy, **flags, BLOCK_N=bn, BLOCK_B=bb,
-                                                         PREFETCH=prefetch, EVEN_N=n % bn == 0,
-                                                         EVEN_B=(kw // wpb) % bb == 0, num_warps=warps)
-    else:
         if not isinstance(split, int) or split < 1:
             raise ValueError(f"a config's SPLIT_K is a positive int, not {split!r}")
-        partials, counters = split_workspace(x.device, n, split)
+        # one launch form: SPLIT_K = 1 is the unsplit kernel (its workspace arguments unused), grid (row blocks, 1)
+        partials, counters = split_workspace(x.device, n, split) if split > 1 else (dummy, dummy)
         kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn), split)](*args, partials, counters, **flags, BLOCK_N=bn,
                                                                BLOCK_B=bb, PREFETCH=prefetch, EVEN_N=n % bn == 0,
                                                                EVEN_B=(kw // wpb) % bb == 0, SPLIT_K=split,
