@@ -59,15 +59,18 @@ CONTEXT_TOKENS = 4096
 
 
 def restrict_gemv_configs(which: str) -> None:
-    """--gemv-configs: this process's NF4 one-token autotuner keeps only its configs without a load pipeline
-    (plain: nf4_gemv.CONFIGS without PREFETCH, made by the module's own nf4_gemv.gemv_configs); all: the library's,
-    unchanged (bench-only)."""
+    """--gemv-configs: this process's NF4 one-token autotuner keeps only some of its configs (plain: nf4_gemv.CONFIGS
+    without a load pipeline; nosplit: nf4_gemv.CONFIGS, no split-K config; each made by the module's own
+    nf4_gemv.gemv_configs); all: the library's, unchanged (bench-only)."""
     from llm_core.fast.kernels import nf4_gemv
 
     tuner = nf4_gemv.AUTOTUNER
     if tuner is None or which == "all":
         return
-    tuner.configs = nf4_gemv.gemv_configs([c for c in nf4_gemv.CONFIGS if not c[3]])
+    keep = {"plain": [c for c in nf4_gemv.CONFIGS if not c[3]], "nosplit": list(nf4_gemv.CONFIGS)}
+    tuner.configs = nf4_gemv.gemv_configs(keep[which])
+
+
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -392,9 +395,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
-    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "nosplit"),
                         help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
-                             "a load prefetch (plain: PREFETCH off): an A/B of the pipeline through the engine")
+                             "a load prefetch (plain: PREFETCH off), or none of split-K (nosplit): an A/B through "
+                             "the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

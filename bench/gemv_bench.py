@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
                         rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8,
-                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH"),
+                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH", "SPLIT_K"),
                                                          XPLANAR="planar" in kname, XVEC="x4loads" not in kname,
                                                          NESTED=not kname.startswith("ours_fp32"))
                         if args.asm_dir is not None and arch == args.arch[0]:

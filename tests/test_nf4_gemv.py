@@ -314,6 +314,48 @@ def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape
             nf4_gemv.nf4_gemv(x, words, 64, code, config=(8, 16, 4, True, 7), **scales)  # no workspace for 7 yet
 
 
+@pytest.mark.gpu
+@needs_kernel
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
+def test_the_autotuned_gemv_serves_split_k_where_it_wins_and_stays_right_in_a_cuda_graph(
+        shape: tuple[int, int]) -> None:
+    """The autotuned call (no config; split-K configs kept for N = 4096 on a GPU of >= 86 SMs) is as close to
+    x @ dequantize_4bit(W).T as the fastest unsplit config's call, leaves the MAX_SPLIT workspace's counters at zero,
+    records a pick with its SPLIT_K, and a CUDA graph of the call replays to the eager bits."""
+    import bitsandbytes.functional as bf
+
+    from llm_core.fast.kernels.tuning import tuned_pick
+
+    n, k = shape
+    packed, qs = _quantized(n, k, True)
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    code = tuple(qs.code.float().tolist())
+    scales = _scales(qs, True)
+    plain_x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = nf4_gemv.planar_pairs(plain_x)
+    want = plain_x.float() @ bf.dequantize_4bit(packed, qs).float().T
+    eager = nf4_gemv.nf4_gemv(x, words, 64, code, planar=True, **scales)
+    torch.cuda.synchronize()
+    pick = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8, ("BLOCK_N", "BLOCK_B", "PREFETCH", "SPLIT_K"), XPLANAR=True,
+                      NESTED=True)
+    assert pick is not None and pick["SPLIT_K"] in {1, *(c[4] for c in nf4_gemv.SPLIT_CONFIGS)}, pick
+    assert not nf4_gemv.split_workspace(x.device, n, nf4_gemv.MAX_SPLIT)[1].any()
+    base = nf4_gemv.nf4_gemv(x, words, 64, code, planar=True, config=(8, 16, 4, True), **scales).float()
+    err = ((eager.float() - want).norm() / want.norm()).item()
+    base_err = ((base - want).norm() / want.norm()).item()
+    assert err <= 1.05 * base_err + 1e-4, (pick, err, base_err)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf4_gemv.nf4_gemv(x, words, 64, code, planar=True, **scales)
+    for _ in range(2):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), pick
+    print("autotuned pick", shape, pick)
+
+
 @pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
 @pytest.mark.parametrize("split", [1, 4])
 def test_split_k_gemv_orders_its_partials_before_the_count_for_hopper(split: int) -> None:
@@ -622,7 +664,26 @@ def test_split_k_calls_are_checked_before_any_launch() -> None:
     with pytest.raises(ValueError, match="SPLIT_K"):
         nf4_gemv.nf4_gemv(x, words, 64, levels, absmax=torch.ones(4), config=(8, 8, 4, True, 2, 1))
     assert all(len(c) == 5 and c[4] > 1 for c in nf4_gemv.SPLIT_CONFIGS)
-    assert all(len(c) == 4 for c in nf4_gemv.CONFIGS)  # the autotuner times no split-K form
+    assert nf4_gemv.MAX_SPLIT == max(c[4] for c in nf4_gemv.SPLIT_CONFIGS)
+
+
+@pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
+def test_the_autotuner_times_split_k_only_where_the_unsplit_grid_is_short_of_programs(monkeypatch) -> None:
+    """The autotuner holds CONFIGS (SPLIT_K 1) and SPLIT_CONFIGS; its early prune keeps a split config only where
+    its tile's unsplit grid is under SPLIT_BELOW programs per SM, and none without a CUDA device."""
+    tuner = nf4_gemv.AUTOTUNER
+    splits = sorted({c.kwargs["SPLIT_K"] for c in tuner.configs})
+    assert splits == sorted({1, *(c[4] for c in nf4_gemv.SPLIT_CONFIGS)})
+    assert len(tuner.configs) == len(nf4_gemv.CONFIGS) + len(nf4_gemv.SPLIT_CONFIGS)
+    unsplit = [c for c in tuner.configs if c.kwargs["SPLIT_K"] == 1]
+    monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 132)  # an H100's SMs
+    limit = nf4_gemv.SPLIT_BELOW * 132  # 792 programs: N = 4096 with BLOCK_N 8 (512) is short, N = 12288 (1536) not
+    kept = nf4_gemv.split_prune(tuner.configs, {"N": 4096})
+    assert {c.kwargs["SPLIT_K"] for c in kept} == set(splits)
+    assert all(4096 // c.kwargs["BLOCK_N"] < limit for c in kept if c.kwargs["SPLIT_K"] > 1)
+    assert nf4_gemv.split_prune(tuner.configs, {"N": 12288}) == unsplit
+    monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 0)  # no CUDA device
+    assert nf4_gemv.split_prune(tuner.configs, {"N": 4096}) == unsplit
 
 
 def test_the_gemv_interpreter_tests_pass_in_their_own_process() -> None:

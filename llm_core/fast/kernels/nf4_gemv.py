@@ -38,6 +38,16 @@ from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_in
 
 AVAILABLE = triton is not None
 AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
+SPLIT_BELOW = 6  # split_prune: split-K configs are timed where the unsplit grid has < this many programs per SM
+
+
+@functools.cache
+def _sm_count(device: int | None = None) -> int:
+    """The streaming multiprocessors of CUDA device `device` (default: the current one), 0 without CUDA."""
+    if not torch.cuda.is_available():
+        return 0
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device
+                                            ).multi_processor_count
 
 
 def words_view(packed: torch.Tensor) -> torch.Tensor | None:
@@ -342,20 +352,34 @@ if triton is not None:
                *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
 
     # split-K (the kernel's SPLIT_K; (BLOCK_N, BLOCK_B, warps, PREFETCH, SPLIT_K)): for the N = 4096 linears, whose
-    # 512 programs keep too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06 s6). Not
-    # in CONFIGS (not timed yet): pass one as nf4_gemv's `config`; bench/gemv_bench.py --sweep times them
+    # 512 programs keep too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06 s6). The
+    # autotuner times them beside CONFIGS where the unsplit grid leaves the GPU short of programs (split_prune);
+    # bench/gemv_bench.py --sweep times each one alone
     SPLIT_TILES = ((8, 16, 4, True), (8, 8, 4, True))
     SPLIT_CONFIGS = [(*tile, split) for tile in SPLIT_TILES for split in (2, 4, 8)]
+    MAX_SPLIT = max(c[4] for c in SPLIT_CONFIGS)  # the autotuned launch's workspace holds this many partials
 
-    def gemv_configs(tiles: Sequence[tuple[int, int, int, bool]]) -> list[Any]:
-        """(BLOCK_N, BLOCK_B, warps, PREFETCH) tuples -> the autotuner's triton.Configs (the module's autotuner
-        over CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w) for bn, bb, w, pf in tiles]
+    def gemv_configs(tiles: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """(BLOCK_N, BLOCK_B, warps, PREFETCH[, SPLIT_K]) tuples -> the autotuner's triton.Configs (the module's
+        autotuner over CONFIGS + SPLIT_CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
+        return [triton.Config({"BLOCK_N": t[0], "BLOCK_B": t[1], "PREFETCH": t[3], "SPLIT_K": (*t, 1)[4]},
+                              num_warps=t[2]) for t in tiles]
+
+    def split_prune(configs: list[Any], named_args: dict[str, Any], **_: Any) -> list[Any]:
+        """The autotuner's early prune: a split-K config is timed only where its tile's unsplit grid has fewer than
+        SPLIT_BELOW programs per SM of the current GPU (there the GPU runs short of loads in flight; above it,
+        splitting only adds the partials' round trip and the autotuner's start-up time). Without a CUDA device
+        (the interpreter) no split config is kept."""
+        sms = _sm_count()
+        return [c for c in configs
+                if c.kwargs["SPLIT_K"] == 1
+                or (sms and triton.cdiv(named_args["N"], c.kwargs["BLOCK_N"]) < SPLIT_BELOW * sms)]
 
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
-    _tuned = triton.autotune(configs=gemv_configs(CONFIGS),
-                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
+    _tuned = triton.autotune(configs=gemv_configs([*CONFIGS, *SPLIT_CONFIGS]),
+                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"],
+                             prune_configs_by={"early_config_prune": split_prune})(_even)
     AUTOTUNER = _tuned
 
 
@@ -392,9 +416,10 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]) skips autotuning;
-    `split_k` > 1 (or a config's SPLIT_K): the split-K form of the kernel (see its docstring; SPLIT_CONFIGS), which
-    needs an explicit config (the autotuner has no split configs yet) and reads and writes the workspace of
-    split_workspace() (its first call for an N and split must not be captured);
+    `split_k` > 1 (or a config's SPLIT_K): the split-K form of the kernel (see its docstring; SPLIT_CONFIGS) with an
+    explicit config; without a config the autotuner may pick a split (split_prune says where it times them). Either
+    way the call reads and writes a workspace of split_workspace(), so its first call for an N (and split) must not
+    be captured: the engine's warm-up steps run uncaptured;
     `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
@@ -426,8 +451,11 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     if config is None:
         if split_k != 1:
             raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, "
-                             "SPLIT_K]): the autotuner has no split-K configs (see SPLIT_CONFIGS)")
-        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, dummy, dummy, **flags)
+                             "SPLIT_K]); without one the autotuner picks the split (SPLIT_CONFIGS)")
+        # the autotuner may pick a split-K config: every tuned launch gets the MAX_SPLIT workspace of this N
+        partials, counters = split_workspace(x.device, n, MAX_SPLIT)
+        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
+            *args, partials, counters, **flags)
     else:
         if len(config) not in (3, 4, 5):
             raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]), not {config}")
