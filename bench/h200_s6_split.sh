@@ -5,7 +5,8 @@
 # bench.prefix_attention --split (per layer: the engine's gather path against split with flash / cuDNN, first calls
 # of new shapes, diffs from fp32). PART=b (~6 min): a 9-turn chat through ChatEngine with the default (gather), then
 # with split. PART=c: the same pair in the other order. Llama-2-7B shape, emulated 16 GiB card (int8 KV there),
-# 2k-word messages; records under $OUT.
+# 2k-word messages; records under $OUT. PART=t (~7 min): the tests of PART a, then PART b (2026-12-06 seventh session:
+# the split form with its buckets, layer.PREFIX_SPLIT_BUCKET).
 set -uo pipefail
 source bench/h200_env.sh || exit 1
 turns() {  # $1 = PREFIX_ATTENTION, $2 = the record's name
@@ -15,7 +16,13 @@ turns() {  # $1 = PREFIX_ATTENTION, $2 = the record's name
   echo "multiturn $2 rc=$?"; grep -E '"kind": "(startup|turn)"' "$OUT/multiturn-$2.log" | cut -c1-200
   grep -iE "Traceback|Error" "$OUT/multiturn-$2.log" | head -4 | cut -c1-300
 }
-if [ "${PART:-a}" = a ]; then
+if [ "${PART:-a}" = t ]; then  # the split form's GPU tests, then gather and split through ChatEngine
+  timeout -s INT -k 15 "${TESTS_S:-90}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
+    tests/test_prefix_cache.py -k "split or flash" > "$OUT/gpu-tests-split.txt" 2>&1
+  echo "tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests-split.txt" | head -14 | cut -c1-300
+  turns gather gather-1
+  turns split split-1
+elif [ "${PART}" = a ]; then
   timeout -s INT -k 15 "${TESTS_S:-90}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
     tests/test_prefix_cache.py -k "split or flash" > "$OUT/gpu-tests-split.txt" 2>&1
   echo "tests rc=$?"; grep -E "^(PASSED|FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests-split.txt" | head -14 | cut -c1-300

@@ -590,13 +590,17 @@ def test_later_prefill_chunks_read_the_prefix_back_a_head_group_at_a_time(tmp_pa
 
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "int8"])
-def test_later_prefill_chunks_with_split_prefix_attention_score_as_gather(tmp_path: Any, kv_cache: str) -> None:
+def test_later_prefill_chunks_with_split_prefix_attention_score_as_gather(tmp_path: Any, kv_cache: str,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """PREFIX_ATTENTION=split through the fast path's prefill (CPU, fp32, eager): every layer spec carries the split
-    form, and a prompt prefilled in 64-token chunks scores as with the default (gather: the masked form), to fp32
-    rounding, for grouped K/V heads, with a bf16-rows or an int8 cache."""
+    form, and a prompt prefilled in 64-token chunks (a split bucket of 96 keys: whole buckets and a rest of 0-95
+    keys) scores as with the default (gather: the masked form), to fp32 rounding, for grouped K/V heads, with a
+    bf16-rows or an int8 cache."""
     from bench.decode import load
     from bench.harness import make_random_checkpoint
-    from llm_core.fast import FastDecodeOptions
+    from llm_core.fast import FastDecodeOptions, generate
+
+    monkeypatch.setattr(generate, "PREFIX_SPLIT_BUCKET", 96)
 
     shape = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, rms_norm_eps=1e-5)
@@ -609,6 +613,7 @@ def test_later_prefill_chunks_with_split_prefix_attention_score_as_gather(tmp_pa
         dec = FastDecoder(loaded, compile=False, max_cache_len=512, options=options)
         dec.warmup()
         assert all(spec.prefix_split == ("flash" if choice == "split" else "") for spec in dec._layer_specs)
+        assert all(spec.prefix_split_bucket == 96 for spec in dec._layer_specs)
         with dec.outside_reply():
             return dec.prefill_scores(ids, penalties=False).clone()
 

@@ -408,10 +408,13 @@ def test_two_attentions_merged_by_their_log_sum_exp_equal_one_over_all_the_keys(
 
 @pytest.mark.parametrize("rows", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("kv_heads", [8, 2])
-def test_a_split_later_chunk_attends_as_the_masked_one(rows: str, kv_heads: int) -> None:
-    """PREFIX_ATTENTION=split's form (LayerSpec.prefix_split): a later chunk's queries over the cached prefix
-    (unmasked) and over their own keys (causal), merged = the explicit-mask form over the same cache; fp32 to 1e-5,
-    bf16 and int8 rows to bf16 rounding; the chunk's first query does not see the chunk's later keys."""
+@pytest.mark.parametrize("bucket", [16, 45, 64])
+def test_a_split_later_chunk_attends_as_the_masked_one(rows: str, kv_heads: int, bucket: int) -> None:
+    """PREFIX_ATTENTION=split's form (LayerSpec.prefix_split): a later chunk's queries over the cached prefix's
+    whole buckets (unmasked) and over the rest of it and their own keys (causal, bottom-right), merged = the
+    explicit-mask form over the same cache; fp32 to 1e-5, bf16 and int8 rows to bf16 rounding; the chunk's first
+    query does not see the chunk's later keys. Bucket 16: a part of the prefix goes with the chunk; 45 (= the
+    prefix): none does; 64 (over the prefix): the gather form serves the chunk."""
     from llm_core.fast import layer
     from llm_core.fast.kvquant import quantize_rows
 
@@ -423,7 +426,8 @@ def test_a_split_later_chunk_attends_as_the_masked_one(rows: str, kv_heads: int)
         k, v = quantize_rows(k), quantize_rows(v)
     q = torch.randn(1, seq, heads, dim, generator=gen).to(dtype).transpose(1, 2)
     masked = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "matmul")
-    split = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "matmul", False, "flash")
+    split = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "matmul", False, "flash",
+                            prefix_split_bucket=bucket)
     want = layer.prefix_attention_over_cache(masked, q, k, v, start).float()
     got = layer.prefix_attention_over_cache(split, q, k, v, start).float()
     assert got.shape == want.shape == (1, seq, heads * dim)
@@ -434,6 +438,8 @@ def test_a_split_later_chunk_attends_as_the_masked_one(rows: str, kv_heads: int)
     first = layer.prefix_attention_over_cache(split, q, changed, v, start).float()
     assert (first[0, 0] - got[0, 0]).abs().max().item() == 0
     assert (first[0, 1:] - got[0, 1:]).abs().max().item() > 1e-3
+    if bucket > start:  # no whole bucket: the gather form's very bits
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu
@@ -451,7 +457,8 @@ def test_the_split_form_on_cuda_attends_as_the_fp32_mask(backend: str, kv_heads:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, seq, heads, dim, device="cuda", generator=gen).bfloat16().transpose(1, 2)
     k, v = (torch.randn(start + seq, kv_heads, dim, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True, backend)
+    spec = layer.LayerSpec(heads, kv_heads, dim, dim ** -0.5, 1e-5, 1e-5, None, (), True, "triton", True, backend,
+                           prefix_split_bucket=256)  # 512 keys unmasked (300 queries padded to 512 for cuDNN)
     mask = torch.arange(start + seq, device="cuda")[None, :] <= torch.arange(start, start + seq, device="cuda")[:, None]
     ref = layer._prefill_attention(spec, q.float(), k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
                                    mask)
@@ -462,12 +469,15 @@ def test_the_split_form_on_cuda_attends_as_the_fp32_mask(backend: str, kv_heads:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bf16_chunked_prefill_with_split_prefix_attention_compiles_and_scores_as_gather(
-        tmp_path: Any) -> None:
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """PREFIX_ATTENTION=split on CUDA in bf16: every layer spec carries the split backend, the compiled prefill
-    serves it (no eager fall-back), and a prompt prefilled in 256-token chunks scores as with the default."""
+    serves it (no eager fall-back), and a prompt prefilled in 256-token chunks (a split bucket of 512 keys: chunks
+    under it, at it and past it) scores as with the default."""
     from bench.decode import load
     from bench.harness import make_random_checkpoint
-    from llm_core.fast import FastDecodeOptions, FastDecoder
+    from llm_core.fast import FastDecodeOptions, FastDecoder, generate
+
+    monkeypatch.setattr(generate, "PREFIX_SPLIT_BUCKET", 512)
 
     folder = make_random_checkpoint("tiny", tmp_path / "tiny", torch.device("cuda"), 4096)
     loaded = load(str(folder), "none", "cuda", tmp_path / "cache", "bfloat16")
@@ -479,6 +489,7 @@ def test_bf16_chunked_prefill_with_split_prefix_attention_compiles_and_scores_as
                                                     prefix_attention=choice))
         dec.warmup()
         assert all(bool(spec.prefix_split) == (choice == "split") for spec in dec._layer_specs)
+        assert all(spec.prefix_split_bucket == 512 for spec in dec._layer_specs)
         assert dec._prefill_compiled_ok, dec.notes
         with dec.outside_reply():
             scores[choice] = torch.log_softmax(dec.prefill_scores(ids, penalties=False).float(), dim=-1)

@@ -28,6 +28,7 @@ from .kernels.attention import round_up
 from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .kernels.pdl import compile_options, pdl_support
 from .layer import (
+    PREFIX_SPLIT_BUCKET,
     HeadSpec,
     LayerSpec,
     _prefill_attention_scope,
@@ -254,7 +255,8 @@ class FastDecoder(DecoderWarmup):
                 qk_eps = float(_eps(attn.q_norm))
             spec = LayerSpec(a.n_heads, a.n_kv_heads, a.head_dim, float(attn.scaling),
                               float(_eps(layer.post_attention_layernorm)), float(_eps(next_norm)), qk_eps,
-                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash, prefix_split, pdl)
+                              tuple(p.spec for p in packed), opts.fuse, attention, prefix_flash, prefix_split, pdl,
+                              PREFIX_SPLIT_BUCKET)
             self._layer_specs.append(layer_specs.setdefault(spec, spec))
             self._layer_weights.append([t for p in packed for t in p.tensors] + [r.detach() for r in rest])
         lm = pack_linears([a.lm_head], replace(opts, fuse=False), gemv)

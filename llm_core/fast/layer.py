@@ -21,6 +21,14 @@ from .tables import embed_rows
 # the same for every chunk length (compiled with a dynamic length, it must not depend on it).
 PREFIX_HEADS = 8
 
+# PREFIX_ATTENTION=split (prefix_attention_over_cache): the unmasked part of a later chunk's attention covers the
+# cached prefix rounded down to a multiple of this many keys, and its queries are padded to a multiple of
+# PREFIX_SPLIT_QUERIES, so PyTorch's cuDNN attention (which builds a plan per new shape: 37-41 ms on an H100) sees
+# few shapes: one per bucket and query size for every layer, chat and turn. The rest of the prefix goes with the
+# chunk's own keys. A chunk whose prefix is under one bucket takes the gather form (no cuDNN call, no new plan).
+PREFIX_SPLIT_BUCKET = 4096
+PREFIX_SPLIT_QUERIES = 256
+
 
 def nf4_matvec_torch(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -174,6 +182,8 @@ class LayerSpec:
     prefix_split: str = ""
     # the decode attention kernel launched as a programmatic dependent launch (llm_core.fast.kernels.pdl)
     pdl: bool = False
+    # with prefix_split: its bucket of keys (PREFIX_SPLIT_BUCKET; tests set a small one)
+    prefix_split_bucket: int = PREFIX_SPLIT_BUCKET
 
 
 def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -300,10 +310,11 @@ def prefix_attention_over_cache(spec: LayerSpec, q: torch.Tensor, k_cache: torch
     tokens that is 156 MB at once, part of the peak the start-up measures and the KV cache pays for; a quarter of it
     per group. Softmax is per head: the same values."""
     end = start + q.shape[2]
-    if spec.prefix_split:
-        pre = [from_cache(c[:start], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
-        own = [from_cache(c[start:end], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
-        return _split_prefix_attention(spec, q, pre[0], pre[1], own[0], own[1])
+    base = start // spec.prefix_split_bucket * spec.prefix_split_bucket
+    if spec.prefix_split and base > 0:  # under one bucket: the gather form below
+        pre = [from_cache(c[:base], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
+        rest = [from_cache(c[base:end], q.dtype).transpose(0, 1)[None] for c in (k_cache, v_cache)]
+        return _split_prefix_attention(spec, q, pre[0], pre[1], rest[0], rest[1])
     mask = None if spec.prefix_flash else (
         torch.arange(end, device=q.device)[None, :] <= torch.arange(start, end, device=q.device)[:, None])
     groups = spec.n_heads // spec.n_kv_heads
@@ -471,21 +482,39 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 
 def _split_prefix_attention(spec: LayerSpec, q: torch.Tensor, k_pre: torch.Tensor, v_pre: torch.Tensor,
-                            k_own: torch.Tensor, v_own: torch.Tensor) -> torch.Tensor:
-    """A later chunk's attention (LayerSpec.prefix_split): q (1, H, S, D) at the S positions after the prefix's P;
-    k/v_pre (1, Hkv, P, D) the prefix (every query sees all of it: no mask, spec.prefix_split's backend), k/v_own
-    (1, Hkv, S, D) the chunk's own rows (a square causal mask: flash) -> (1, S, H * D). Every head in one call each
-    (a grid of ceil(S / 128) x H programs; grouped K/V heads expanded as repeat_kv does). Why: PyTorch's flash
-    attention over the whole (bottom-right causal) runs near 0.34 PFLOP/s on an H100; the prefix part is free to use
-    a faster kernel that has no bottom-right mask (docs/prefix_cache.md)."""
+                            k_rest: torch.Tensor, v_rest: torch.Tensor) -> torch.Tensor:
+    """A later chunk's attention (LayerSpec.prefix_split): q (1, H, S, D) at the last S of the T = P + R positions
+    of k/v_pre (1, Hkv, P, D), the prefix's first P (a multiple of spec.prefix_split_bucket; every query sees all of
+    it: no mask, spec.prefix_split's backend, the queries padded to a multiple of PREFIX_SPLIT_QUERIES for cuDNN),
+    then k/v_rest (1, Hkv, R, D), the rest of the prefix and the chunk's own rows (causal, aligned bottom-right: the
+    chunk's last query sees every key) -> (1, S, H * D). The two parts merge by their log-sum-exp. Every head in one
+    call each (grouped K/V heads expanded as repeat_kv does). Why: PyTorch's flash attention over the whole (bottom-
+    right causal) runs near 0.34 PFLOP/s on an H100; the unmasked part is free to use a faster kernel
+    (docs/prefix_cache.md)."""
     rows, heads, seq = q.shape[0], q.shape[1], q.shape[2]
     if spec.n_heads > spec.n_kv_heads:
         k_pre, v_pre = _expand_kv(spec, heads, k_pre, v_pre)
-        k_own, v_own = _expand_kv(spec, heads, k_own, v_own)
-    out_pre, lse_pre = attention_lse(q, k_pre, v_pre, spec.scale, False, spec.prefix_split)
-    out_own, lse_own = attention_lse(q, k_own, v_own, spec.scale, True, "flash")
-    attn = merge_attention(out_pre, lse_pre, out_own, lse_own)
+        k_rest, v_rest = _expand_kv(spec, heads, k_rest, v_rest)
+    q_pre = q
+    if spec.prefix_split == "cudnn":  # a plan per (queries, keys): few shapes
+        q_pre = F.pad(q, (0, 0, 0, -seq % PREFIX_SPLIT_QUERIES))
+    out_pre, lse_pre = attention_lse(q_pre, k_pre, v_pre, spec.scale, False, spec.prefix_split)
+    out_rest, lse_rest = _bottom_right_attention(q, k_rest, v_rest, spec.scale)
+    attn = merge_attention(out_pre[:, :, :seq], lse_pre[:, :, :seq], out_rest, lse_rest)
     return attn.transpose(1, 2).reshape(rows, seq, heads * spec.head_dim)
+
+
+def _bottom_right_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (1, H, S, D) at the last S of keys/values (1, H, R, D), R >= S, causal with the mask aligned bottom-right
+    -> (out, lse) as attention_lse. CUDA: PyTorch's flash op aligns its causal mask bottom-right where S < R. CPU
+    (whose flash op aligns it top-left): the R - S keys every query sees, merged with the square causal part."""
+    seq, total = q.shape[2], keys.shape[2]
+    if q.device.type == "cuda" or seq == total:
+        return attention_lse(q, keys, values, scale, True)
+    out_a, lse_a = attention_lse(q, keys[:, :, :total - seq], values[:, :, :total - seq], scale, False)
+    out_b, lse_b = attention_lse(q, keys[:, :, total - seq:], values[:, :, total - seq:], scale, True)
+    return merge_attention(out_a, lse_a, out_b, lse_b), torch.logaddexp(lse_a, lse_b)
 
 
 def prefix_split_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
