@@ -263,6 +263,15 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
     assert err <= max(2 * their_err, 5e-3), (err, their_err)
 
 
+def _gpu_weight(n: int, k: int, nested: bool) -> tuple[torch.Tensor, Any, torch.Tensor, tuple[float, ...],
+                                                     dict[str, Any]]:
+    """A random (n, k) NF4 weight on CUDA as the GEMV takes it: packed, quant state, int32 words, levels, scales."""
+    packed, qs = _quantized(n, k, nested)
+    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
+    assert words is not None
+    return packed, qs, words, tuple(qs.code.float().tolist()), _scales(qs, nested)
+
+
 @pytest.mark.gpu
 @needs_kernel
 @pytest.mark.parametrize("nested", [True, False])
@@ -276,11 +285,7 @@ def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape
     import bitsandbytes.functional as bf
 
     n, k = shape
-    packed, qs = _quantized(n, k, nested)
-    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
-    assert words is not None
-    code = tuple(qs.code.float().tolist())
-    scales = _scales(qs, nested)
+    packed, qs, words, code, scales = _gpu_weight(n, k, nested)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     want = x.float() @ bf.dequantize_4bit(packed, qs).float().T + bias.float()
@@ -320,18 +325,14 @@ def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape
 def test_the_autotuned_gemv_serves_split_k_where_it_wins_and_stays_right_in_a_cuda_graph(
         shape: tuple[int, int]) -> None:
     """The autotuned call (no config; split-K configs kept for N = 4096 on a GPU of >= 86 SMs) is as close to
-    x @ dequantize_4bit(W).T as the fastest unsplit config's call, leaves the MAX_SPLIT workspace's counters at zero,
-    records a pick with its SPLIT_K, and a CUDA graph of the call replays to the eager bits."""
+    x @ dequantize_4bit(W).T as the unsplit 8 x 16 prefetch config's call, leaves the MAX_SPLIT workspace's
+    counters at zero, records a pick with its SPLIT_K, and a CUDA graph of the call replays to the eager bits."""
     import bitsandbytes.functional as bf
 
     from llm_core.fast.kernels.tuning import tuned_pick
 
     n, k = shape
-    packed, qs = _quantized(n, k, True)
-    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
-    assert words is not None
-    code = tuple(qs.code.float().tolist())
-    scales = _scales(qs, True)
+    packed, qs, words, code, scales = _gpu_weight(n, k, True)
     plain_x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     x = nf4_gemv.planar_pairs(plain_x)
     want = plain_x.float() @ bf.dequantize_4bit(packed, qs).float().T
