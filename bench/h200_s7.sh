@@ -9,14 +9,18 @@
 #   batched-{R}-{n}.json     bench.batched --chats $CHATS on the same checkpoint: R = all (the autotuner with its
 #                            split-K configs) | nosplit (without them)
 # ORDER=ab (default) runs gather, split, all, nosplit; ORDER=ba the reverse pairs (split, gather, nosplit, all).
+# PARTS (default "tests turns batched") picks the stages; CKPT the batched runs' checkpoint when the turns do not run
+# (written when missing).
 set -uo pipefail
 source bench/h200_env.sh || exit 1
-CKPT=/tmp/multiturn-ckpt/llama-2-7b-32768
+CKPT=${CKPT:-/tmp/multiturn-ckpt/llama-2-7b-32768}
+PARTS=" ${PARTS:-tests turns batched} "
 n=${PAIR:-1}
-timeout -s INT -k 15 "${TESTS_S:-80}" python3 -m pytest -q -m gpu -rA -p no:cacheprovider \
-  tests/test_nf4_gemv.py tests/test_prefix_cache.py -k "split or flash" > "$OUT/gpu-tests.txt" 2>&1
-echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed|autotuned pick" "$OUT/gpu-tests.txt" | head -14 | cut -c1-300
+[[ $PARTS != *" tests "* ]] || { timeout -s INT -k 15 "${TESTS_S:-80}" python3 -m pytest -q -m gpu -rA \
+  -p no:cacheprovider tests/test_nf4_gemv.py tests/test_prefix_cache.py -k "split or flash" > "$OUT/gpu-tests.txt" 2>&1
+echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed|autotuned pick" "$OUT/gpu-tests.txt" | head -14 | cut -c1-300; }
 turns() {  # $1 = PREFIX_ATTENTION
+  [[ $PARTS == *" turns "* ]] || return 0
   timeout -s INT -k 15 "${TURNS_S:-150}" python3 -m bench.multiturn --random llama-2-7b --max-positions 32768 \
     --card-gib 16 --message-tokens 2000 --turns 9 --new-tokens 64 --only-first --set PREFIX_ATTENTION=$1 \
     --out "$OUT/multiturn-$1-$n.json" > "$OUT/multiturn-$1-$n.log" 2>&1
@@ -24,6 +28,7 @@ turns() {  # $1 = PREFIX_ATTENTION
   grep -iE "Traceback|Error" "$OUT/multiturn-$1-$n.log" | head -4 | cut -c1-300
 }
 batched() {  # $1 = all | nosplit
+  [[ $PARTS == *" batched "* ]] || return 0
   timeout -s INT -k 15 "${BATCHED_S:-100}" python3 -m bench.batched --no-reference --chats "${CHATS:-1}" \
     --new-tokens 128 --ckpt $CKPT --gemv-configs $1 --out "$OUT/batched-$1-$n.json" > "$OUT/batched-$1-$n.log" 2>&1
   echo "batched $1 rc=$?"; grep -E '"(recipe|phase)"' "$OUT/batched-$1-$n.log" | cut -c1-300 | tail -3
