@@ -476,8 +476,9 @@ class MemorySettings:
     prefix_attention: str = setting("PREFIX_ATTENTION", "gather", _parse_choice(PREFIX_ATTENTIONS),
         "KV_LAYOUT=paged, a prompt chunk after cached tokens: gather = copy the prefix out of the pool and "
         "flash-attend it; paged = a Triton kernel reads the pool in place (no copy; experimental: faster for bf16 "
-        "rows, slower for int8 rows on an H100, docs/prefix_cache.md); split = gather, then attend the prefix "
-        "unmasked (cuDNN where it runs) and the chunk causally, merged (experimental)")
+        "rows, slower for int8 rows on an H100, docs/prefix_cache.md); split = gather, then attend the prefix's "
+        "whole 4,096-key buckets unmasked (cuDNN where it runs) and the rest with the chunk causally, merged "
+        "(experimental)")
 
 
 @dataclass(frozen=True)

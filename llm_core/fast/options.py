@@ -64,10 +64,11 @@ class FastDecodeOptions:
     prefill_gemm: str = "auto"
     # A later prefill chunk of the batched path's paged pool: gather (copy the row's prefix out of its blocks, then
     # dequantize and flash-attend it PREFIX_HEADS K/V heads at a time) | paged (read the pool in place:
-    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather) | split (gather, then attend the prefix without
-    # a mask, by cuDNN's attention where it runs, and the chunk's own keys causally; merged by log-sum-exp:
-    # layer._split_prefix_attention). Opt-in: paged was slower than gather for int8 rows on an H100 (2026-12-06,
-    # docs/prefix_cache.md); split is timed by bench.prefix_attention --split and bench.multiturn.
+    # llm_core.fast.kernels.prefix_attention; int4 rows keep gather) | split (gather, then attend the prefix's whole
+    # PREFIX_SPLIT_BUCKET-key buckets without a mask, by cuDNN's attention where it runs, and the rest with the
+    # chunk's own keys causally; merged by log-sum-exp: layer._split_prefix_attention). Opt-in: paged was slower
+    # than gather for int8 rows on an H100 (2026-12-06, docs/prefix_cache.md); split is timed by
+    # bench.prefix_attention --split and bench.multiturn (bucketed: not yet timed).
     prefix_attention: str = "gather"
     # Programmatic dependent launch (CUDA sm_90+, llm_core.fast.kernels.pdl): each kernel of the compiled decode
     # step (ours and inductor's) starts while the one before it finishes and waits on the device where it reads that
