@@ -59,15 +59,15 @@ CONTEXT_TOKENS = 4096
 
 
 def restrict_gemv_configs(which: str) -> None:
-    """--gemv-configs: this process's NF4 one-token autotuner keeps only some of its configs (plain: nf4_gemv.CONFIGS
-    without a load pipeline; nosplit: nf4_gemv.CONFIGS, no split-K config; each made by the module's own
-    nf4_gemv.gemv_configs); all: the library's, unchanged (bench-only)."""
+    """--gemv-configs: this process's NF4 one-token autotuner gets other configs (plain: nf4_gemv.CONFIGS without a
+    load pipeline; split: CONFIGS and the split-K SPLIT_CONFIGS, pruned per shape by nf4_gemv.split_prune; each made
+    by the module's own nf4_gemv.gemv_configs); all: the library's, unchanged (bench-only)."""
     from llm_core.fast.kernels import nf4_gemv
 
     tuner = nf4_gemv.AUTOTUNER
     if tuner is None or which == "all":
         return
-    keep = {"plain": [c for c in nf4_gemv.CONFIGS if not c[3]], "nosplit": list(nf4_gemv.CONFIGS)}
+    keep = {"plain": [c for c in nf4_gemv.CONFIGS if not c[3]], "split": [*nf4_gemv.CONFIGS, *nf4_gemv.SPLIT_CONFIGS]}
     tuner.configs = nf4_gemv.gemv_configs(keep[which])
 
 
@@ -395,9 +395,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
-    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "nosplit"),
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "split"),
                         help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
-                             "a load prefetch (plain: PREFETCH off), or none of split-K (nosplit): an A/B through "
+                             "a load prefetch (plain: PREFETCH off), or with the split-K ones (split): an A/B through "
                              "the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")

@@ -6,9 +6,9 @@
 #                            prefix attention (tests/test_prefix_cache.py -k "split or flash")
 #   multiturn-{A}-{n}.json   bench.multiturn: Llama-2-7B shape (32k positions), emulated 16 GiB card, 2,000-token
 #                            messages, 9 turns, PREFIX_ATTENTION=A (gather: the default; split: cuDNN in buckets)
-#   batched-{R}-{n}.json     bench.batched --chats $CHATS on the same checkpoint: R = all (the autotuner with its
-#                            split-K configs) | nosplit (without them)
-# ORDER=ab (default) runs gather, split, all, nosplit; ORDER=ba the reverse pairs (split, gather, nosplit, all).
+#   batched-{R}-{n}.json     bench.batched --chats $CHATS on the same checkpoint: R = all (the library's autotuner)
+#                            | split (with the split-K configs too)
+# ORDER=ab (default) runs gather, split, all, split; ORDER=ba the reverse pairs (split, gather, split, all).
 # PARTS (default "tests turns batched") picks the stages; CKPT the batched runs' checkpoint when the turns do not run
 # (written when missing).
 set -uo pipefail
@@ -27,14 +27,14 @@ turns() {  # $1 = PREFIX_ATTENTION
   echo "multiturn $1 rc=$?"; grep -E '"kind": "(startup|turn)"' "$OUT/multiturn-$1-$n.log" | cut -c1-200
   grep -iE "Traceback|Error" "$OUT/multiturn-$1-$n.log" | head -4 | cut -c1-300
 }
-batched() {  # $1 = all | nosplit
+batched() {  # $1 = all | split
   [[ $PARTS == *" batched "* ]] || return 0
   timeout -s INT -k 15 "${BATCHED_S:-100}" python3 -m bench.batched --no-reference --chats "${CHATS:-1}" \
     --new-tokens 128 --ckpt $CKPT --gemv-configs $1 --out "$OUT/batched-$1-$n.json" > "$OUT/batched-$1-$n.log" 2>&1
   echo "batched $1 rc=$?"; grep -E '"(recipe|phase)"' "$OUT/batched-$1-$n.log" | cut -c1-300 | tail -3
 }
 if [ "${ORDER:-ab}" = ab ]; then
-  turns gather; turns split; batched all; batched nosplit
+  turns gather; turns split; batched all; batched split
 else
-  turns split; turns gather; batched nosplit; batched all
+  turns split; turns gather; batched split; batched all
 fi

@@ -323,8 +323,9 @@ def test_split_k_gemv_on_the_gpu_eagerly_and_in_a_cuda_graph(nested: bool, shape
 @needs_kernel
 @pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
 def test_the_autotuned_gemv_serves_split_k_where_it_wins_and_stays_right_in_a_cuda_graph(
-        shape: tuple[int, int]) -> None:
-    """The autotuned call (no config; split-K configs kept for N = 4096 on a GPU of >= 86 SMs) is as close to
+        shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The autotuner given SPLIT_CONFIGS too (as bench.batched --gemv-configs split does; kept for N = 4096 on a GPU
+    of >= 86 SMs): the autotuned call (no config) is as close to
     x @ dequantize_4bit(W).T as the unsplit 8 x 16 prefetch config's call, leaves the MAX_SPLIT workspace's
     counters at zero, records a pick with its SPLIT_K, and a CUDA graph of the call replays to the eager bits."""
     import bitsandbytes.functional as bf
@@ -333,6 +334,9 @@ def test_the_autotuned_gemv_serves_split_k_where_it_wins_and_stays_right_in_a_cu
 
     n, k = shape
     packed, qs, words, code, scales = _gpu_weight(n, k, True)
+    monkeypatch.setattr(nf4_gemv.AUTOTUNER, "configs",
+                        nf4_gemv.gemv_configs([*nf4_gemv.CONFIGS, *nf4_gemv.SPLIT_CONFIGS]))
+    monkeypatch.setattr(nf4_gemv.AUTOTUNER, "cache", {})  # tuned again with them, and forgotten after
     plain_x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     x = nf4_gemv.planar_pairs(plain_x)
     want = plain_x.float() @ bf.dequantize_4bit(packed, qs).float().T
@@ -669,22 +673,24 @@ def test_split_k_calls_are_checked_before_any_launch() -> None:
 
 
 @pytest.mark.skipif(nf4_gemv.triton is None, reason="needs the triton package (requirements-dev.txt)")
-def test_the_autotuner_times_split_k_only_where_the_unsplit_grid_is_short_of_programs(monkeypatch) -> None:
-    """The autotuner holds CONFIGS (SPLIT_K 1) and SPLIT_CONFIGS; its early prune keeps a split config only where
-    its tile's unsplit grid is under SPLIT_BELOW programs per SM, and none without a CUDA device."""
-    tuner = nf4_gemv.AUTOTUNER
-    splits = sorted({c.kwargs["SPLIT_K"] for c in tuner.configs})
+def test_split_k_configs_are_timed_only_where_the_unsplit_grid_is_short_of_programs(monkeypatch) -> None:
+    """The library's autotuner holds CONFIGS only (SPLIT_K 1: split-K waits for its GPU timing); given
+    SPLIT_CONFIGS too (bench.batched --gemv-configs split), its early prune keeps a split config only where its
+    tile's unsplit grid is under SPLIT_BELOW programs per SM, and none without a CUDA device."""
+    assert {c.kwargs["SPLIT_K"] for c in nf4_gemv.AUTOTUNER.configs} == {1}
+    assert len(nf4_gemv.AUTOTUNER.configs) == len(nf4_gemv.CONFIGS)
+    configs = nf4_gemv.gemv_configs([*nf4_gemv.CONFIGS, *nf4_gemv.SPLIT_CONFIGS])
+    splits = sorted({c.kwargs["SPLIT_K"] for c in configs})
     assert splits == sorted({1, *(c[4] for c in nf4_gemv.SPLIT_CONFIGS)})
-    assert len(tuner.configs) == len(nf4_gemv.CONFIGS) + len(nf4_gemv.SPLIT_CONFIGS)
-    unsplit = [c for c in tuner.configs if c.kwargs["SPLIT_K"] == 1]
+    unsplit = [c for c in configs if c.kwargs["SPLIT_K"] == 1]
     monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 132)  # an H100's SMs
     limit = nf4_gemv.SPLIT_BELOW * 132  # 792 programs: N = 4096 with BLOCK_N 8 (512) is short, N = 12288 (1536) not
-    kept = nf4_gemv.split_prune(tuner.configs, {"N": 4096})
+    kept = nf4_gemv.split_prune(configs, {"N": 4096})
     assert {c.kwargs["SPLIT_K"] for c in kept} == set(splits)
     assert all(4096 // c.kwargs["BLOCK_N"] < limit for c in kept if c.kwargs["SPLIT_K"] > 1)
-    assert nf4_gemv.split_prune(tuner.configs, {"N": 12288}) == unsplit
+    assert nf4_gemv.split_prune(configs, {"N": 12288}) == unsplit
     monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 0)  # no CUDA device
-    assert nf4_gemv.split_prune(tuner.configs, {"N": 4096}) == unsplit
+    assert nf4_gemv.split_prune(configs, {"N": 4096}) == unsplit
 
 
 def test_the_gemv_interpreter_tests_pass_in_their_own_process() -> None:

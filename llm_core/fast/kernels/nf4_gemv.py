@@ -352,16 +352,18 @@ if triton is not None:
                *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
 
     # split-K (the kernel's SPLIT_K; (BLOCK_N, BLOCK_B, warps, PREFETCH, SPLIT_K)): for the N = 4096 linears, whose
-    # 512 programs keep too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06 s6). The
-    # autotuner times them beside CONFIGS where the unsplit grid leaves the GPU short of programs (split_prune);
-    # bench/gemv_bench.py --sweep times each one alone
+    # 512 programs keep too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06 s6). Not in
+    # the autotuner's configs until a GPU has run their tests and timed them through the engine (bench/h200_s7.sh:
+    # bench.batched --gemv-configs split gives one process's autotuner CONFIGS + SPLIT_CONFIGS; its prune,
+    # split_prune, times them only where the unsplit grid leaves the GPU short of programs); bench/gemv_bench.py
+    # --sweep times each one alone
     SPLIT_TILES = ((8, 16, 4, True), (8, 8, 4, True))
     SPLIT_CONFIGS = [(*tile, split) for tile in SPLIT_TILES for split in (2, 4, 8)]
     MAX_SPLIT = max(c[4] for c in SPLIT_CONFIGS)  # the autotuned launch's workspace holds this many partials
 
     def gemv_configs(tiles: Sequence[tuple[Any, ...]]) -> list[Any]:
         """(BLOCK_N, BLOCK_B, warps, PREFETCH[, SPLIT_K]) tuples -> the autotuner's triton.Configs (the module's
-        autotuner over CONFIGS + SPLIT_CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
+        autotuner over CONFIGS; bench/batched.py --gemv-configs gives one process's others)."""
         return [triton.Config({"BLOCK_N": t[0], "BLOCK_B": t[1], "PREFETCH": t[3], "SPLIT_K": (*t, 1)[4]},
                               num_warps=t[2]) for t in tiles]
 
@@ -377,7 +379,7 @@ if triton is not None:
 
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
-    _tuned = triton.autotune(configs=gemv_configs([*CONFIGS, *SPLIT_CONFIGS]),
+    _tuned = triton.autotune(configs=gemv_configs(CONFIGS),
                              key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"],
                              prune_configs_by={"early_config_prune": split_prune})(_even)
     AUTOTUNER = _tuned
@@ -417,9 +419,9 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]) skips autotuning;
     `split_k` > 1 (or a config's SPLIT_K): the split-K form of the kernel (see its docstring; SPLIT_CONFIGS) with an
-    explicit config; without a config the autotuner may pick a split (split_prune says where it times them). Either
-    way the call reads and writes a workspace of split_workspace(), so its first call for an N (and split) must not
-    be captured: the engine's warm-up steps run uncaptured;
+    explicit config; without a config, the autotuner's pick (split configs only where they were given to it: see
+    SPLIT_CONFIGS). Either way the call passes a workspace of split_workspace(), so its first call for an N (and
+    split) must not be captured: the engine's warm-up steps run uncaptured;
     `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
@@ -452,7 +454,8 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
         if split_k != 1:
             raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, "
                              "SPLIT_K]); without one the autotuner picks the split (SPLIT_CONFIGS)")
-        # the autotuner may pick a split-K config: every tuned launch gets the MAX_SPLIT workspace of this N
+        # the autotuner may hold split-K configs (bench.batched --gemv-configs split): every tuned launch gets the
+        # MAX_SPLIT workspace of this N
         partials, counters = split_workspace(x.device, n, MAX_SPLIT)
         kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
             *args, partials, counters, **flags)
