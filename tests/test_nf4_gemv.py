@@ -680,16 +680,18 @@ def test_split_k_configs_are_timed_only_where_the_unsplit_grid_is_short_of_progr
     assert {c.kwargs["SPLIT_K"] for c in nf4_gemv.AUTOTUNER.configs} == {1}
     assert len(nf4_gemv.AUTOTUNER.configs) == len(nf4_gemv.CONFIGS)
     configs = nf4_gemv.gemv_configs([*nf4_gemv.CONFIGS, *nf4_gemv.SPLIT_CONFIGS])
+    # the autotuned launch passes the split workspace only where the autotuner holds a split config
+    assert not nf4_gemv._tuner_splits(nf4_gemv.AUTOTUNER.configs) and nf4_gemv._tuner_splits(configs)
     splits = sorted({c.kwargs["SPLIT_K"] for c in configs})
     assert splits == sorted({1, *(c[4] for c in nf4_gemv.SPLIT_CONFIGS)})
     unsplit = [c for c in configs if c.kwargs["SPLIT_K"] == 1]
-    monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 132)  # an H100's SMs
+    monkeypatch.setattr(nf4_gemv, "sm_count", lambda: 132)  # an H100's SMs
     limit = nf4_gemv.SPLIT_BELOW * 132  # 792 programs: N = 4096 with BLOCK_N 8 (512) is short, N = 12288 (1536) not
     kept = nf4_gemv.split_prune(configs, {"N": 4096})
     assert {c.kwargs["SPLIT_K"] for c in kept} == set(splits)
     assert all(4096 // c.kwargs["BLOCK_N"] < limit for c in kept if c.kwargs["SPLIT_K"] > 1)
     assert nf4_gemv.split_prune(configs, {"N": 12288}) == unsplit
-    monkeypatch.setattr(nf4_gemv, "_sm_count", lambda: 0)  # no CUDA device
+    monkeypatch.setattr(nf4_gemv, "sm_count", lambda: 0)  # no CUDA device
     assert nf4_gemv.split_prune(configs, {"N": 4096}) == unsplit
 
 

@@ -41,13 +41,16 @@ AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_cor
 SPLIT_BELOW = 6  # split_prune: split-K configs are timed where the unsplit grid has < this many programs per SM
 
 
-@functools.cache
-def _sm_count(device: int | None = None) -> int:
-    """The streaming multiprocessors of CUDA device `device` (default: the current one), 0 without CUDA."""
+def sm_count(index: int | None = None) -> int:
+    """The streaming multiprocessors of CUDA device `index` (default: the current one), 0 without CUDA."""
     if not torch.cuda.is_available():
         return 0
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if device is None else device
-                                            ).multi_processor_count
+    return _sms(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=8)
+def _sms(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 def words_view(packed: torch.Tensor) -> torch.Tensor | None:
@@ -372,7 +375,7 @@ if triton is not None:
         SPLIT_BELOW programs per SM of the current GPU (there the GPU runs short of loads in flight; above it,
         splitting only adds the partials' round trip and the autotuner's start-up time). Without a CUDA device
         (the interpreter) no split config is kept."""
-        sms = _sm_count()
+        sms = sm_count()
         return [c for c in configs
                 if c.kwargs["SPLIT_K"] == 1
                 or (sms and triton.cdiv(named_args["N"], c.kwargs["BLOCK_N"]) < SPLIT_BELOW * sms)]
@@ -383,6 +386,12 @@ if triton is not None:
                              key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"],
                              prune_configs_by={"early_config_prune": split_prune})(_even)
     AUTOTUNER = _tuned
+
+
+def _tuner_splits(configs: list[Any]) -> bool:
+    """Whether the autotuner's configs (tests and bench.batched --gemv-configs replace the list) hold a split-K one
+    (about a microsecond per eager call; a CUDA graph's replay does not run it)."""
+    return any(c.kwargs["SPLIT_K"] > 1 for c in configs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -420,8 +429,9 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]) skips autotuning;
     `split_k` > 1 (or a config's SPLIT_K): the split-K form of the kernel (see its docstring; SPLIT_CONFIGS) with an
     explicit config; without a config, the autotuner's pick (split configs only where they were given to it: see
-    SPLIT_CONFIGS). Either way the call passes a workspace of split_workspace(), so its first call for an N (and
-    split) must not be captured: the engine's warm-up steps run uncaptured;
+    SPLIT_CONFIGS). A split call (an explicit split, or the autotuner holding split configs) passes a workspace of
+    split_workspace(), so its first call for an N (and split) must not be captured: the engine's warm-up steps run
+    uncaptured;
     `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
@@ -454,9 +464,10 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
         if split_k != 1:
             raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, "
                              "SPLIT_K]); without one the autotuner picks the split (SPLIT_CONFIGS)")
-        # the autotuner may hold split-K configs (bench.batched --gemv-configs split): every tuned launch gets the
-        # MAX_SPLIT workspace of this N
-        partials, counters = split_workspace(x.device, n, MAX_SPLIT)
+        # where the autotuner holds split-K configs (bench.batched --gemv-configs split), every tuned launch gets
+        # the MAX_SPLIT workspace of this N; without them (the default) the unused arguments are dummies
+        partials, counters = (split_workspace(x.device, n, MAX_SPLIT) if _tuner_splits(_tuned.configs)
+                              else (dummy, dummy))
         kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
             *args, partials, counters, **flags)
     else:

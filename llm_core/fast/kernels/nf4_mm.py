@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from .nf4_gemv import rows_shapes, triton, unpack8_asm
+from .nf4_gemv import rows_shapes, sm_count, triton, unpack8_asm
 from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_inputs
 
 if triton is not None:
@@ -106,11 +106,6 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
         split *= 2
     return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=3, dot=True, even=True, xvec=True,
                     scale16=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return int(torch.cuda.get_device_properties(index).multi_processor_count)
 
 
 if triton is not None:
@@ -361,7 +356,7 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
         raise ValueError(f"the NF4 small-M kernel reads 1-{MM_MAX} bf16 rows, not {m} of {x.dtype}")
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-    cfg = config or default_config(m, n, k, _sm_count(x.device.index or 0) if x.is_cuda else 132)
+    cfg = config or default_config(m, n, k, sm_count(x.device.index) if x.is_cuda else 132)
     if not cfg.dot and m > 4:
         cfg = cfg.replace(dot=True)
     if decode == "asm" and levels is None:
