@@ -22,10 +22,9 @@ from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
-from . import kvquant, prefill_gemm
+from . import kvquant, linear_pick, prefill_gemm
 from .compiled import own_code
 from .kernels.attention import round_up
-from .kernels.nf4_gemv import AVAILABLE as _NF4_KERNEL_AVAILABLE  # importing it registers torch.ops.llm_core.nf4_gemv
 from .kernels.pdl import compile_options, pdl_support
 from .layer import (
     PREFIX_SPLIT_BUCKET,
@@ -36,16 +35,14 @@ from .layer import (
     head_logits,
     layer_decode,
     layer_prefill,
-    linear_decode,
     prefix_flash_ok,
     prefix_split_backend,
     rms_norm,
 )
-from .options import DENSE_GEMV_KERNELS, PREFILL_BUCKET_TOKENS, FastDecodeOptions
-from .pack import PackedLinear, pack_linears
-from .support import Arch, fast_path_support, is_dense_linear
+from .options import PREFILL_BUCKET_TOKENS, FastDecodeOptions
+from .pack import pack_linears
+from .support import Arch, fast_path_support
 from .tables import embed_rows, table_tensors
-from .timing import time_in_cuda_graph
 from .warmup import DecoderWarmup, _load_compile_artifacts, _save_compile_artifacts
 
 if TYPE_CHECKING:
@@ -129,9 +126,9 @@ class FastDecoder(DecoderWarmup):
             self.options = replace(self.options, gemv="bnb")
         with torch.no_grad():
             if self.options.gemv == "auto":
-                self.options = replace(self.options, gemv=self._pick_gemv())
+                self.options = replace(self.options, gemv=linear_pick.pick_gemv(self))
             if self.options.dense_gemv == "auto":
-                self.options = replace(self.options, dense_gemv=self._pick_dense_gemv())
+                self.options = replace(self.options, dense_gemv=linear_pick.pick_dense_gemv(self))
             self._build_plan()
             # the prefill's NF4 matmul per chunk size: nf4_gemm or dequantize + matmul, timed (CUDA; {} elsewhere)
             self.prefill_gemm_timings_us = prefill_gemm.pick(self) if self.options.prefill_gemm == "auto" else {}
@@ -176,60 +173,6 @@ class FastDecoder(DecoderWarmup):
         self._prefill_events: tuple[Any, Any] | None = None
 
     # --- weights ---------------------------------------------------------------------------------------------
-    def _layer_groups(self, layer: Any) -> list[list[Any]]:
-        attn, mlp = layer.self_attn, layer.mlp
-        if self.options.fuse:
-            return [[attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj], [mlp.gate_proj, mlp.up_proj],
-                    [mlp.down_proj]]
-        return [[attn.q_proj], [attn.k_proj], [attn.v_proj], [attn.o_proj], [mlp.gate_proj], [mlp.up_proj],
-                [mlp.down_proj]]
-
-    def _pick_gemv(self) -> str:
-        """The 4-bit kernel: each candidate timed on the first layer's real (fused) weights; the fastest is kept,
-        bitsandbytes' if none runs. Dense weights and CPU never get here."""
-        if self.loaded.settings.quantization != "nf4":
-            return "bnb"
-        groups = self._layer_groups(self._arch.layers[0])
-        candidates = ["bnb"] + (["nf4"] if _NF4_KERNEL_AVAILABLE and self.dtype == torch.bfloat16 else [])
-        self.gemv_timings_us = self._time_linears(
-            groups, {cand: (replace(self.options, gemv=cand), cand) for cand in candidates})
-        timings = self.gemv_timings_us
-        return min(timings, key=lambda k: timings[k]) if timings else "bnb"
-
-    def _pick_dense_gemv(self) -> str:
-        """cuBLAS or llm_core.dense_gemv for unquantized weights, timed on the first layer's dense (fused) linears,
-        or on the lm_head where the layers are quantized; the faster is kept (cuBLAS if the Triton kernel fails). Only
-        reached on CUDA with Triton (resolved() picks cublas elsewhere)."""
-        groups = [g for g in self._layer_groups(self._arch.layers[0]) if all(is_dense_linear(m) for m in g)]
-        groups = groups or [[h] for h in [self._arch.lm_head] if is_dense_linear(h)]
-        if not groups:  # quantized layers and an int8 lm_head: no dense weight left to run
-            return "cublas"
-        self.dense_gemv_timings_us = self._time_linears(
-            groups, {cand: (replace(self.options, dense_gemv=cand), self.options.gemv)
-                     for cand in DENSE_GEMV_KERNELS[:2]})  # cublas, triton
-        timings = self.dense_gemv_timings_us
-        return min(timings, key=lambda k: timings[k]) if timings else "cublas"
-
-    def _time_linears(self, groups: list[list[Any]], candidates: dict[str, tuple[FastDecodeOptions, str]]
-                      ) -> dict[str, float]:
-        """Microseconds per call of `groups` packed as each candidate's (options, 4-bit kernel), as the decode step
-        runs them: inside a CUDA graph (no Python launch costs), after warm-up calls that compile and autotune
-        Triton kernels outside the capture. A candidate that fails is logged and left out."""
-        timings: dict[str, float] = {}
-        for cand, (opts, gemv) in candidates.items():
-            try:
-                packed = [pack_linears(g, opts, gemv) for g in groups]
-                xs = [torch.randn(1, p.spec.k, dtype=self.dtype, device=self.device) for p in packed]
-
-                def layer(packed: list[PackedLinear] = packed, xs: list[torch.Tensor] = xs) -> None:
-                    for p, x in zip(packed, xs, strict=True):
-                        linear_decode(p.spec, x, p.tensors)
-
-                timings[cand] = round(time_in_cuda_graph(layer, self.device, reps=10, replays=5, warmups=3), 2)
-            except Exception as exc:  # noqa: BLE001 - a candidate that cannot run is simply not chosen
-                log.warning("kernel %s unavailable: %s", cand, exc)
-        return timings
-
     def _build_plan(self) -> None:
         a, opts = self._arch, self.options
         gemv = opts.gemv
@@ -245,7 +188,8 @@ class FastDecoder(DecoderWarmup):
         notes: set[str] = set()
         for i, layer in enumerate(a.layers):
             attn = layer.self_attn
-            packed = [pack_linears(g, opts, gemv, planar_input=attn.o_proj not in g) for g in self._layer_groups(layer)]
+            packed = [pack_linears(g, opts, gemv, planar_input=attn.o_proj not in g)
+                      for g in linear_pick.layer_groups(layer, opts.fuse)]
             notes.update(p.note for p in packed if p.note)
             next_norm = a.layers[i + 1].input_layernorm if i + 1 < len(a.layers) else a.norm
             rest = [layer.post_attention_layernorm.weight, next_norm.weight]
