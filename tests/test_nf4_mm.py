@@ -247,13 +247,13 @@ def test_the_rows_limit_is_where_the_gemm_stopped_winning() -> None:
 
 
 def test_adopting_the_gemm_sets_every_nf4_linear_and_keeps_one_spec_per_distinct_layer() -> None:
-    """prefill_gemm.adopt: every NF4 LinSpec of every layer gets the limit, other formats keep theirs, layers that
-    shared one spec (one compiled function) still share one, and the layer functions are rebuilt."""
+    """linear_pick.adopt_prefill_gemm: every NF4 LinSpec of every layer gets the limit, other formats keep theirs,
+    layers that shared one spec (one compiled function) still share one, and the layer functions are rebuilt."""
     from dataclasses import replace
     from types import SimpleNamespace
 
     from llm_core.fast.layer import LayerSpec
-    from llm_core.fast.prefill_gemm import adopt
+    from llm_core.fast.linear_pick import adopt_prefill_gemm as adopt
 
     nf4 = _packed((64,), 128, "fp32")[0].spec
     dense = replace(nf4, fmt="dense", absmax="none", levels=())

@@ -22,7 +22,7 @@ from ..config import GenerationSettings
 from ..errors import GenerationError, OutOfMemoryError
 from ..sampling import host_pick, sample_from_scores, sampling_generator
 from ..types import LoadedModel
-from . import kvquant, linear_pick, prefill_gemm
+from . import kvquant, linear_pick
 from .compiled import own_code
 from .kernels.attention import round_up
 from .kernels.pdl import compile_options, pdl_support
@@ -126,12 +126,17 @@ class FastDecoder(DecoderWarmup):
             self.options = replace(self.options, gemv="bnb")
         with torch.no_grad():
             if self.options.gemv == "auto":
-                self.options = replace(self.options, gemv=linear_pick.pick_gemv(self))
+                gemv, self.gemv_timings_us = linear_pick.pick_gemv(
+                    self._arch, self.options, loaded.settings.quantization, self.dtype, self.device)
+                self.options = replace(self.options, gemv=gemv)
             if self.options.dense_gemv == "auto":
-                self.options = replace(self.options, dense_gemv=linear_pick.pick_dense_gemv(self))
+                dense, self.dense_gemv_timings_us = linear_pick.pick_dense_gemv(self._arch, self.options, self.dtype,
+                                                                                self.device)
+                self.options = replace(self.options, dense_gemv=dense)
             self._build_plan()
             # the prefill's NF4 matmul per chunk size: nf4_gemm or dequantize + matmul, timed (CUDA; {} elsewhere)
-            self.prefill_gemm_timings_us = prefill_gemm.pick(self) if self.options.prefill_gemm == "auto" else {}
+            self.prefill_gemm_timings_us = (linear_pick.pick_prefill_gemm(self) if self.options.prefill_gemm == "auto"
+                                            else {})
         vocab = self._arch.vocab
         dev = self.device
         self._tok = torch.zeros(1, dtype=torch.long, device=dev)

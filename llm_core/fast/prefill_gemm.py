@@ -5,17 +5,16 @@ Why a choice and not a switch: dequantize + matmul writes and reads a bf16 copy 
 weight of traffic, the part's size of working memory: 90 MB for Llama-2-7B's gate, which the KV cache pays for on a
 small card) but its matmul is cuBLAS; the fused kernel saves the copy and spends CUDA-core instructions on every
 weight tile of every row tile. Which wins depends on the chunk's rows and the card, so FastDecoder times both on the
-first layer's NF4 parts inside CUDA graphs at PICK_ROWS (pick) and keeps nf4_gemm up to the largest timed row count
-below which it never lost (LinSpec.prefill_gemm_max; 0: dequantize + matmul everywhere). The dispatch on a chunk's
-rows happens inside one opaque op (torch.ops.llm_core.nf4_prefill), so the compiled prefill keeps its one dynamic
-shape class.
+first layer's NF4 parts inside CUDA graphs at PICK_ROWS (llm_core.fast.linear_pick.pick_prefill_gemm) and keeps
+nf4_gemm up to the largest timed row count below which it never lost (LinSpec.prefill_gemm_max; 0: dequantize +
+matmul everywhere). The dispatch on a chunk's rows happens inside one opaque op (torch.ops.llm_core.nf4_prefill), so
+the compiled prefill keeps its one dynamic shape class.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -76,66 +75,3 @@ if triton is not None:
     @_nf4_prefill_op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0])
-
-
-def pick(decoder: Any) -> dict[int, dict[str, float]]:
-    """FastDecoder at start-up (CUDA, NF4 layers, bf16, Triton): time the first layer's NF4 linears, as the prefill
-    runs them part by part, with nf4_gemm and with dequantize + matmul inside CUDA graphs at PICK_ROWS rows, after
-    checking nf4_gemm's output against dequantize + matmul; set every NF4 LinSpec's prefill_gemm_max to
-    gemm_rows_limit and rebuild the layer functions when it is above 0. Returns the timings (µs per layer's NF4
-    linears), {} where nothing was timed; says what it chose in decoder.notes."""
-    from .layer import _split_linears, linear_prefill_parts
-    from .timing import time_in_cuda_graph
-
-    spec = decoder._layer_specs[0]
-    nf4 = [i for i, s in enumerate(spec.linears) if s.fmt == "nf4" and s.levels]
-    if not nf4 or decoder.dtype != torch.bfloat16 or decoder.device.type != "cuda" or triton is None:
-        return {}
-    lins = _split_linears(spec, decoder._layer_weights[0])
-    trial = {i: replace(spec.linears[i], prefill_gemm_max=ALL_ROWS) for i in nf4}
-    try:
-        worst = 0.0
-        for i in nf4:
-            x = torch.randn(PICK_ROWS[0], spec.linears[i].k, dtype=torch.bfloat16, device=decoder.device)
-            got = torch.cat(linear_prefill_parts(trial[i], x, lins[i]), dim=-1).float()
-            ref = torch.cat(linear_prefill_parts(spec.linears[i], x, lins[i]), dim=-1).float()
-            worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
-        if worst >= MAX_REL_ERROR:
-            decoder.notes.append(f"prefill NF4 GEMM off: relative error {worst:.3f} vs dequantize + matmul")
-            return {}
-        timings: dict[int, dict[str, float]] = {}
-        for rows in PICK_ROWS:
-            xs = {i: torch.randn(rows, spec.linears[i].k, dtype=torch.bfloat16, device=decoder.device) for i in nf4}
-            timings[rows] = {}
-            for name, specs in (("gemm", trial), ("dequant", {i: spec.linears[i] for i in nf4})):
-                def run(specs: dict[int, Any] = specs, xs: dict[int, torch.Tensor] = xs) -> None:
-                    for i in nf4:
-                        linear_prefill_parts(specs[i], xs[i], lins[i])
-
-                timings[rows][name] = round(time_in_cuda_graph(run, decoder.device, reps=3, replays=3, warmups=2), 1)
-            del xs
-    except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it serves
-        log.warning("prefill NF4 GEMM unavailable: %s: %s", type(exc).__name__, exc)
-        decoder.notes.append(f"prefill NF4 GEMM off ({type(exc).__name__}: {str(exc)[:120]})")
-        return {}
-    limit = gemm_rows_limit(timings)
-    shown = "; ".join(f"{r} rows gemm {t['gemm']:.0f}, dequant {t['dequant']:.0f} µs" for r, t in timings.items())
-    served = "every chunk" if limit == ALL_ROWS else f"chunks up to {limit:,} rows" if limit else "no chunk"
-    decoder.notes.append(f"prefill NF4 GEMM for {served} (first layer's NF4 linears: {shown}; relative error "
-                         f"{worst:.4f})")
-    if limit:
-        adopt(decoder, limit)
-    return timings
-
-
-def adopt(decoder: Any, limit: int) -> None:
-    """Every NF4 linear of every layer takes nf4_gemm up to `limit` prompt rows; the layer functions are rebuilt
-    (one compiled function per distinct layer spec, as before)."""
-    distinct: dict[Any, Any] = {}
-    specs = []
-    for spec in decoder._layer_specs:
-        linears = tuple(replace(s, prefill_gemm_max=limit) if s.fmt == "nf4" else s for s in spec.linears)
-        new = replace(spec, linears=linears)
-        specs.append(distinct.setdefault(new, new))
-    decoder._layer_specs = specs
-    decoder._make_functions()
