@@ -67,8 +67,9 @@ class FastDecodeOptions:
     # llm_core.fast.kernels.prefix_attention; int4 rows keep gather) | split (gather, then attend the prefix's whole
     # PREFIX_SPLIT_BUCKET-key buckets without a mask, by cuDNN's attention where it runs, and the rest with the
     # chunk's own keys causally; merged by log-sum-exp: layer._split_prefix_attention). Opt-in: paged was slower
-    # than gather for int8 rows on an H100 (2026-12-06, docs/prefix_cache.md); split is timed by
-    # bench.prefix_attention --split and bench.multiturn (bucketed: not yet timed).
+    # than gather for int8 rows on an H100 (2026-12-06, docs/prefix_cache.md); split (in buckets, H100 2026-12-07)
+    # is 0.85x gather at turn 9 of a 2k-token-message chat but slower at turns 3-4, and its first use in a process
+    # stalls 2.4-5.8 s (bench/results/2026-12-07-h100.md).
     prefix_attention: str = "gather"
     # Programmatic dependent launch (CUDA sm_90+, llm_core.fast.kernels.pdl): each kernel of the compiled decode
     # step (ours and inductor's) starts while the one before it finishes and waits on the device where it reads that

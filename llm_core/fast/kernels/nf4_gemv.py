@@ -355,11 +355,11 @@ if triton is not None:
                *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
 
     # split-K (the kernel's SPLIT_K; (BLOCK_N, BLOCK_B, warps, PREFETCH, SPLIT_K)): for the N = 4096 linears, whose
-    # 512 programs keep too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06 s6). Not in
-    # the autotuner's configs until a GPU has run their tests and timed them through the engine (bench/h200_s7.sh:
-    # bench.batched --gemv-configs split gives one process's autotuner CONFIGS + SPLIT_CONFIGS; its prune,
-    # split_prune, times them only where the unsplit grid leaves the GPU short of programs); bench/gemv_bench.py
-    # --sweep times each one alone
+    # 8 x 16 tile's 512 programs kept too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06
+    # s6). Timed on an H100 (2026-12-07): the autotuner given them picks an unsplit 4 x 16 tile for both, and through
+    # the engine they gave 0.99x, so they are not in the autotuner's configs (bench.batched --gemv-configs split gives
+    # one process's autotuner CONFIGS + SPLIT_CONFIGS; its prune, split_prune, times them only where the unsplit grid
+    # leaves the GPU short of programs); bench/gemv_bench.py --sweep times each one alone
     SPLIT_TILES = ((8, 16, 4, True), (8, 8, 4, True))
     SPLIT_CONFIGS = [(*tile, split) for tile in SPLIT_TILES for split in (2, 4, 8)]
     MAX_SPLIT = max(c[4] for c in SPLIT_CONFIGS)  # the autotuned launch's workspace holds this many partials
