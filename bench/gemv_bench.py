@@ -37,23 +37,11 @@ LAYERS = {"llama-2-7b": 32, "llama-3-8b": 32}
 # planar: x in planes, planar_pairs, the kernel's XPLANAR form)
 SWEEP_TILES = [(8, 16, 4), (4, 16, 4), (16, 8, 4), (8, 8, 4), (8, 8, 2)]
 SWEEP_MODES = [(False, False), (True, False), (False, True), (True, True)]
-# --sweep, every arch: the split-K form (nf4_gemv.SPLIT_CONFIGS: tile, PREFETCH, SPLIT_K) beside its tile unsplit,
-# each with the input the engine gives that linear (plain for o, fed by the attention; planar for the others)
-SWEEP_SPLITS = (1, 2, 4, 8)
 
 
 def sweep_name(cfg: tuple[Any, ...]) -> str:
-    """(BLOCK_N, BLOCK_B, warps, PREFETCH, planar[, SPLIT_K]) -> the record's kernel name (SPLIT_K 1: no suffix)."""
-    bn, bb, w, pf, planar, *split = cfg
-    return (f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "") + ("planar" if planar else "")
-            + (f"split{split[0]}" if split and split[0] != 1 else ""))
-
-
-def split_sweep(shape: str) -> list[tuple[Any, ...]]:
-    """The split-K sweep's configs for one linear (SWEEP_SPLITS of nf4_gemv.SPLIT_CONFIGS' tiles), in sweep_name's
-    form."""
-    tiles = dict.fromkeys(c[:4] for c in nf4_gemv.SPLIT_CONFIGS)
-    return [(*tile, shape != "o", split) for tile in tiles for split in SWEEP_SPLITS]
+    bn, bb, w, pf, planar = cfg
+    return f"ours_nested_cfg{bn}x{bb}w{w}" + ("pf" if pf else "") + ("planar" if planar else "")
 
 
 def time_calls(calls: list[Callable[[], Any]], replays: int = 20) -> float:
@@ -126,8 +114,8 @@ def kernels(wt: Weights, x: torch.Tensor, configs: list[tuple[Any, ...]] | None)
         out["ours_nested_pdl"] = [ours(c, True, pdl=True) for c in wt.copies]
         out["ours_nested_planar_pdl"] = [ours(c, True, planar=True, pdl=True) for c in wt.copies]
         out["ours_nested_pdl_early"] = [ours(c, True, pdl=True, early=True) for c in wt.copies]  # + L2 prefetch
-    for cfg in configs or []:  # a split-K run's workspace is made by the first call, outside the timed graph
-        out[sweep_name(cfg)] = [ours(c, True, config=(*cfg[:4], *cfg[5:]), planar=cfg[4]) for c in wt.copies]
+    for cfg in configs or []:
+        out[sweep_name(cfg)] = [ours(c, True, config=cfg[:4], planar=cfg[4]) for c in wt.copies]
     return out
 
 
@@ -168,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--arch", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--sweep", action="store_true",
-                    help="also time SWEEP_TILES x SWEEP_MODES of ours, untuned (first arch only), and the split-K "
-                         "configs (split_sweep, every arch)")
+                    help="also time SWEEP_TILES x SWEEP_MODES of ours, untuned (first arch only)")
     ap.add_argument("--kernels", help="comma-separated names of the fixed kernels to time (default: all)")
     ap.add_argument("--min-bytes", type=float, default=1.0e9, help="weights per timed graph (>> L2)")
     ap.add_argument("--budget-s", type=float, default=420.0)
@@ -195,9 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             wt = Weights(n, k, copies)
             ref = x.float() @ wt.deq.T
             sweep = ([(*t, *m) for m in SWEEP_MODES for t in SWEEP_TILES] if args.sweep and arch == args.arch[0]
-                     else [])
-            if args.sweep:
-                sweep += [c for c in split_sweep(name) if sweep_name(c) not in {sweep_name(s) for s in sweep}]
+                     else None)
             chosen = kernels(wt, x, sweep)
             if args.kernels:
                 keep = set(args.kernels.split(","))
@@ -213,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
                     rec["bytes_per_s"] = wt.nbytes_nested / (us * 1e-6)
                     if kname.startswith("ours") and "cfg" not in kname:
                         rec["tuned_config"] = tuned_pick(nf4_gemv.AUTOTUNER, n, k // 8,
-                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH", "SPLIT_K"),
+                                                         ("BLOCK_N", "BLOCK_B", "PREFETCH"),
                                                          XPLANAR="planar" in kname, XVEC="x4loads" not in kname,
                                                          NESTED=not kname.startswith("ours_fp32"))
                         if args.asm_dir is not None and arch == args.arch[0]:

@@ -23,8 +23,7 @@ needs_gdc = pytest.mark.skipif(not pdl.triton_has_gdc(), reason="needs a Triton 
 WAIT, RELEASE = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
 GEMV_SIGNATURE = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                   "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "levels_ptr": "*fp32", "bias_ptr": "*bf16",
-                  "y_ptr": "*bf16", "N": "i32", "partials_ptr": "*fp32",
-                  "counters_ptr": "*i32"}  # what nf4_gemv passes the one-token kernel
+                  "y_ptr": "*bf16", "N": "i32"}  # what nf4_gemv passes the one-token kernel
 
 
 def _levels() -> tuple[float, ...]:
@@ -49,7 +48,7 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, XPLANAR=False, EVEN_N=False, EVEN_B=False,
-                      PDL=on, EARLY=early, SPLIT_K=1)
+                      PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
@@ -68,33 +67,9 @@ def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool) ->
     signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True,
-                      PDL=True, EARLY=False, SPLIT_K=1)
+                      PDL=True, EARLY=False)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
-
-
-@needs_gdc
-@pytest.mark.parametrize("early", [False, True])
-def test_the_split_k_gemv_touches_its_workspace_after_the_wait_and_releases_last(early: bool) -> None:
-    """SPLIT_K > 1: the workspace (partials, counters) is read and written only after the PDL wait (the launch
-    before on the stream may be a GEMV sharing it), and the release comes after every store and atomic (after the
-    last program's output and counter reset)."""
-    constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=True, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
-                      XVEC=True, BLOCK_N=8, BLOCK_B=16, PREFETCH=True, XPLANAR=True, EVEN_N=True, EVEN_B=True,
-                      PDL=True, EARLY=early, SPLIT_K=4)
-    ptx = _compile(nf4_gemv._nf4_gemv_kernel, GEMV_SIGNATURE, constexprs)
-    wait, release = ptx.index(WAIT), ptx.index(RELEASE)
-    touches = [i for op in ("ld.global", "st.global", "atom.global") for i in _all(ptx, op)]
-    assert touches and wait < min(touches) and max(touches) < release
-    assert ptx.count(RELEASE) == 1
-
-
-def _all(text: str, needle: str) -> list[int]:
-    out, i = [], text.find(needle)
-    while i >= 0:
-        out.append(i)
-        i = text.find(needle, i + 1)
-    return out
 
 
 def test_the_kernels_refuse_an_early_prefetch_without_a_pdl_wait() -> None:

@@ -38,7 +38,6 @@ from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_in
 
 AVAILABLE = triton is not None
 AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
-SPLIT_BELOW = 6  # split_prune: split-K configs are timed where the unsplit grid has < this many programs per SM
 
 
 def sm_count(index: int | None = None) -> int:
@@ -222,47 +221,13 @@ if triton is not None:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def _split_k_finish(part, rows, rmask, N, partials_ptr, counters_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
-                        EVEN_N: tl.constexpr, SPLIT_K: tl.constexpr):
-        """Split-K's end, in every program (p, s) of the kernel: store this split's fp32 row sums `part` at
-        partials[s, rows], then count in counters[p]; the program that counts SPLIT_K - 1 before it (the last of
-        its row block to get here) reads the SPLIT_K partials of its rows in split order 0, 1, ... (the sum does
-        not depend on which program came last), adds the bias, stores y and resets counters[p] to 0 for the next
-        launch.
-
-        Memory ordering: the partial stores come from many threads, the counter's atomic from one (Triton issues a
-        scalar atomic in one thread and broadcasts its result through shared memory), so a CTA barrier first orders
-        every thread's stores before that thread's release (acq_rel, gpu scope: cumulative over what the barrier
-        made it observe). The last program's acquire half makes the other programs' partials visible to its
-        thread, and the broadcast's barrier passes that on to the CTA's other threads; their loads go to the L2
-        (.cg), past any L1 line. The reset needs no ordering within the launch (every program of the row block has
-        counted already); the next launch on the stream (or its PDL wait) sees it."""
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        if EVEN_N:
-            tl.store(partials_ptr + pid_k * N + rows, part)
-        else:
-            tl.store(partials_ptr + pid_k * N + rows, part, mask=rmask)
-        tl.debug_barrier()
-        done = tl.atomic_add(counters_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT_K - 1:
-            y = tl.zeros_like(part)
-            for s in tl.static_range(SPLIT_K):
-                if EVEN_N:
-                    y += tl.load(partials_ptr + s * N + rows, cache_modifier=".cg")
-                else:
-                    y += tl.load(partials_ptr + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-            _write_y(y, rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
-            tl.atomic_xchg(counters_ptr + pid_n, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, levels_ptr, bias_ptr,
-                         y_ptr, N, partials_ptr, counters_ptr,
+                         y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, XPLANAR: tl.constexpr = False,
                          EVEN_N: tl.constexpr = False, EVEN_B: tl.constexpr = False, PDL: tl.constexpr = False,
-                         EARLY: tl.constexpr = False, SPLIT_K: tl.constexpr = 1):
+                         EARLY: tl.constexpr = False):
         """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
         ASM: dot8_asm's PTX, or "" for math="levels" (levels_ptr: the 16 levels in fp32; a dummy otherwise).
         x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
@@ -279,36 +244,18 @@ if triton is not None:
         loads go unmasked (the prefetch past the last step wraps to the first, its loads unused).
         PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl). EARLY (with PDL): before the
         wait, the program's first weight tile is prefetched into the L2 (weights are never written during a step),
-        so its DRAM latency overlaps the kernel before this one.
-        SPLIT_K > 1 (split-K, grid (row blocks, SPLIT_K)): program (p, s) walks only quant blocks [s * PER,
-        min(NBLK, (s + 1) * PER)), PER = cdiv(NBLK, SPLIT_K) rounded up to whole steps (so every split starts on a
-        step of the unsplit loop and EVEN_B keeps its meaning; the last splits may have fewer steps or none), stores
-        its fp32 row sums in partials_ptr (SPLIT_K, N) and counts itself in counters_ptr[p]; the program that
-        counts last sums the SPLIT_K partials in split order (deterministic), adds the bias, writes y and puts the
-        counter back to 0 (_split_k_finish). One launch, no memset: the workspace is zero at rest (nf4_gemv).
-        SPLIT_K == 1 (default): the unsplit loop, compiled as before; partials_ptr / counters_ptr unused."""
+        so its DRAM latency overlaps the kernel before this one."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
-        if SPLIT_K == 1:
-            b_lo = 0
-            b_hi = NBLK
-            b_first = 0
-        else:
-            PER: tl.constexpr = ((NBLK + SPLIT_K - 1) // SPLIT_K + BLOCK_B - 1) // BLOCK_B * BLOCK_B
-            b_lo = tl.program_id(1) * PER
-            b_hi = tl.minimum(b_lo + PER, NBLK)
-            # the first step's prefetch of a split with no steps (b_lo >= NBLK) is unused: unmasked (EVEN_B), it
-            # must still read in range
-            b_first = b_lo % NBLK if EVEN_B else b_lo
         if EARLY:
-            prefetch_weight_rows(w_ptr, rows, rmask, KW, b_lo * WPB, BLOCK_B * WPB)
+            prefetch_weight_rows(w_ptr, rows, rmask, KW, 0, BLOCK_B * WPB)
         wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
         acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         if PREFETCH:
-            w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b_first, KW,
-                                                      NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
-        for b0 in range(b_lo, b_hi, BLOCK_B):
+            w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
+                                                      NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
+        for b0 in range(0, NBLK, BLOCK_B):
             if PREFETCH:
                 w_now, x0_now, x1_now, x2_now, x3_now, raw_now = w, x0, x1, x2, x3, raw
                 b_next = b0 + BLOCK_B
@@ -337,13 +284,8 @@ if triton is not None:
             else:
                 scale = raw_now
             acc += dot * scale
-        if SPLIT_K == 1:
-            release_dependents(PDL)
-            _write_y(tl.sum(acc, axis=1), rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
-        else:
-            _split_k_finish(tl.sum(acc, axis=1), rows, rmask, N, partials_ptr, counters_ptr, bias_ptr, y_ptr,
-                            HAS_BIAS, EVEN_N, SPLIT_K)
-            release_dependents(PDL)  # at the very end: after the last program's store of y
+        release_dependents(PDL)
+        _write_y(tl.sum(acc, axis=1), rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
 
     # (BLOCK_N, BLOCK_B, warps, PREFETCH); the tiles that were fastest plain (on an H100, bench/gemv_bench.py
     # --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
@@ -354,44 +296,16 @@ if triton is not None:
                (16, 8, 8, False),  # above: 1-8 words per thread per step
                *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
 
-    # split-K (the kernel's SPLIT_K; (BLOCK_N, BLOCK_B, warps, PREFETCH, SPLIT_K)): for the N = 4096 linears, whose
-    # 8 x 16 tile's 512 programs kept too little memory in flight on an H100 (22% occupancy, Nsight Compute 2026-12-06
-    # s6). Timed on an H100 (2026-12-07): the autotuner given them picks an unsplit 4 x 16 tile for both, and through
-    # the engine they gave 0.99x, so they are not in the autotuner's configs (bench.batched --gemv-configs split gives
-    # one process's autotuner CONFIGS + SPLIT_CONFIGS; its prune, split_prune, times them only where the unsplit grid
-    # leaves the GPU short of programs); bench/gemv_bench.py --sweep times each one alone
-    SPLIT_TILES = ((8, 16, 4, True), (8, 8, 4, True))
-    SPLIT_CONFIGS = [(*tile, split) for tile in SPLIT_TILES for split in (2, 4, 8)]
-    MAX_SPLIT = max(c[4] for c in SPLIT_CONFIGS)  # the autotuned launch's workspace holds this many partials
-
-    def gemv_configs(tiles: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """(BLOCK_N, BLOCK_B, warps, PREFETCH[, SPLIT_K]) tuples -> the autotuner's triton.Configs (the module's
-        autotuner over CONFIGS; bench/batched.py --gemv-configs gives one process's others)."""
-        return [triton.Config({"BLOCK_N": t[0], "BLOCK_B": t[1], "PREFETCH": t[3], "SPLIT_K": (*t, 1)[4]},
-                              num_warps=t[2]) for t in tiles]
-
-    def split_prune(configs: list[Any], named_args: dict[str, Any], **_: Any) -> list[Any]:
-        """The autotuner's early prune: a split-K config is timed only where its tile's unsplit grid has fewer than
-        SPLIT_BELOW programs per SM of the current GPU (there the GPU runs short of loads in flight; above it,
-        splitting only adds the partials' round trip and the autotuner's start-up time). Without a CUDA device
-        (the interpreter) no split config is kept."""
-        sms = sm_count()
-        return [c for c in configs
-                if c.kwargs["SPLIT_K"] == 1
-                or (sms and triton.cdiv(named_args["N"], c.kwargs["BLOCK_N"]) < SPLIT_BELOW * sms)]
+    def gemv_configs(tiles: Sequence[tuple[int, int, int, bool]]) -> list[Any]:
+        """(BLOCK_N, BLOCK_B, warps, PREFETCH) tuples -> the autotuner's triton.Configs (the module's autotuner
+        over CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w) for bn, bb, w, pf in tiles]
 
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
                                "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
     _tuned = triton.autotune(configs=gemv_configs(CONFIGS),
-                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"],
-                             prune_configs_by={"early_config_prune": split_prune})(_even)
+                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
     AUTOTUNER = _tuned
-
-
-def _tuner_splits(configs: list[Any]) -> bool:
-    """Whether the autotuner's configs (tests and bench.batched --gemv-configs replace the list) hold a split-K one
-    (about a microsecond per eager call; a CUDA graph's replay does not run it)."""
-    return any(c.kwargs["SPLIT_K"] > 1 for c in configs)
 
 
 @functools.lru_cache(maxsize=8)
@@ -399,39 +313,15 @@ def _asm_for(code: tuple[float, ...], math: str) -> str:
     return dot8_asm(list(code), math)
 
 
-@functools.cache  # never evicted: a captured CUDA graph keeps the buffers' addresses
-def split_workspace(device: torch.device, n: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split-K kernel's workspace for N = n on `device`, made once and reused by every call of that (device,
-    N, split) (so CUDA-graph replays find it where the capture did): partials (split_k, n) fp32 and counters (n,)
-    int32, zero (one per row block; n covers any BLOCK_N). The kernel leaves the counters at zero after each
-    launch, so nothing is reset between calls.
-
-    Calls sharing a workspace (every linear of that N and split on the device) must not overlap: kernels on one
-    stream run in order (a PDL launch waits before it touches the workspace), which holds for the engine, one
-    stream per decoder. Two decoders on concurrent streams of one device would need workspaces of their own.
-    Made at the first call, which must not be captured (an allocation during capture would belong to the graph's
-    pool and the zero-fill to the graph): run the call once before capturing."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"the NF4 GEMV's split-K workspace (N={n}, split_k={split_k}) is made at its first call, "
-                           "which must not be captured: call once before capturing the CUDA graph")
-    return (torch.zeros(split_k, n, dtype=torch.float32, device=device),
-            torch.zeros(n, dtype=torch.int32, device=device))
-
-
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
              math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
-             pdl: bool = False, early: bool = False, planar: bool = False, split_k: int = 1) -> torch.Tensor:
+             pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
     """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
     absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
-    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]) skips autotuning;
-    `split_k` > 1 (or a config's SPLIT_K): the split-K form of the kernel (see its docstring; SPLIT_CONFIGS) with an
-    explicit config; without a config, the autotuner's pick (split configs only where they were given to it: see
-    SPLIT_CONFIGS). A split call (an explicit split, or the autotuner holding split configs) passes a workspace of
-    split_workspace(), so its first call for an N (and split) must not be captured: the engine's warm-up steps run
-    uncaptured;
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
     `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
     `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
     launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
@@ -458,32 +348,15 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
              "ASM": "" if math == "levels" else _asm_for(host, math),
              "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
-    if not isinstance(split_k, int) or split_k < 1:
-        raise ValueError(f"split_k is a positive int, not {split_k!r}")
-    if config is None:
-        if split_k != 1:
-            raise ValueError("split_k > 1 needs an explicit config (BLOCK_N, BLOCK_B, num_warps, PREFETCH[, "
-                             "SPLIT_K]); without one the autotuner picks the split (SPLIT_CONFIGS)")
-        # where the autotuner holds split-K configs (bench.batched --gemv-configs split), every tuned launch gets
-        # the MAX_SPLIT workspace of this N; without them (the default) the unused arguments are dummies
-        partials, counters = (split_workspace(x.device, n, MAX_SPLIT) if _tuner_splits(_tuned.configs)
-                              else (dummy, dummy))
-        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])](
-            *args, partials, counters, **flags)
+    if config is not None:
+        if len(config) not in (3, 4):
+            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]), not {config}")
+        bn, bb, warps, prefetch = (*config, False)[:4]
+        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch,
+                                                         EVEN_N=n % bn == 0, EVEN_B=(kw // wpb) % bb == 0,
+                                                         num_warps=warps)
     else:
-        if len(config) not in (3, 4, 5):
-            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT_K]]), not {config}")
-        if len(config) == 5 and split_k not in (1, config[4]):
-            raise ValueError(f"split_k={split_k} and the config's SPLIT_K {config[4]} disagree")
-        bn, bb, warps, prefetch, split = (*config, *(False, split_k)[len(config) - 3:])
-        if not isinstance(split, int) or split < 1:
-            raise ValueError(f"a config's SPLIT_K is a positive int, not {split!r}")
-        # one launch form: SPLIT_K = 1 is the unsplit kernel (its workspace arguments unused), grid (row blocks, 1)
-        partials, counters = split_workspace(x.device, n, split) if split > 1 else (dummy, dummy)
-        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn), split)](*args, partials, counters, **flags, BLOCK_N=bn,
-                                                               BLOCK_B=bb, PREFETCH=prefetch, EVEN_N=n % bn == 0,
-                                                               EVEN_B=(kw // wpb) % bb == 0, SPLIT_K=split,
-                                                               num_warps=warps)
+        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     if compiled is not None:
         compiled.append(kernel)
     return y
