@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from bench.decode import measure_copy_bandwidth
-from llm_core.fast.generate import time_in_cuda_graph
 from llm_core.fast.kernels import nf4_gemv
 from llm_core.fast.kernels.pdl import pdl_support
 from llm_core.fast.kernels.tuning import tuned_pick
+from llm_core.fast.timing import time_in_cuda_graph
 from llm_core.loading import library_versions
 
 SHAPES = {  # fused projections as the fast path runs them: (name, N, K)

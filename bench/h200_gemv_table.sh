@@ -7,8 +7,8 @@
 #   gemv.json / .log     bench.gemv_bench --sweep on Llama-2-7B (SWEEP_TILES x SWEEP_MODES) and the autotuned kernels
 #   batched-{all,plain}.json / .log   bench.batched through ChatEngine (Llama-2-7B shape, NF4, 512-token
 #                        prompts, 128 new tokens, chats $CHATS): the library's defaults (GEMV_INPUT=planar), then
-#                        GEMV_INPUT=plain (RUNS picks the runs, of all, plain, planar and split (the autotuner
-#                        with the split-K configs too); RUNS="" runs none; a run named twice writes -2, -3, ...)
+#                        GEMV_INPUT=plain (RUNS picks the runs, of all, plain and planar; RUNS="" runs none; a run
+#                        named twice writes -2, -3, ...)
 # TESTS_S=0 / BENCH_S=0 skip the tests / the kernel sweep.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -26,7 +26,6 @@ for run in ${RUNS-all plain}; do  # RUNS="" runs none
     all) extra="" ;;
     plain) extra="--set GEMV_INPUT=plain" ;;
     planar) extra="--set GEMV_INPUT=planar" ;;
-    split) extra="--gemv-configs split" ;;
     *) echo "unknown run $run"; continue ;;
   esac
   seen[$run]=$(( ${seen[$run]:-0} + 1 ))
