@@ -60,15 +60,29 @@ CONTEXT_TOKENS = 4096
 
 def restrict_gemv_configs(which: str) -> None:
     """--gemv-configs: this process's NF4 one-token autotuner gets other configs (plain: nf4_gemv.CONFIGS without a
-    load pipeline; split: CONFIGS and the split-K SPLIT_CONFIGS, pruned per shape by nf4_gemv.split_prune; each made
-    by the module's own nf4_gemv.gemv_configs); all: the library's, unchanged (bench-only)."""
+    load pipeline, made by the module's own nf4_gemv.gemv_configs); all: the library's, unchanged (bench-only)."""
     from llm_core.fast.kernels import nf4_gemv
 
     tuner = nf4_gemv.AUTOTUNER
     if tuner is None or which == "all":
         return
-    keep = {"plain": [c for c in nf4_gemv.CONFIGS if not c[3]], "split": [*nf4_gemv.CONFIGS, *nf4_gemv.SPLIT_CONFIGS]}
-    tuner.configs = nf4_gemv.gemv_configs(keep[which])
+    tuner.configs = nf4_gemv.gemv_configs([c for c in nf4_gemv.CONFIGS if not c[3]])
+
+
+def set_mm_split_sum(which: str) -> None:
+    """--mm-split-sum: how this process's small-M NF4 kernel sums its K splits; fused: the library's (inside the
+    launch, MMConfig.fuse_splits); kernel: a second kernel (_sum_splits), as before 2026-12-07 (bench-only: the
+    launch rule's fuse_splits turned off in this process, for the A/B through the engine)."""
+    from llm_core.fast.kernels import nf4_mm
+
+    if which == "fused":
+        return
+    rule = nf4_mm.default_config
+
+    def unfused(m: int, n: int, k: int, sms: int = 132) -> nf4_mm.MMConfig:
+        return rule(m, n, k, sms).replace(fuse_splits=False)
+
+    nf4_mm.default_config = unfused  # type: ignore[assignment]
 
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -270,7 +284,8 @@ class Bench:
             make_random_checkpoint(shape, self.ckpt, self.device, CONTEXT_TOKENS, tokenizer="chatml")
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
         restrict_gemv_configs(a.gemv_configs)
-        self.rec.set_summary(gemv_configs=a.gemv_configs)
+        set_mm_split_sum(a.mm_split_sum)
+        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
         phases = [(n, mode) for n in a.chats for mode in modes]
@@ -395,10 +410,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="then N chats arriving together under torch.profiler, once per --prefill mode")
     parser.add_argument("--profile", action="store_true",
                         help="then one chat's reply under torch.profiler: kernels and host ops per decode step")
-    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain", "split"),
+    parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
                         help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
-                             "a load prefetch (plain: PREFETCH off), or with the split-K ones (split): an A/B through "
-                             "the engine")
+                             "a load prefetch (plain: PREFETCH off): an A/B through the engine")
+    parser.add_argument("--mm-split-sum", default="fused", choices=("fused", "kernel"),
+                        help="the small-M NF4 kernel's K splits summed inside its launch (fused, the library's) or "
+                             "by a second kernel (kernel, as before): an A/B through the engine")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
 (nf4_gemv at M = 1, nf4_rows above), bitsandbytes' matmul_4bit, dequantize_4bit + matmul, and bf16 cuBLAS.
 
     python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
-                            [--forms all] [--refine 3]
+                            [--forms all] [--refine 3] [--overlap | --fused]
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
 without them (ours-default: the library's rule keeps them off until timed) and with them (ours-default-all,
@@ -43,6 +43,10 @@ LAYERS = {  # arch -> {linear: (N, K)}
 DOT_TILES = [(16, 512, 4), (32, 256, 4), (64, 256, 8), (64, 128, 4), (128, 128, 8)]
 FMA_TILES = [(16, 256, 4), (32, 128, 4), (8, 512, 4)]
 SPLITS = (1, 2, 4, 8)
+# --fused: the tiles and splits the in-launch split sum is timed over (its splits cost no second kernel, so more of
+# them may pay)
+FUSED_TILES = [(64, 128, 4), (32, 128, 4)]
+FUSED_SPLITS = (2, 4, 8, 16)
 
 
 def graph_us(calls: list[Any], replays: int = 30) -> float:
@@ -102,6 +106,9 @@ class WeightSet:
         self.code = st.code.float()
         self.levels = [float(v) for v in st.code.float().tolist()]
         self.nf4_bytes = self.packed.numel() + self.q8.numel() + 4 * (self.absmax2.numel() + self.offsets.numel())
+        from llm_core.fast.kernels.nf4_mm import mm_counters
+
+        self.counters = mm_counters(n, "cuda")
 
     def nested(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q8, self.absmax2, self.offsets, self.code2
@@ -185,6 +192,11 @@ def main() -> None:
                     help="re-time the best N configs with other stages / decodes / loop forms")
     ap.add_argument("--forms", default="all", help=f"loop forms of the swept grid: one of {FORMS} or flags "
                     f"joined by '+' ({'/'.join(FORM_FLAGS)}); --refine re-times the best with the others")
+    ap.add_argument("--fused", action="store_true",
+                    help="only the split sum: the launch rule with its splits summed by a second kernel and inside "
+                         "the launch (MMConfig.fuse_splits, a counters buffer per weight set), then the in-launch "
+                         "sum over FUSED_TILES x FUSED_SPLITS, all as programmatic dependent launches (the engine's "
+                         "LAUNCH_OVERLAP=auto on sm_90); no grid")
     ap.add_argument("--overlap", action="store_true",
                     help="only the launch rule, one launch after the other and as programmatic dependent launches "
                          "(with and without the early weight prefetch): LAUNCH_OVERLAP per linear; no grid")
@@ -234,6 +246,25 @@ def main() -> None:
             return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
                                                 decode=decode, levels=s.levels, **launch))
 
+        def fused(cfg: MMConfig) -> Any:  # the engine's call: the weight's own counters, a PDL launch
+            return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
+                                                decode="asm", levels=s.levels, pdl=True, counters=s.counters))
+
+        if args.fused:
+            rule = default_config(m, n, k, sms)
+            timed("ours-default-pdl:asm", ours(rule.replace(fuse_splits=False), "asm", pdl=True))
+            timed("ours-default-fused-pdl:asm", fused(rule))
+            for bn, bk, warps in FUSED_TILES:
+                for split in FUSED_SPLITS:
+                    if k // (bk * split) >= 2:
+                        cfg = rule.replace(block_n=bn, block_k=bk, warps=warps, split=split)
+                        timed(key_of(cfg, "asm", "all") + "/fused-pdl", fused(cfg))
+            doc["records"].append(rec)
+            save()
+            print(arch, lin, m, {key: v for key, v in sorted(rec["us"].items(), key=lambda kv: kv[1])[:4]},
+                  flush=True)
+            continue
+
         if args.overlap:  # LAUNCH_OVERLAP per linear: the rule one launch after the other, then as PDL launches
             rule = default_config(m, n, k, sms)
             timed("ours-default:asm", ours(rule, "asm"))
@@ -277,9 +308,41 @@ def main() -> None:
         print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
               f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
               f"{others} errors={len(rec['errors'])}", flush=True)
+    if args.fused:
+        doc["summary"] = summarize_fused(doc)
+        save()
+        print(json.dumps(doc["summary"], indent=1))
+        return
     doc["summary"] = summarize(doc)
     save()
     print_table(doc)
+
+
+def summarize_fused(doc: dict[str, Any]) -> dict[str, Any]:
+    """--fused: per arch and M, µs per layer (qkv + o + gate_up + down) of the rule with its splits summed by a
+    second kernel, the rule summed in the launch, and each linear's best in-launch config; their ratio; the best
+    keys per linear."""
+    out: dict[str, Any] = {}
+    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in doc["records"]:
+        by.setdefault((r["arch"], r["m"]), []).append(r)
+    for (arch, m), recs in sorted(by.items()):
+        if len(recs) != len(LAYERS[arch]):
+            continue
+
+        def total(pick: Any, recs: list[dict[str, Any]] = recs) -> float | None:
+            vals = [pick(r["us"]) for r in recs]
+            return round(sum(vals), 2) if all(v is not None for v in vals) else None
+
+        kernel = total(lambda us: us.get("ours-default-pdl:asm"))
+        fused = total(lambda us: us.get("ours-default-fused-pdl:asm"))
+        best = total(lambda us: min((v for key, v in us.items() if "fused" in key), default=None))
+        out[f"{arch}/M={m}"] = {
+            "rule_sum_kernel_us": kernel, "rule_fused_us": fused, "best_fused_us": best,
+            "fused_over_kernel": round(fused / kernel, 3) if fused and kernel else None,
+            "best": {r["linear"]: min((key for key in r["us"] if "fused" in key), key=r["us"].__getitem__,
+                                      default=None) for r in recs}}
+    return out
 
 
 def config_of(key: str) -> tuple[Any, str, str]:

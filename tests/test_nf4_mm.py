@@ -27,7 +27,7 @@ import torch
 from llm_core.fast import FastDecodeOptions
 from llm_core.fast.kernels import nf4_mm as mm
 from llm_core.fast.kernels.nf4_gemv import words_view
-from llm_core.fast.pack import absmax_2d, code_of, pack_linears
+from llm_core.fast.pack import absmax_2d, bias_of, code_of, counters_of, pack_linears
 from tests.test_fast_decode import dequantized, nf4_linear
 from tests.triton_interp import exact_bf16
 
@@ -151,6 +151,59 @@ def test_the_split_k_result_is_the_same_bits_on_every_run(interpreter: None) -> 
     x = torch.randn(8, 1024, dtype=torch.bfloat16)
     first = _run(p, x, CONFIGS["split3"])
     assert torch.equal(first, _run(p, x, CONFIGS["split3"]))
+
+
+def _fused(cfg: mm.MMConfig) -> mm.MMConfig:
+    return cfg.replace(fuse_splits=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_interpreted_in_launch_split_sum_gives_the_second_kernels_bits_and_leaves_the_counters_at_zero(
+        interpreter: None, family: str) -> None:
+    """fuse_splits with the linear's counters (what the engine passes): each tile's last program sums the splits
+    in split order, so y is the same bits as _sum_splits' (ragged N and K, fused layouts, M = 1..32, both loop
+    forms, bias), every counter is back at zero after each launch, and a second launch gives the same bits."""
+    splits, k = FAMILIES[family]
+    p, w = _packed(splits, k, "keep")
+    counters = counters_of(p.spec, p.tensors)
+    assert counters.dtype == torch.int32 and not counters.any()
+    for m in (1, 3, 8, 32):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        for cfg in (CONFIGS["split3"], FORMS["split3+forms"], mm.MMConfig(16, 64, 4, 4, 2, True)):
+            s, ts = p.spec, p.tensors
+            words = words_view(ts[0])
+            assert words is not None
+            args = dict(nested=(ts[1], ts[2], ts[3], ts[4]), config=_fused(cfg), levels=s.levels)
+            plain = mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), **{**args, "config": cfg})
+            got = mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), counters=counters, **args)
+            assert torch.equal(got, plain), (family, m, cfg)
+            assert not counters.any(), (family, m, cfg)
+            assert torch.equal(mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), counters=counters, **args), got)
+            assert _rel(got, x.float() @ w.T) < REL_BOUND
+    bias_lin = nf4_linear(80, 512, seed=3, bias=True)
+    pb = pack_linears([bias_lin], FastDecodeOptions(), "nf4")
+    s, ts = pb.spec, pb.tensors
+    words = words_view(ts[0])
+    assert words is not None
+    x = torch.randn(5, 512, dtype=torch.bfloat16)
+    cfg = CONFIGS["split3"]
+    kw = dict(nested=(ts[1], ts[2], ts[3], ts[4]), bias=bias_of(s, ts))
+    plain = mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), config=cfg, **kw)
+    got = mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), config=_fused(cfg), counters=counters_of(s, ts), **kw)
+    assert torch.equal(got, plain)
+
+
+def test_counters_that_do_not_fit_are_refused_and_none_falls_back_to_the_second_kernel() -> None:
+    p, _ = _packed((80,), 320, "fp32")
+    s, ts = p.spec, p.tensors
+    words = words_view(ts[0])
+    assert words is not None
+    x = torch.randn(2, 320, dtype=torch.bfloat16)
+    cfg = mm.MMConfig(16, 64, 2, 4, 2, True, fuse_splits=True)  # 5 tiles of 16 rows
+    for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="counters"):
+            mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), absmax=ts[1].reshape(-1), config=cfg, counters=bad)
+    assert counters_of(s, ts).numel() == 80 // 16 + 1  # one per tile at the smallest BLOCK_N
 
 
 # nf4_gemm (a prompt's prefill, any M): small tiles so these shapes take several m tiles, ragged M (70, 33 rows
@@ -288,10 +341,12 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs_or_k_is_lo
     assert mm.default_config(8, 4096, 4096, sms=28).split == 2  # a smaller GPU: fewer programs needed
     assert mm.default_config(2, 64, 256).split == 1  # two K steps: nothing to split
     cfg = mm.default_config(32, 12288, 4096)
-    assert (cfg.block_n, cfg.block_k, cfg.even, cfg.xvec, cfg.scale16) == (64, 128, True, True, True)
-    cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True)
+    assert (cfg.block_n, cfg.block_k, cfg.even, cfg.xvec, cfg.scale16, cfg.fuse_splits) == (64, 128, True, True,
+                                                                                              True, True)
+    cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True, True)
     assert mm.MMConfig.from_list(cfg.as_list()) == cfg
-    assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older list
+    assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older lists
+    assert mm.MMConfig.from_list(cfg.as_list()[:10]) == cfg.replace(fuse_splits=False)
 
 
 # --- GPU ---------------------------------------------------------------------------------------------------------
@@ -299,17 +354,36 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs_or_k_is_lo
 @pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
 @pytest.mark.parametrize(("nested", "split"), [(True, 1), (True, 2), (False, 1)])
 @pytest.mark.parametrize("decode", mm.DECODES)
-@pytest.mark.parametrize("forms", ["", "even", "xvec", "scale16", "asm_scale", "even+xvec+scale16"])
+@pytest.mark.parametrize("forms", ["", "even", "xvec", "scale16", "asm_scale", "even+xvec+scale16",
+                                   "even+xvec+scale16+fuse_splits"])
 def test_kernel_compiles_for_hopper_with_the_pointers_the_wrapper_passes(nested: bool, split: int, decode: str,
                                                                          forms: str) -> None:
     """Compile (not run) for sm_90 on CPU, with the argument types nf4_mm gives the kernel: with double quant the
     absmax pointer is the bf16 output buffer standing in, so a helper that types both branches fails to compile
     (the interpreter accepts it). Every loop form, both decodes: the "asm" decode (inline PTX, assembled by ptxas
     here) never runs under the interpreter."""
-    flags = {f: f in forms.split("+") for f in ("even", "xvec", "scale16", "asm_scale")}
+    flags = {f: f in forms.split("+") for f in ("even", "xvec", "scale16", "asm_scale", "fuse_splits")}
     cfg = mm.MMConfig(32, 256, split, 4, 2, True, **flags)
     kern = mm.compile_without_device(8, 4096, 4096, 64, cfg, decode, _levels(), nested)
     assert kern.asm["cubin"]
+
+
+@pytest.mark.skipif(mm.triton is None, reason="needs the triton package (requirements-dev.txt)")
+def test_in_launch_split_sum_orders_its_stores_before_the_count_and_resets_after_the_sum() -> None:
+    """The sm_90 PTX of the fused split form: after the main loop, the partials' stores, a CTA barrier, the
+    acq_rel gpu-scope count, then (in the last program) L2 loads of the partials, y's stores and the counter's
+    reset; the unfused split form has no atomic at all."""
+    cfg = mm.default_config(8, 4096, 4096)
+    ptx = mm.compile_without_device(8, 4096, 4096, 64, cfg, "asm", _levels(), True).asm["ptx"]
+    tail = ptx[ptx.rindex("mma.sync"):]
+    store = tail.index("st.global")  # the partials (after the accumulator's layout change through shared memory)
+    count = tail.index("atom.global.gpu.acq_rel.add")
+    assert store < tail.rindex("bar.sync", 0, count) < count
+    sums = tail.index("ld.global.cg", count)
+    assert sums < tail.index("st.global", sums) < tail.index("atom.global.gpu.relaxed.exch", sums)
+    plain = mm.compile_without_device(8, 4096, 4096, 64, cfg.replace(fuse_splits=False), "asm", _levels(),
+                                      True).asm["ptx"]
+    assert "atom." not in plain
 
 
 def _levels() -> list[float]:
@@ -364,6 +438,49 @@ def test_gpu_op_in_a_cuda_graph_matches_eager() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("shape", [((4096,), 4096), ((4096,), 11008), ((11008, 11008), 4096)])
+def test_gpu_in_launch_split_sum_gives_the_second_kernels_bits_eagerly_and_in_a_cuda_graph(
+        pdl: bool, shape: tuple[tuple[int, ...], int]) -> None:
+    """The engine's call (the linear's counters, default_config: 2-8 splits summed in the launch) against the same
+    config summed by _sum_splits, at every M: the same bits, counters back at zero; then 16 such launches in a row
+    captured in one CUDA graph and replayed twice give the eager bits each time (the counters reset in-launch)."""
+    from llm_core.fast.kernels.pdl import pdl_support
+
+    if pdl and not pdl_support(torch.device("cuda")):
+        pytest.skip("no programmatic dependent launch here")
+    splits, k = shape
+    p, _ = _packed(splits, k, "keep", device="cuda")
+    s, ts = p.spec, p.tensors
+    counters = counters_of(s, ts)
+
+    def op(x: torch.Tensor, fused: bool) -> torch.Tensor:
+        return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], code_of(s, ts), None,
+                                         s.blocksize, True, list(s.levels), "asm", [], pdl, False,
+                                         counters if fused else None)
+
+    for m in range(1, 33):
+        x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+        assert mm.default_config(m, s.n, k, mm.sm_count(0)).split > 1
+        assert torch.equal(op(x, True), op(x, False)), m
+        assert not counters.any(), m
+    xs = [torch.randn(8, k, dtype=torch.bfloat16, device="cuda") for _ in range(16)]
+    eager = [op(x, False) for x in xs]
+    op(xs[0], True)  # warm the launch outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [op(x, True) for x in xs]
+    for _ in range(2):
+        for o in outs:
+            o.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, e) for o, e in zip(outs, eager, strict=True))
+        assert not counters.any()
 
 
 @pytest.mark.gpu

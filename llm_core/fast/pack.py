@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from .kernels.nf4_mm import mm_counters
 from .options import FastDecodeOptions
 from .support import Unsupported, int8_row_scale, is_dense_linear, is_int8_linear, is_int8_table, is_nf4_linear
 
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 class LinSpec:
     """Static description of one (possibly fused) linear; its tensors travel separately, in this order:
     dense: (w,) | nf4 absmax=fp32: (packed, absmax) | nf4 absmax=nested: (packed, q8, absmax2, offsets, code2,
-    offset_scalar); then code (nf4), then bias if any."""
+    offset_scalar); then code and the small-M kernel's split counters (nf4: nf4_mm.mm_counters), then bias if
+    any."""
 
     fmt: str  # dense | nf4 | int8 (tensors: (w int8, row scale fp32 = SCB / 127))
     absmax: str  # none | fp32 | nested
@@ -172,7 +174,9 @@ def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) ->
     levels = tuple(float(v) for v in code.tolist())
     bias_list = [p["bias"] for p in parts]
     has_bias = any(b is not None for b in bias_list)
-    tail: list[torch.Tensor] = [code]
+    # the split counters nf4_mm needs to sum its K splits inside one launch, one buffer per linear (so the decode
+    # steps of two engines on one GPU never share one): ~N / 16 int32, counted with the weights
+    tail: list[torch.Tensor] = [code, mm_counters(n, code.device)]
     if has_bias:
         dtype = next(b for b in bias_list if b is not None).dtype
         tail.append(torch.cat([b.detach() if b is not None else torch.zeros(p["n"], dtype=dtype, device=code.device)
@@ -254,6 +258,11 @@ def absmax_2d(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def code_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     return ts[2] if spec.absmax == "fp32" else ts[6]
+
+
+def counters_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """An NF4 linear's split counters for nf4_mm (LinSpec's tensor order)."""
+    return ts[3] if spec.absmax == "fp32" else ts[7]
 
 
 def bias_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from .kernels.nf4_mm import MM_MAX
 from .layer import linear_decode, linear_prefill, linear_prefill_parts
-from .pack import LinSpec, absmax_2d, bias_of, code_of
+from .pack import LinSpec, absmax_2d, bias_of, code_of, counters_of
 
 ROWS_KERNELS = ("mm", "bnb", "dequant")
 
@@ -58,12 +58,14 @@ def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[to
     """x (B, K) bf16 -> (B, N) through llm_core.nf4_mm ("mm") or bitsandbytes' gemm_4bit ("bnb")."""
     bias = bias_of(spec, ts)
     if kernel == "mm":
+        counters = counters_of(spec, ts)
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], code_of(spec, ts), bias,
                                              spec.blocksize, False, list(spec.levels), "asm", [], spec.pdl,
-                                             spec.early)
+                                             spec.early, counters)
         return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], code_of(spec, ts), bias,
-                                         spec.blocksize, True, list(spec.levels), "asm", [], spec.pdl, spec.early)
+                                         spec.blocksize, True, list(spec.levels), "asm", [], spec.pdl, spec.early,
+                                         counters)
     if kernel != "bnb":
         raise ValueError(f"no rows kernel {kernel!r}")
     packed = ts[0].view(-1, 1)

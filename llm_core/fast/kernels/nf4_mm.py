@@ -19,10 +19,15 @@ Decoding the 16 NF4 levels (DECODE):
             (llm_core.fast.kernels.nf4_gemv.unpack8_asm); CUDA only (inline PTX).
 
 Split-K (SPLIT > 1, for grids that would otherwise leave multiprocessors idle: N = 4096 at BLOCK_N = 64 is 64
-programs for 132 SMs): each split writes fp32 partial sums to its own slice of a (SPLIT, M, N) buffer and one small
-kernel sums them in a fixed order and writes bf16 (+ bias). Chosen over atomic adds into a zeroed fp32 output:
-same number of extra launches or one fewer (atomics need the zeroing and a conversion), and the result is the same
-bits on every run (the start-up pick's accuracy check and the tests compare exact reruns).
+programs for 132 SMs): each split writes fp32 partial sums to its own slice of a (SPLIT, M, N) buffer, and they are
+summed in a fixed split order and written as bf16 (+ bias), so the result is the same bits on every run (the
+start-up pick's accuracy check and the tests compare exact reruns; atomic adds into a zeroed fp32 output would not
+be, and need a zeroing and a conversion launch). Who sums:
+  MMConfig.fuse_splits with a counters buffer (the default through the engine: pack_linears gives every NF4 linear
+  one): the last program of each n tile to finish, found by an atomic count per tile, sums that tile's partials
+  inside the same launch (_finish_splits), and leaves its counter at zero for the next launch: no second kernel
+  (the 2026-12-05 profile of the 8-row step: 128 _sum_splits launches per step, 0.22 ms of its 4.6);
+  otherwise: a second small kernel, _sum_splits.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ class MMConfig:
                as bitsandbytes' own 4-bit kernels do (bf16 absmax times bf16 level).
       asm_scale: (without scale16) the "asm" decode takes the fp32 block scale and hands out bf16 weights: the
                older arithmetic and the same bits (bf16 level widened, fp32 product, rounded to bf16), but the
-               weights reach the dot in bf16 from the asm ("gather": no effect)."""
+               weights reach the dot in bf16 from the asm ("gather": no effect).
+      fuse_splits: (split > 1) the splits are summed inside the launch by each tile's last program, where the call
+               passes a counters buffer (nf4_mm's `counters`); the same bits as the _sum_splits kernel."""
 
     block_n: int = 64
     block_k: int = 256
@@ -74,15 +81,17 @@ class MMConfig:
     xvec: bool = False
     scale16: bool = False
     asm_scale: bool = False
+    fuse_splits: bool = False
 
     def as_list(self) -> list[int]:
         return [self.block_n, self.block_k, self.split, self.warps, self.stages, int(self.dot), int(self.even),
-                int(self.xvec), int(self.scale16), int(self.asm_scale)]
+                int(self.xvec), int(self.scale16), int(self.asm_scale), int(self.fuse_splits)]
 
     @classmethod
     def from_list(cls, v: Sequence[int]) -> MMConfig:
-        """The inverse of as_list; a shorter list (from before the loop forms) keeps the older forms."""
-        flags = [bool(f) for f in v[6:10]] + [False] * (10 - max(6, len(v)))
+        """The inverse of as_list; a shorter list (from before the loop forms or the fused split sum) keeps the
+        older forms."""
+        flags = [bool(f) for f in v[6:11]] + [False] * (11 - max(6, len(v)))
         return cls(int(v[0]), int(v[1]), int(v[2]), int(v[3]), int(v[4]), bool(v[5]), *flags)
 
     def replace(self, **kw: Any) -> MMConfig:
@@ -95,9 +104,10 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     tiles, 4 warps, 3 pipeline stages and the loop forms even + xvec + scale16 (712 -> 435 loop instructions on
     sm_90, bench/nf4_mm_sass.py) for every M; K split in two at least, then again while the grid holds fewer than
     1.5 programs per SM or a program would walk more than 16 K steps (N = 4096, K = 4096: 4 splits; K = 11008: 8;
-    N = 12288 or 22016: 2). Over the sweep this rule is within 4% of the best config per layer at every M (one
-    linear at most 14% off: Llama-2-7B qkv at M = 1); per Llama-2-7B layer at M = 8 it takes 101.7 µs against 143.4
-    for the earlier rule (32 x 256 tiles without the forms)."""
+    N = 12288 or 22016: 2), summed inside the launch (fuse_splits) where the caller passes counters. Over the sweep
+    this rule is within 4% of the best config per layer at every M (one linear at most 14% off: Llama-2-7B qkv at
+    M = 1); per Llama-2-7B layer at M = 8 it takes 101.7 µs against 143.4 for the earlier rule (32 x 256 tiles
+    without the forms)."""
     block_n, block_k = 64, 128
     tiles = -(-n // block_n)
     steps = max(1, k // block_k)
@@ -105,7 +115,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     while split < 8 and steps // (split * 2) >= 2 and (tiles * split < 1.5 * sms or steps / split > 16):
         split *= 2
     return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=3, dot=True, even=True, xvec=True,
-                    scale16=True)
+                    scale16=True, fuse_splits=True)
 
 
 if triton is not None:
@@ -168,16 +178,49 @@ if triton is not None:
     def _all_true(SIZE: tl.constexpr):
         return tl.full((SIZE,), 1, tl.int1)
 
+    @triton.jit
+    def _finish_splits(acc, mi, rows, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr):
+        """Split-K's end inside the launch, in every program (n tile t, split s): store this split's fp32 partial
+        sums at part[s, :M, tile], then count in counters[t]; the program that counts SPLIT - 1 before it (the
+        last of its tile to get here) reads the tile's SPLIT partials in split order 0, 1, ... (the sum, and so
+        its bits, do not depend on which program came last: _sum_splits' order), adds the bias, stores y (bf16)
+        and resets counters[t] to 0 for the next launch.
+
+        Memory ordering: the partial stores come from many threads and the counter's atomic from one (Triton
+        issues a scalar atomic in one thread and broadcasts its result through shared memory), so a CTA barrier
+        first orders every thread's stores before that thread's release (acq_rel, gpu scope: cumulative over what
+        the barrier made it observe). The last program's acquire half makes the other programs' partials visible
+        to its thread, and the broadcast's barrier passes that on to the CTA's other threads; their loads go to
+        the L2 (.cg), past any L1 line. The reset needs no ordering within the launch (every program of the tile
+        has counted); the next launch on the stream (or its PDL wait) sees it."""
+        tile = tl.program_id(0)
+        offs = mi[:, None] * N + rows[None, :]
+        tl.store(part_ptr + tl.program_id(1) * M * N + offs, acc, mask=omask)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            y = tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                y += tl.load(part_ptr + s * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=omask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["M"])  # one compile for every M of a row bucket (M = 1 and 16 | M included)
     def _nf4_mm_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, code_ptr, bias_ptr,
-                       y_ptr, M, N, K, KW, NBLK, BS: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr, STAGES: tl.constexpr,
-                       EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False, XVEC: tl.constexpr = False,
-                       SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False, TILE_M: tl.constexpr = False,
-                       PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
-        """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else y is the
-        (SPLIT, M, N) fp32 partial-sum buffer and _sum_splits finishes. EVEN_K: K is a multiple of BLOCK_K (every
+                       y_ptr, part_ptr, count_ptr, M, N, K, KW, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DECODE: tl.constexpr, ASM: tl.constexpr, MP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, DOT: tl.constexpr,
+                       STAGES: tl.constexpr, EVEN_K: tl.constexpr = False, EVEN_N: tl.constexpr = False,
+                       XVEC: tl.constexpr = False, SCALE16: tl.constexpr = False, ASM_SCALE: tl.constexpr = False,
+                       TILE_M: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+                       FUSE: tl.constexpr = False):
+        """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else
+        part_ptr is the (SPLIT, M, N) fp32 partial-sum buffer, and FUSE: each tile's last program sums them into y
+        (_finish_splits; count_ptr: one int32 counter per n tile, zero before the launch and after it), or not
+        FUSE: _sum_splits finishes (y unwritten here). EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
         XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale. TILE_M (nf4_gemm, SPLIT 1): program (m tile,
         n tile) over MP rows of x from m tile * MP; the m tiles of one weight tile are launched side by side, so the
@@ -240,8 +283,10 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + mi[:, None] * N + rows[None, :], acc.to(tl.bfloat16), mask=omask)
+        elif FUSE:
+            _finish_splits(acc, mi, rows, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
         else:
-            tl.store(y_ptr + pid_k * M * N + mi[:, None] * N + rows[None, :], acc, mask=omask)
+            tl.store(part_ptr + pid_k * M * N + mi[:, None] * N + rows[None, :], acc, mask=omask)
 
     @triton.jit
     def _sum_splits(p_ptr, bias_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -303,7 +348,7 @@ def launch_constexprs(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, dec
                 MP=max(16, triton.next_power_of_2(m)) if cfg.dot else triton.next_power_of_2(m),
                 BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT=split, DOT=cfg.dot, STAGES=cfg.stages,
                 EVEN_K=cfg.even and k % block_k == 0, EVEN_N=cfg.even and n % cfg.block_n == 0, XVEC=cfg.xvec,
-                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale, TILE_M=False)
+                SCALE16=cfg.scale16, ASM_SCALE=cfg.asm_scale, TILE_M=False, FUSE=cfg.fuse_splits and split > 1)
 
 
 def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig, decode: str,
@@ -311,7 +356,8 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig
                            arch: int = 90, divisibility: bool = True, tile_m: int = 0, pdl: bool = False,
                            early: bool = False) -> Any:
     """Compile (not run) the kernel for sm_`arch` on any machine, with the argument types nf4_mm passes (with
-    double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums) and the
+    double quant the absmax pointer is the output buffer standing in; split > 1 writes fp32 partial sums, with
+    fuse_splits into y through an int32 counters buffer) and the
     16-divisibility Triton's launcher specializes on (torch's buffers are 16-byte aligned; N, K, K/8, K/blocksize
     where they divide; divisibility=False: none, as the first SASS counts in docs/fast_decode.md were taken). For
     the compile test and bench/nf4_mm_sass.py. pdl: the programmatic-dependent-launch form (kernels.pdl)."""
@@ -320,11 +366,13 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: MMConfig
 
     meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested, has_bias, tile_m)
     meta["PDL"], meta["EARLY"] = pdl, early
-    out = "*bf16" if meta["SPLIT"] == 1 else "*fp32"
+    out = "*bf16"  # what the wrapper passes for unused pointers (y)
     ints = {"M": m, "N": n, "K": k, "KW": k // 8, "NBLK": k // blocksize}
     signature = {"x_ptr": "*bf16", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
                  "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "code_ptr": "*fp32",
-                 "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out, **{name: "i32" for name in ints}}
+                 "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out,
+                 "part_ptr": "*fp32" if meta["SPLIT"] > 1 else out, "count_ptr": "*i32" if meta["FUSE"] else out,
+                 **{name: "i32" for name in ints}}
     names = list(_nf4_mm_kernel.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
     attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in ints.items() if a != "M" and v % 16 == 0})
@@ -340,14 +388,18 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
            nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
            bias: torch.Tensor | None = None, config: MMConfig | None = None, decode: str = "gather",
            levels: Sequence[float] | None = None, compiled: list[Any] | None = None, pdl: bool = False,
-           early: bool = False) -> torch.Tensor:
+           early: bool = False, counters: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= MM_MAX -> (M, N) bf16 = x @ dequantize(W).T (+ bias). `words` (N, K/8) int32 from
     nf4_gemv.words_view(); `code` the 16 NF4 levels as an fp32 tensor on x's device (what "gather" reads); absmax
     fp32 (N * K / blocksize) or nested = (q8, absmax2, offset per 256-block, code2); `levels` the same 16 levels as
     host floats (what "asm" builds its register table from; a tensor there would sync); `config` the launch
     (default_config when None); `compiled` (diagnostics) receives the compiled kernel; `pdl`: both launches as
     programmatic dependent launches (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl): each program's first
-    weight tile prefetched before the wait (bench/small_m.py times it; the engine with LAUNCH_OVERLAP=early)."""
+    weight tile prefetched before the wait (bench/small_m.py times it; the engine with LAUNCH_OVERLAP=early).
+    `counters`: int32 on x's device, at least one per n tile (N / 16 + 1 covers every config; pack_linears makes
+    one per NF4 linear, mm_counters), all zero; with it a split config with fuse_splits sums its splits inside the
+    launch and leaves the counters at zero again. Calls sharing a counters buffer must not overlap (kernels on one
+    stream run in order; a PDL launch waits before it counts). Without it the splits are summed by _sum_splits."""
     launch = pdl_meta(pdl, early)
     m, k, n, kw = rows_shapes(x, words, absmax, nested)
     if blocksize < 8 or blocksize & (blocksize - 1) or k % blocksize or kw * 8 != k:
@@ -361,24 +413,35 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
         cfg = cfg.replace(dot=True)
     if decode == "asm" and levels is None:
         raise ValueError("decode='asm' needs the levels as host floats")
+    tiles = triton.cdiv(n, cfg.block_n)
+    if counters is None:
+        cfg = cfg.replace(fuse_splits=False)
+    elif counters.dtype != torch.int32 or counters.device != x.device or counters.numel() < tiles:
+        raise ValueError(f"counters must be int32 on {x.device} with at least {tiles} entries")
     meta = launch_constexprs(m, n, k, blocksize, cfg, decode, levels, nested is not None, bias is not None)
     split = meta["SPLIT"]
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
-    out = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    q8, absmax2, offsets, code2 = nested if nested is not None else (out, out, out, out)
-    kernel = _nf4_mm_kernel[(triton.cdiv(n, cfg.block_n), split)](
-        x, words, absmax if absmax is not None else out, q8, absmax2, offsets, code2, code,
-        bias if bias is not None else out, out, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta,
-        **launch)
+    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
+    kernel = _nf4_mm_kernel[(tiles, split)](
+        x, words, absmax if absmax is not None else y, q8, absmax2, offsets, code2, code,
+        bias if bias is not None else y, y, part, counters if meta["FUSE"] else y, m, n, k, kw, k // blocksize,
+        num_warps=cfg.warps, **meta, **launch)
     if compiled is not None:
         compiled.append(kernel)
-    if split > 1:
+    if split > 1 and not meta["FUSE"]:
         block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](out, bias if bias is not None else out, y, m * n, n, SPLIT=split,
+        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m * n, n, SPLIT=split,
                                                   HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
                                                   **pdl_meta(pdl))
     return y
+
+
+def mm_counters(n: int, device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 counters buffer for nf4_mm's in-launch split sum over an N-row weight: one per n tile of the
+    smallest BLOCK_N a config may take (16), owned by whoever owns the weight (pack_linears: one per NF4 linear)."""
+    return torch.zeros(n // 16 + 1, dtype=torch.int32, device=device)
 
 
 GEMM_SMALL_ROWS = 128  # nf4_gemm takes 64-row tiles up to this many rows (GemmConfig.for_rows)
@@ -441,7 +504,7 @@ the tiles against dequantize + matmul)."""
     q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
     _nf4_mm_kernel[(triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))](
         x, words, absmax if absmax is not None else y, q8, absmax2, offsets, code2, code,
-        bias if bias is not None else y, y, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
+        bias if bias is not None else y, y, y, y, m, n, k, kw, k // blocksize, num_warps=cfg.warps, **meta)
     return y
 
 
@@ -468,13 +531,15 @@ if triton is not None:
         "llm_core::nf4_mm", mutates_args=(),
         schema="(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
                "Tensor code, Tensor? bias, int blocksize, bool nested, float[] levels, str decode, int[] config, "
-               "bool pdl=False, bool early=False) -> Tensor")
+               "bool pdl=False, bool early=False, Tensor? counters=None) -> Tensor")
     def _nf4_mm_op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor,
                    absmax2: torch.Tensor, offsets: torch.Tensor, code2: torch.Tensor, code: torch.Tensor,
                    bias: torch.Tensor | None, blocksize: int, nested: bool, levels: Sequence[float], decode: str,
-                   config: Sequence[int], pdl: bool = False, early: bool = False) -> torch.Tensor:
+                   config: Sequence[int], pdl: bool = False, early: bool = False,
+                   counters: torch.Tensor | None = None) -> torch.Tensor:
         """The kernel as one opaque op for torch.compile and CUDA graphs; packed is bitsandbytes' (N, K/2);
-        config = MMConfig.as_list() or empty for default_config."""
+        config = MMConfig.as_list() or empty for default_config; counters: the linear's (mm_counters), for the
+        in-launch split sum (the kernel leaves them as it found them: zero, so the op mutates nothing)."""
         from .nf4_gemv import words_view
 
         words = words_view(packed)
@@ -483,9 +548,9 @@ if triton is not None:
         cfg = MMConfig.from_list(config) if config else None
         if nested:
             return nf4_mm(x, words, blocksize, code, nested=(q8, absmax2, offsets, code2), bias=bias, config=cfg,
-                          decode=decode, levels=levels, pdl=pdl, early=early)
+                          decode=decode, levels=levels, pdl=pdl, early=early, counters=counters)
         return nf4_mm(x, words, blocksize, code, absmax=absmax, bias=bias, config=cfg, decode=decode, levels=levels,
-                      pdl=pdl, early=early)
+                      pdl=pdl, early=early, counters=counters)
 
     @_nf4_mm_op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
