@@ -7,7 +7,7 @@
 #   small-m-fused.json     bench.small_m --fused: per Llama-2-7B linear and M, the launch rule summed by a second
 #                          kernel and in the launch, and the in-launch sum over more tiles and splits (PDL launches)
 #   batched-{S}-{n}.json   bench.batched --chats $CHATS (default 8,32) through ChatEngine, S = fused (the library's)
-#                          | kernel (--mm-split-sum kernel); PROFILE=1 adds --profile-chats 8 to the run
+#                          | kernel (--mm-split-sum kernel); PROFILE_CHATS=N adds --profile-chats N to the runs
 # PARTS (default "tests smallm batched") picks the stages; SUMS (default "fused") the batched runs in order; PAIR
 # numbers them; CKPT the checkpoint (written when missing).
 set -uo pipefail
@@ -25,7 +25,7 @@ echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.
 echo "small_m rc=$?"; grep -vE "Warning|warn" "$OUT/small-m-fused.log" | tail -40 | cut -c1-250; }
 batched() {  # $1 = fused | kernel
   local extra=""
-  [ "${PROFILE:-0}" = 1 ] && extra="--profile-chats 8"
+  [ "${PROFILE_CHATS:-0}" = 0 ] || extra="--profile-chats $PROFILE_CHATS"
   timeout -s INT -k 15 "${BATCHED_S:-170}" python3 -m bench.batched --no-reference --chats "${CHATS:-8,32}" \
     --new-tokens 128 --ckpt $CKPT --mm-split-sum $1 $extra --out "$OUT/batched-$1-$n.json" \
     > "$OUT/batched-$1-$n.log" 2>&1
@@ -37,6 +37,10 @@ for r in json.load(open(sys.argv[1]))["records"]:
     print({k: r.get(k) for k in ("phase", "what", "concurrent_chats", "aggregate_decode_tokens_per_s",
                                  "per_chat_decode_tokens_per_s", "ttft_p95_s", "warmup_s", "slot_notes")
            if r.get(k) is not None}, "step_ms", round(sp.get("mean_step_s", 0) * 1e3, 2))
+    if r.get("what") == "profile-arrivals":
+        steps = sp.get("decode_steps") or 1
+        print("  per decode step, us:", [(k["name"][:40], k["calls"], round(k["us"] / steps, 1))
+                                        for k in r.get("device_kernels", [])[:12]])
 P
   grep -iE "Traceback|Error" "$OUT/batched-$1-$n.log" | head -4 | cut -c1-300
 }
