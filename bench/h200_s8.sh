@@ -8,13 +8,13 @@
 #                          kernel and in the launch, and the in-launch sum over more tiles and splits (PDL launches)
 #   batched-{S}-{n}.json   bench.batched --chats $CHATS (default 8,32) through ChatEngine, S = fused (the library's)
 #                          | kernel (--mm-split-sum kernel); PROFILE_CHATS=N adds --profile-chats N to the runs
-# PARTS (default "tests smallm batched") picks the stages; SUMS (default "fused") the batched runs in order; PAIR
-# numbers them; CKPT the checkpoint (written when missing).
+# PARTS (default "tests smallm batched") picks the stages; SUMS (default "fused") the batched runs in order (a name
+# given twice runs twice: "fused kernel kernel fused"); PAIR the first run's number; CKPT the checkpoint (written
+# when missing).
 set -uo pipefail
 source bench/h200_env.sh || exit 1
 CKPT=${CKPT:-/tmp/l2-ckpt}
 PARTS=" ${PARTS:-tests smallm batched} "
-n=${PAIR:-1}
 [[ $PARTS != *" tests "* ]] || { timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA \
   -p no:cacheprovider tests/test_nf4_mm.py tests/test_batched_fast.py -k "in_launch or cuda_graph or batched_rows" \
   > "$OUT/gpu-tests.txt" 2>&1
@@ -23,8 +23,10 @@ echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.
   --archs llama-2-7b --ms "${MS:-2,4,8,16,32}" --budget-s "${SMALLM_BUDGET_S:-170}" --out "$OUT/small-m-fused.json" \
   > "$OUT/small-m-fused.log" 2>&1
 echo "small_m rc=$?"; grep -vE "Warning|warn" "$OUT/small-m-fused.log" | tail -40 | cut -c1-250; }
-batched() {  # $1 = fused | kernel
-  local extra=""
+declare -A seen=()
+batched() {  # $1 = fused | kernel; the k-th run of a name writes batched-<name>-<PAIR + k - 1>
+  seen[$1]=$(( ${seen[$1]:-0} + 1 ))
+  local n=$(( ${PAIR:-1} + ${seen[$1]} - 1 )) extra=""
   [ "${PROFILE_CHATS:-0}" = 0 ] || extra="--profile-chats $PROFILE_CHATS"
   timeout -s INT -k 15 "${BATCHED_S:-170}" python3 -m bench.batched --no-reference --chats "${CHATS:-8,32}" \
     --new-tokens 128 --ckpt $CKPT --mm-split-sum $1 $extra --out "$OUT/batched-$1-$n.json" \
