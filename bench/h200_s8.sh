@@ -16,7 +16,7 @@ source bench/h200_env.sh || exit 1
 CKPT=${CKPT:-/tmp/l2-ckpt}
 PARTS=" ${PARTS:-tests smallm batched} "
 [[ $PARTS != *" tests "* ]] || { timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA \
-  -p no:cacheprovider tests/test_nf4_mm.py tests/test_batched_fast.py -k "in_launch or cuda_graph or batched_rows" \
+  -p no:cacheprovider tests/test_nf4_mm.py tests/test_batched_fast.py -k "${TESTS_K:-in_launch or cuda_graph or batched_rows}" \
   > "$OUT/gpu-tests.txt" 2>&1
 echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | head -14 | cut -c1-300; }
 [[ $PARTS != *" smallm "* ]] || { timeout -s INT -k 15 "${SMALLM_S:-220}" python3 -m bench.small_m --fused \
