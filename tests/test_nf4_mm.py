@@ -193,6 +193,43 @@ def test_interpreted_in_launch_split_sum_gives_the_second_kernels_bits_and_leave
     assert torch.equal(got, plain)
 
 
+@pytest.mark.parametrize("absmax", ["keep", "fp32"])
+def test_interpreted_rows_linear_hands_the_kernel_its_linears_counters(interpreter: None, absmax: str) -> None:
+    """The batched step's call (llm_core.fast.rows.nf4_rows_linear, "mm", the launch rule: 2 splits at K = 512) with
+    both absmax layouts: the op finds the linear's counters where pack_linears put them (after the code, before the
+    bias), sums in the launch, and gives the bits of the same rule summed by the second kernel."""
+    from llm_core.fast.rows import nf4_rows_linear
+
+    mods = [nf4_linear(n, 512, seed=i + 1, bias=True) for i, n in enumerate((64, 32, 32))]
+    p = pack_linears(mods, FastDecodeOptions(absmax=absmax), "nf4")
+    s, ts = p.spec, p.tensors
+    x = torch.randn(6, 512, dtype=torch.bfloat16)
+    cfg = mm.default_config(6, s.n, s.k)
+    assert cfg.split > 1 and cfg.fuse_splits
+    words = words_view(ts[0])
+    assert words is not None
+    scales: dict[str, Any] = {"absmax": ts[1].reshape(-1)} if s.absmax == "fp32" else {
+        "nested": (ts[1], ts[2], ts[3], ts[4])}
+    second = mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), bias=bias_of(s, ts), config=cfg, decode="gather",
+                       levels=s.levels, **scales)
+    counters = counters_of(s, ts)
+    calls: list[Any] = []
+    real = mm.nf4_mm
+
+    def spy(*args: Any, **kw: Any) -> torch.Tensor:
+        calls.append(kw.get("counters"))
+        return real(*args, **{**kw, "decode": "gather"})  # the interpreter runs no inline PTX
+
+    try:
+        mm.nf4_mm = spy  # type: ignore[assignment]
+        got = nf4_rows_linear("mm", s, x, ts)
+    finally:
+        mm.nf4_mm = real  # type: ignore[assignment]
+    assert calls and calls[0] is counters
+    assert torch.equal(got, second)
+    assert not counters.any()
+
+
 def test_counters_that_do_not_fit_are_refused_and_none_falls_back_to_the_second_kernel() -> None:
     p, _ = _packed((80,), 320, "fp32")
     s, ts = p.spec, p.tensors
