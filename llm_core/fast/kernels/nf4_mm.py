@@ -179,13 +179,13 @@ if triton is not None:
         return tl.full((SIZE,), 1, tl.int1)
 
     @triton.jit
-    def _finish_splits(acc, mi, rows, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+    def _finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
                        SPLIT: tl.constexpr):
-        """Split-K's end inside the launch, in every program (n tile t, split s): store this split's fp32 partial
-        sums at part[s, :M, tile], then count in counters[t]; the program that counts SPLIT - 1 before it (the
-        last of its tile to get here) reads the tile's SPLIT partials in split order 0, 1, ... (the sum, and so
-        its bits, do not depend on which program came last: _sum_splits' order), adds the bias, stores y (bf16)
-        and resets counters[t] to 0 for the next launch.
+        """Split-K's end inside the launch, in every program (n tile t, split s), after it stored its fp32 partial
+        sums at part[s, :M, tile] (offs: their offsets within one split's (M, N)): count in counters[t]; the
+        program that counts SPLIT - 1 before it (the last of its tile to get here) reads the tile's SPLIT partials
+        in split order 0, 1, ... (the sum, and so its bits, do not depend on which program came last: _sum_splits'
+        order), adds the bias, stores y (bf16) and resets counters[t] to 0 for the next launch.
 
         Memory ordering: the partial stores come from many threads and the counter's atomic from one (Triton
         issues a scalar atomic in one thread and broadcasts its result through shared memory), so a CTA barrier
@@ -195,8 +195,6 @@ if triton is not None:
         the L2 (.cg), past any L1 line. The reset needs no ordering within the launch (every program of the tile
         has counted); the next launch on the stream (or its PDL wait) sees it."""
         tile = tl.program_id(0)
-        offs = mi[:, None] * N + rows[None, :]
-        tl.store(part_ptr + tl.program_id(1) * M * N + offs, acc, mask=omask)
         tl.debug_barrier()
         done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if done == SPLIT - 1:
@@ -204,7 +202,7 @@ if triton is not None:
             for s in tl.static_range(1, SPLIT):
                 y += tl.load(part_ptr + s * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
-                y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)[None, :]
+                y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=omask)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
 
@@ -283,10 +281,11 @@ if triton is not None:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + mi[:, None] * N + rows[None, :], acc.to(tl.bfloat16), mask=omask)
-        elif FUSE:
-            _finish_splits(acc, mi, rows, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
         else:
-            tl.store(part_ptr + pid_k * M * N + mi[:, None] * N + rows[None, :], acc, mask=omask)
+            offs = mi[:, None] * N + rows[None, :]
+            tl.store(part_ptr + pid_k * M * N + offs, acc, mask=omask)
+            if FUSE:
+                _finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _sum_splits(p_ptr, bias_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -439,8 +438,9 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
 
 
 def mm_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """A zeroed int32 counters buffer for nf4_mm's in-launch split sum over an N-row weight: one per n tile of the
-    smallest BLOCK_N a config may take (16), owned by whoever owns the weight (pack_linears: one per NF4 linear)."""
+    """A zeroed int32 counters buffer for nf4_mm's in-launch split sum over an N-row weight: one per n tile of
+    BLOCK_N 16 or more (every tensor-core config; nf4_mm refuses a call whose tiles outnumber it), owned by whoever
+    owns the weight (pack_linears: one per NF4 linear)."""
     return torch.zeros(n // 16 + 1, dtype=torch.int32, device=device)
 
 
