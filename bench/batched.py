@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from bench.harness import RANDOM_ARCHS, Recorder, checkpoint_ready, make_random_checkpoint, percentile
+from bench.host_probe import HOST_VARIANTS, StepProbe, host_variant
 from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine, ReplyUpdate
 from llm_core.fast.rows import RowsPlan
@@ -288,20 +289,24 @@ class Bench:
         self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
-        phases = [(n, mode) for n in a.chats for mode in modes]
+        variants = [v for _ in range(a.host_repeats) for v in a.host_variants]
+        phases = [(n, mode, variant) for n in a.chats for mode in modes for variant in variants]
         width = max(a.chats)
         texts = [prompt_text(engine, i, a.prompt_tokens) for i in range(width * len(phases))]
         common = {"model": self.meta["model"], "quantization": a.quantization, "device": self.meta["device"],
                   "versions": {k: self.meta[k] for k in ("torch", "transformers", "bitsandbytes")},
                   "command": self.meta["command"]}
         runner = engine.fast_scheduler.runner if engine.fast_scheduler is not None else None
-        for index, (n, mode) in enumerate(phases):
-            print(f"ours: {n} chats, prefill {mode}", flush=True)
+        for index, (n, mode, variant) in enumerate(phases):
+            print(f"ours: {n} chats, prefill {mode}, host {variant}", flush=True)
             if runner is not None:
                 runner.group_prefill = mode == "group"
             own = texts[index * width:(index + 1) * width]
-            self.rec.add(**common, prefill=mode, **self.ours(engine, n, own))
-            if a.reference and mode == modes[0]:
+            slots = runner.decoder if runner is not None else None
+            with host_variant(variant, slots), StepProbe(slots, runner) as probe:
+                run = self.ours(engine, n, own)
+            self.rec.add(**common, prefill=mode, host=variant, **run, host_probe=probe.summary())
+            if a.reference and mode == modes[0] and index == phases.index((n, mode, variants[0])):
                 print(f"transformers generate: {n} chats", flush=True)
                 try:
                     self.rec.add(**common, **self.reference(engine, n, own))
@@ -416,10 +421,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mm-split-sum", default="fused", choices=("fused", "kernel"),
                         help="the small-M NF4 kernel's K splits summed inside its launch (fused, the library's) or "
                              "by a second kernel (kernel, as before): an A/B through the engine")
+    parser.add_argument("--host-variants", default="default",
+                        help=f"comma-separated host settings each phase runs under, in turn, in this process "
+                             f"(bench.host_probe: {', '.join(HOST_VARIANTS)}): an A/B of the host's part")
+    parser.add_argument("--host-repeats", type=int, default=1, help="run the --host-variants list this many times")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)
     args.settings = {}
+    args.host_variants = [v for v in args.host_variants.split(",") if v]
+    unknown = sorted(set(args.host_variants) - set(HOST_VARIANTS))
+    if unknown or not args.host_variants or args.host_repeats < 1:
+        parser.error(f"--host-variants takes names from {HOST_VARIANTS} and --host-repeats 1 or more")
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep or not name:

@@ -395,6 +395,57 @@ def test_a_full_pool_makes_rows_wait_not_fail(paged_engine: ChatEngine) -> None:
     assert got == [_alone(decoder, long_prompt, 60), _alone(decoder, short_prompt, 30)]
 
 
+def test_blocks_appended_for_several_rows_land_where_set_blocks_puts_them(paged_engine: ChatEngine) -> None:
+    """append_blocks (a step's grown rows in one copy and one scatter) leaves the device table exactly as writing
+    each row's whole block list with set_blocks does; ids past the table's width are dropped as set_blocks drops
+    them; an empty list writes nothing."""
+    decoder = paged_engine.backend.decoder
+    one, each = (SlotDecoder(decoder, slots=3, slot_tokens=64, layout="paged") for _ in range(2))
+    width = one.num_blocks  # 12 blocks of 16 tokens
+    tables = {0: [5, 2], 1: list(range(width - 1)), 2: [7]}
+    for rows in (one, each):
+        for slot, ids in tables.items():
+            rows.set_blocks(slot, ids)
+    grown = [(0, 2, [9, 1]), (1, width - 1, [11, 3]), (2, 1, [4])]  # row 1's second new id is past the width
+    one.append_blocks(grown)
+    for slot, _, ids in grown:
+        each.set_blocks(slot, tables[slot] + ids)
+    assert torch.equal(one.table, each.table)
+    assert one.table[1, -1].item() == 11 and one.table[0, :4].tolist() == [5, 2, 9, 1]
+    before = one.table.clone()
+    one.append_blocks([])
+    assert torch.equal(one.table, before)
+
+
+def test_rows_crossing_into_new_blocks_in_one_step_are_written_together(paged_engine: ChatEngine) -> None:
+    """Three rows whose prompts end at the same position cross into a new block at the same steps: each such step
+    writes the device table once for all of them (append_blocks), never a row at a time (set_blocks is only
+    admission's), and every row still gets the tokens it gets alone."""
+    decoder = paged_engine.backend.decoder
+    rows = SlotDecoder(decoder, slots=3, slot_tokens=64, layout="paged")
+    calls: list[list[int]] = []
+    append = rows.append_blocks
+
+    def spy(grown: Any) -> None:
+        if grown:
+            calls.append(sorted(slot for slot, _, _ in grown))
+        append(grown)
+
+    rows.append_blocks = spy  # type: ignore[method-assign]
+    prompts = [list(range(700 + 20 * i, 712 + 20 * i)) for i in range(3)]  # 12 tokens each: block 1 at position 16
+    scheduler = Scheduler(FastRunner(rows, prefix_cache=False), eos_token_ids=[])
+    try:
+        with scheduler._cond:  # admitted together: the rows step in lockstep
+            requests = [scheduler.submit(p, GREEDY, 24, threading.Event()) for p in prompts]
+        got = [_tokens(scheduler, r) for r in requests]
+        admitted = scheduler.snapshot()
+    finally:
+        scheduler.close()
+    assert admitted.errors == 0
+    assert calls == [[0, 1, 2], [0, 1, 2]]  # positions 16 and 32: one write per crossing, every row in it
+    assert got == [_alone(decoder, p, 24) for p in prompts]
+
+
 def _leaves_no_trace(rows: SlotDecoder, action: Callable[[], Any]) -> Any:
     """Run `action` between two replies of the same prompt on `rows`: afterwards every row is idle with a table
     naming only the scratch block, and the reply has the tokens it had before. Returns what `action` returned."""

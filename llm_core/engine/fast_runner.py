@@ -490,9 +490,11 @@ class FastRunner(BoundRunner):
         preempted (its KV cached and released, its request first in the queue)."""
         assert self.pool is not None
         rows = sorted(self._rows.values(), key=lambda r: r.order)
+        grown: list[tuple[int, int, list[int]]] = []  # written to the device table together, below
         for row in rows:
             assert row.table is not None
             if row.table.capacity <= row.length:
+                held = len(row.table.block_ids)
                 try:
                     self.pool.grow(row.table, row.length + 1)
                 except PoolExhausted:
@@ -501,10 +503,11 @@ class FastRunner(BoundRunner):
                         self.host.stats.paused_rows += 1
                         self.decoder.pause(row.slot)
                     continue
-                self.decoder.set_blocks(row.slot, row.table.block_ids)
+                grown.append((row.slot, held, row.table.block_ids[held:]))
             if row.paused:
                 row.paused = False
                 self.decoder.resume(row.slot)
+        self.decoder.append_blocks(grown)
         if rows and all(r.paused for r in rows):
             newest = rows[-1]
             self.host.stats.preempted += 1

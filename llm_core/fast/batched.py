@@ -271,6 +271,18 @@ class SlotDecoder(SlotWarmup):
         ids += [self.num_blocks] * (self.num_blocks - len(ids))
         self.table[slot].copy_(torch.tensor(ids, dtype=torch.int32), non_blocking=False)
 
+    def append_blocks(self, grown: Sequence[tuple[int, int, Sequence[int]]]) -> None:
+        """Paged: rows' tables gain blocks at their end (kv_pool.BlockPool.grow), given as (slot, the first new
+        column, the new block ids) per row: every row of a step in one host-to-device copy and one scatter. (A row at
+        a time is a tensor and a blocking copy each, and each gives the GIL away to the reply threads: when a step's
+        rows cross into new blocks together, 32 of them stalled the loop for tens of ms.)"""
+        cells = [(slot, column + i, block) for slot, column, ids in grown for i, block in enumerate(ids)
+                 if column + i < self.num_blocks]
+        if not cells:
+            return
+        where = torch.tensor(cells, dtype=torch.int64).T.contiguous().to(self.device)
+        self.table[where[0], where[1]] = where[2].to(torch.int32)
+
     def allocate(self) -> None:
         """The slot cache: (layers, slots, slot_tokens, Hkv, row) for K and for V, zeroed; paged: the pool
         (layers, num_blocks + 1, block_size, Hkv, row), the last block the idle rows' scratch."""
