@@ -409,6 +409,35 @@ def test_bench_smoke_records_the_issue_fields_for_both_recipes(tmp_path: Any) ->
     assert ours3["step_profile"]["max_rows_in_step"] == 3
 
 
+def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tmp_path: Any) -> None:
+    """--host-variants: each phase runs under each host setting in turn and records its probe (the loop's host time
+    per part, one deliver per token, collections); afterwards the collector is unfrozen and enabled, the switch
+    interval is back, and nothing of the probe is left patched on the objects it wrapped."""
+    import gc
+    import json
+    import sys
+
+    from bench import batched, host_probe
+
+    out = tmp_path / "batched.json"
+    interval = sys.getswitchinterval()
+    assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--chats", "3",
+                         "--no-reference", "--host-variants", "default,gc-freeze,gc-off,switch-0.5ms,blocks-per-row"]
+                        ) == 0
+    runs = [r for r in json.loads(out.read_text())["records"] if r.get("recipe") == "ours"]
+    assert [r["host"] for r in runs] == ["default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row"]
+    for r in runs:
+        assert r["completed"] == 3
+        host = r["host_probe"]["host"]
+        assert host["deliver"]["calls"] == 3 * 8  # every token of the 3 replies of 8, the first (prefill's) included
+        assert host["decode_step"]["calls"] >= 7 and host["run_step"]["calls"] >= 7
+        assert "gpu" not in r["host_probe"]  # CPU: no device events
+    assert gc.isenabled() and gc.get_freeze_count() == 0 and sys.getswitchinterval() == interval
+    with pytest.raises(ValueError, match="host variant"):
+        with host_probe.host_variant("fast"):
+            pass
+
+
 def test_the_mixed_load_spans_short_and_long_prompts_in_a_fixed_interleave() -> None:
     from bench.batched import mixed_load
 
