@@ -18,6 +18,8 @@ Host variants (a context manager each; "default" changes nothing):
                  back sooner
   blocks-per-row the paged table written a row at a time when rows cross into new blocks (a tensor and a blocking
                  copy per row, as before 2026-12-07's third session) instead of SlotDecoder.append_blocks' one write
+  no-overlap     FastRunner.overlap off: each step's tokens read and delivered before the next step is launched (as
+                 before 2026-12-07's third session)
 """
 
 from __future__ import annotations
@@ -33,16 +35,24 @@ from typing import Any
 
 import torch
 
-HOST_VARIANTS = ("default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row")
+HOST_VARIANTS = ("default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row", "no-overlap")
 
 
 @contextlib.contextmanager
-def host_variant(name: str, decoder: Any = None) -> Iterator[None]:
-    """The host as `name` says (the module docstring) for the block; `decoder`: the runner's SlotDecoder
-    (blocks-per-row patches its append_blocks)."""
+def host_variant(name: str, runner: Any = None) -> Iterator[None]:
+    """The host as `name` says (the module docstring) for the block; `runner`: the engine's FastRunner
+    (blocks-per-row patches its decoder's append_blocks, no-overlap turns its overlap off), or None."""
     if name not in HOST_VARIANTS:
         raise ValueError(f"host variant must be one of {HOST_VARIANTS}, got {name!r}")
-    if name == "blocks-per-row" and decoder is not None:
+    decoder = runner.decoder if runner is not None else None
+    if name == "no-overlap" and runner is not None:
+        before = runner.overlap
+        runner.overlap = False
+        try:
+            yield
+        finally:
+            runner.overlap = before
+    elif name == "blocks-per-row" and decoder is not None:
 
         def per_row(grown: Any) -> None:
             for slot, column, ids in grown:

@@ -160,6 +160,81 @@ def test_stop_of_one_row_leaves_the_other_rows_tokens_unchanged(fp32_engine: Cha
     wait_until(lambda: fast_batched.fast_scheduler.snapshot().active == 0, 10, "the batch to drain")
 
 
+def _serve(decoder: Any, prompts: list[list[int]], budgets: list[int], options: list[SamplingOptions], *,
+           overlap: bool, eos: tuple[int, ...] = (), layout: str = "slots", events: list[str] | None = None
+           ) -> list[list[int]]:
+    """The prompts (token ids) admitted together on 4 fresh rows of a FastRunner, each streamed to its end.
+    `events`: filled with "run" per launched step and "token" per token delivered, in order."""
+    rows = SlotDecoder(decoder, slots=4, slot_tokens=128, layout=layout)
+    runner = FastRunner(rows, overlap=overlap)
+    scheduler = Scheduler(runner, eos_token_ids=list(eos))
+    if events is not None:
+        run_step, deliver = rows.run_step, scheduler.deliver
+
+        def spy_run(*args: Any) -> None:
+            events.append("run")
+            run_step(*args)
+
+        def spy_deliver(*args: Any) -> Any:
+            events.append("token")
+            return deliver(*args)
+
+        rows.run_step = spy_run  # type: ignore[method-assign]
+        scheduler.deliver = spy_deliver  # type: ignore[method-assign]
+    try:
+        with scheduler._cond:  # admitted together: one batch from the first step
+            requests = [scheduler.submit(p, o, n, threading.Event()) for p, n, o in zip(prompts, budgets, options,
+                                                                                        strict=True)]
+        return [list(scheduler.stream(r)) for r in requests]
+    finally:
+        scheduler.close()
+
+
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_overlapped_steps_stream_the_tokens_of_steps_read_one_at_a_time(fast_batched: ChatEngine,
+                                                                       layout: str) -> None:
+    """With overlap (the default) each step is launched before the previous step's tokens are read: the replies are
+    token for token those of the loop that reads every step before the next, for rows of different budgets, an EOS
+    that ends a row early, and min_new_tokens, whose ban on EOS must lift at the same step in both loops (one row
+    is allowed EOS exactly at the step that picks it, another is banned there and runs on). The overlapped loop
+    launches a step while an earlier one's tokens are unread."""
+    decoder = fast_batched.backend.decoder
+    greedy = SamplingOptions(repetition_penalty=1.0)
+    prompts = [list(range(500 + 30 * i, 520 + 30 * i)) for i in range(4)]
+    budgets = [12, 5, 12, 12]
+    plain = _serve(decoder, prompts, budgets, [greedy] * 4, overlap=False, layout=layout)
+    eos = plain[0][3]  # row 0's fourth token, taken as EOS: row 0 ends at its first occurrence
+    first = plain[0].index(eos)
+    prompts[2] = prompts[3] = prompts[0]
+    options = [greedy, greedy, SamplingOptions(repetition_penalty=1.0, min_new_tokens=first + 1),
+               SamplingOptions(repetition_penalty=1.0, min_new_tokens=first)]
+    events: list[str] = []
+    together = _serve(decoder, prompts, budgets, options, overlap=True, eos=(eos,), layout=layout, events=events)
+    one_at_a_time = _serve(decoder, prompts, budgets, options, overlap=False, eos=(eos,), layout=layout)
+    assert together == one_at_a_time
+    assert together[0] == together[3] == plain[0][:first + 1]  # ended by EOS; row 3's ban lifted just in time
+    banned = together[2]  # EOS banned at its step: another token there, and the row runs on
+    assert len(banned) > first + 1 and banned[:first] == plain[0][:first] and banned[first] != eos
+    assert together[1] == plain[1]  # a short budget: ends by length, untouched by the others
+    launched_ahead = any(events[i:i + 2] == ["run", "run"] for i in range(len(events) - 1))
+    assert launched_ahead, events
+
+
+def test_overlapped_rows_that_fill_their_slot_never_step_past_it(fast_batched: ChatEngine) -> None:
+    """Prompt + budget exactly a slot's 128 positions, on two neighbouring slots: with overlap a row whose last
+    token is in flight sits the next step out (it would write position 128, past its slot), so both replies are
+    whole and equal the loop that reads every step first."""
+    decoder = fast_batched.backend.decoder
+    greedy = SamplingOptions(repetition_penalty=1.0)
+    prompts = [list(range(900, 1000)), list(range(1100, 1110))]
+    budgets = [28, 118]  # 100 + 28 and 10 + 118: both end at the slot's last position
+    events: list[str] = []
+    together = _serve(decoder, prompts, budgets, [greedy] * 2, overlap=True, events=events)
+    assert together == _serve(decoder, prompts, budgets, [greedy] * 2, overlap=False)
+    assert [len(t) for t in together] == budgets
+    assert events.count("run") == max(budgets) - 1  # the first token is prefill's; no step after the last one
+
+
 def test_admission_refuses_only_what_cannot_fit_a_slot_and_queues_the_rest(fast_batched: ChatEngine) -> None:
     """2 slots of 64 tokens, no EOS: prompt + max new = 64 fits exactly and runs to its length; 65 is refused at
     once; three that fit arrive together: two decode, the third waits for a slot, and all three complete."""
@@ -422,10 +497,11 @@ def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tm
     out = tmp_path / "batched.json"
     interval = sys.getswitchinterval()
     assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--chats", "3",
-                         "--no-reference", "--host-variants", "default,gc-freeze,gc-off,switch-0.5ms,blocks-per-row"]
-                        ) == 0
+                         "--no-reference", "--host-variants",
+                         "default,gc-freeze,gc-off,switch-0.5ms,blocks-per-row,no-overlap"]) == 0
     runs = [r for r in json.loads(out.read_text())["records"] if r.get("recipe") == "ours"]
-    assert [r["host"] for r in runs] == ["default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row"]
+    assert [r["host"] for r in runs] == ["default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row",
+                                         "no-overlap"]
     for r in runs:
         assert r["completed"] == 3
         host = r["host_probe"]["host"]

@@ -12,6 +12,13 @@ A row's life:
     the step; sampling rows through llm_core.sampling with their own generator) --> each row's token to its request
     --> a row that ends (EOS, length, Stop, error) frees its slot before the next step.
 
+Overlap (FastRunner.overlap, on): step i + 1 is launched before step i's tokens are read, so the host's part of a
+step (reading and delivering tokens, ending rows, and the reply threads that wake for them taking the GIL) runs
+while the device computes the next one. The device feeds each row's token to the next step itself (tok and pos are
+written by the step), so nothing the host does between two steps is on the device's path, except admission,
+which prefills and picks a first token on the same stream. A row that ends by EOS or Stop has then computed one step
+more, whose token is dropped; a row whose budget ends with the step in flight sits the next step out.
+
 Paged KV (KV_LAYOUT=paged, llm_core.engine.kv_pool): a row also needs blocks of the decoder's one pool. Admission
 takes the prompt's blocks, the longest cached full-block prefix taken back instead of prefilled (the reply's
 cached_prompt_tokens); a decoding row takes a block each time it crosses into a new one. A newcomer whose blocks
@@ -78,10 +85,24 @@ class _Row:
     table: BlockTable | None = None  # paged: the row's blocks in the pool
     order: int = 0  # admission order (the newest paused row is the one preempted)
     paused: bool = False  # paged: waiting for a block for its next position
+    inflight: int = 0  # launched steps of this row whose token the host has not read yet (0 or 1: overlap)
+    final: bool = False  # its last token is in flight: it sits out further steps (overlap)
+    eos_allowed: bool = False  # min_new_tokens reached: EOS no longer banned in its steps
 
     def kv_ids(self) -> list[int]:
-        """The token ids whose K/V the row's cache holds, from position 0."""
+        """The token ids whose K/V the row's cache holds (or a launched step writes), from position 0."""
         return self.request.kv_ids[:self.length or self.prefilled]
+
+
+@dataclass
+class _Step:
+    """A launched decode step whose tokens the host reads later (FastRunner.decode_step)."""
+
+    rows: dict[int, _Row]  # slot -> row, as launched
+    bucket: int
+    tokens: torch.Tensor  # the step's tok[:bucket], copied to the host (CUDA: non-blocking, into pinned memory)
+    ready: Any  # CUDA: an event recorded after that copy; None when the copy is done already
+    launched_s: float
 
 
 TIMELINE_OPS = 256  # BatchStats.timeline's length
@@ -113,7 +134,8 @@ class BatchStats:
     paused_rows: int = 0  # paged: times a decoding row sat out steps for want of a block
     preempted: int = 0  # paged: rows released to the queue because every decoding row wanted a block
     errors: int = 0
-    step_s: float = 0.0  # host time of the decode steps, launch to tokens on the host
+    step_s: float = 0.0  # host time of the decode steps: to each step's tokens on the host from its launch, or
+    # (overlap) from when the step before it was read, if later: their sum is the loop's time spent decoding
     rows_by_bucket: dict[int, int] = field(default_factory=dict)  # steps per batch bucket
     # the last TIMELINE_OPS device ops the loop ran: (op, rows, host start, host end) in time.perf_counter seconds;
     # on CUDA the end is when the host had launched it (a first token's .item() waits for the device after it)
@@ -148,12 +170,18 @@ class FastRunner(BoundRunner):
     admission_prefill_tokens: int | None = None  # prefill is chunked between steps instead (advance_prefills)
 
     def __init__(self, slots: SlotDecoder, *, prefill_tokens_per_step: int = PREFILL_TOKENS_PER_STEP,
-                 prefix_cache: bool = True, group_prefill: bool = True) -> None:
+                 prefix_cache: bool = True, group_prefill: bool = True, overlap: bool = True) -> None:
         self.decoder = slots
         self.prefix_cache = prefix_cache
         # newcomers reaching an idle loop together: one padded pass for a group (True), or each prompt alone (its
         # prefill graph where one serves it); bench.batched --prefill each times the second against the first
         self.group_prefill = group_prefill
+        # a step launched before the previous one's tokens are read and delivered (decode_step); off: each step's
+        # tokens read before the next launch (bench.batched --host-variants no-overlap times one against the other)
+        self.overlap = overlap
+        self._pending: _Step | None = None
+        self._host_tok: list[torch.Tensor] = []  # two host buffers the steps' tokens are copied into, in turn
+        self._last_read_s = 0.0
         self.pool = self._new_pool()
         self.device = slots.device
         self.prefill_tokens_per_step = int(prefill_tokens_per_step)
@@ -219,10 +247,10 @@ class FastRunner(BoundRunner):
         return True
 
     def busy(self) -> bool:
-        return bool(self._rows or self._prefilling)
+        return bool(self._rows or self._prefilling) or self._pending is not None
 
     def decoding(self) -> bool:
-        return bool(self._rows)
+        return bool(self._rows) or self._pending is not None  # a launched step's tokens still to deliver
 
     def has_free_row(self) -> bool:
         return bool(self._free_slots())
@@ -274,11 +302,13 @@ class FastRunner(BoundRunner):
                                                   "in it were stopped. Try again with fewer at once.")
         else:
             err = GenerationError(f"Generation failed: {type(exc).__name__}: {str(exc)[:300]}")
+        self._pending = None
         for row in [*self._rows.values(), *self._prefilling]:
             self._end_row(row, "error", err)
 
     def take_all(self) -> list[QueuedReply]:
         pending: list[QueuedReply] = [r.request for r in (*self._rows.values(), *self._prefilling)]
+        self._pending = None
         self._rows.clear()
         self._prefilling.clear()
         return pending
@@ -481,6 +511,7 @@ class FastRunner(BoundRunner):
             return
         self.decoder.activate(row.slot, token, row.length)
         if request.options.min_new_tokens and row.new_tokens >= request.options.min_new_tokens:
+            row.eos_allowed = True
             self.decoder.allow_eos(row.slot)
 
     # --- decode ------------------------------------------------------------------------------------------------------
@@ -489,7 +520,7 @@ class FastRunner(BoundRunner):
         that cannot get one is paused (it sits the step out), and when every row is paused the newest is
         preempted (its KV cached and released, its request first in the queue)."""
         assert self.pool is not None
-        rows = sorted(self._rows.values(), key=lambda r: r.order)
+        rows = sorted((r for r in self._rows.values() if not r.final), key=lambda r: r.order)
         grown: list[tuple[int, int, list[int]]] = []  # written to the device table together, below
         for row in rows:
             assert row.table is not None
@@ -517,11 +548,62 @@ class FastRunner(BoundRunner):
                 self._take_blocks()
 
     def decode_step(self) -> None:
+        """One decode step for every decoding row. With overlap (the default) the step is launched before the
+        previous step's tokens are read and delivered, so the host's share of step i (reading its tokens, delivering
+        them, ending rows, and the reply threads that wake for them taking the GIL) runs while the device computes
+        step i + 1, as SGLang's overlap scheduler and vLLM's async scheduling do. A row that ends at step i by EOS or
+        Stop has then run step i + 1 too, whose token is never read; a row whose token budget step i uses up sits
+        step i + 1 out (_launch). When a row may not get the block its next position needs (the pool nearly full),
+        the earlier step is read first, so pausing and preempting see every token."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not self._may_run_ahead():
+            self._finish(pending)
+            pending = None
+        launched = self._launch()
+        if pending is not None:
+            self._finish(pending)
+        if launched is not None:
+            if self.overlap:
+                self._pending = launched
+            else:
+                self._finish(launched)
+
+    def _may_run_ahead(self) -> bool:
+        """Whether the next step may launch before the pending one's tokens are read: overlap on, and (paged) every
+        row that needs a new block for its next position can have one, so no row pauses or is preempted."""
+        if not self.overlap:
+            return False
+        if self.pool is None:
+            return True
+        rows = [r for r in self._rows.values() if not r.final]
+        needed = sum(1 for r in rows if r.table is not None and r.table.capacity <= r.length)
+        return not any(r.paused for r in rows) and needed <= self.pool.free_blocks
+
+    def _launch(self) -> _Step | None:
+        """Launch one step for the rows that have a token to feed (none when every row sits out): a row whose last
+        token is already in flight (its budget, or its cache room) sits out from now on; EOS is allowed in a row's
+        step once min_new_tokens will have been streamed before it. The step's tokens are copied to the host behind
+        it, read by _finish."""
+        for row in list(self._rows.values()):
+            if row.final:
+                continue
+            if row.new_tokens + row.inflight >= row.request.max_new_tokens or \
+                    row.length >= self.decoder.reply_tokens:  # the room: cannot happen (admitted within it)
+                if row.inflight == 0:
+                    self._end_row(row, "length")
+                    continue
+                row.final = True
+                self.decoder.pause(row.slot)  # writes to the scratch block, keeps its position
         if self.pool is not None:
             self._take_blocks()
-        rows = {s: r for s, r in self._rows.items() if not r.paused}
+        rows = {s: r for s, r in self._rows.items() if not r.paused and not r.final}
         if not rows:
-            return
+            return None
+        for row in rows.values():
+            least = row.request.options.min_new_tokens
+            if least and not row.eos_allowed and row.new_tokens + row.inflight >= least:
+                row.eos_allowed = True
+                self.decoder.allow_eos(row.slot)
         bucket = batch_bucket(max(self._rows) + 1, self.decoder.slots)
         longest = max(r.length for r in rows.values()) + 1
         t0 = time.perf_counter()
@@ -530,10 +612,41 @@ class FastRunner(BoundRunner):
         for slot, row in sampled.items():  # the sampler shared by every path, on this row's scores
             self.decoder.tok[slot:slot + 1].copy_(
                 sample_from_scores(self.decoder.scores[slot:slot + 1], row.request.options, row.generator))
-        tokens = self.decoder.tok[:bucket].tolist()  # the step's one host sync
-        self.host.stats.count_step(len(rows), bucket, time.perf_counter() - t0)
-        for slot, row in rows.items():
+        tokens, ready = self._copy_tokens(bucket)
+        for row in rows.values():
             row.length += 1
+            row.inflight += 1
+        return _Step(rows, bucket, tokens, ready, t0)
+
+    def _copy_tokens(self, bucket: int) -> tuple[torch.Tensor, Any]:
+        """The step's tokens onto the host: on CUDA a non-blocking copy into one of two pinned buffers (the other
+        may hold the previous step's, not read yet) and an event after it; elsewhere a copy."""
+        tok = self.decoder.tok[:bucket]
+        if self.device.type != "cuda":
+            return tok.clone(), None
+        if not self._host_tok or self._host_tok[0].numel() < self.decoder.slots:
+            self._host_tok = [torch.empty(self.decoder.slots, dtype=tok.dtype, pin_memory=True) for _ in range(2)]
+        host = self._host_tok[0][:bucket]
+        self._host_tok.reverse()
+        host.copy_(tok, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
+
+    def _finish(self, step: _Step) -> None:
+        """Read a launched step's tokens (the step's one host sync) and deliver each to its row's request, unless the
+        row ended since (Stop, an error): its token is dropped."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        tokens = step.tokens.tolist()
+        now = time.perf_counter()
+        # the step's share of the loop's time: from its launch, or from when the step before it was read
+        self.host.stats.count_step(len(step.rows), step.bucket, now - max(step.launched_s, self._last_read_s))
+        self._last_read_s = now
+        for slot, row in step.rows.items():
+            if self._rows.get(slot) is not row:
+                continue
+            row.inflight -= 1
             request = row.request
             if request.stop_event.is_set():
                 self._end_row(row, "stopped")
@@ -544,8 +657,5 @@ class FastRunner(BoundRunner):
             reason = self.host.deliver(request, token, row.new_tokens, request.options.min_new_tokens)
             if reason:
                 self._end_row(row, reason)
-                continue
-            if request.options.min_new_tokens and row.new_tokens == request.options.min_new_tokens:
-                self.decoder.allow_eos(slot)
-            if row.length + 1 > self.decoder.reply_tokens:  # cannot happen: admitted with prompt + max new <= room
+            elif row.final and row.inflight == 0:  # out of cache room (cannot happen: admitted within it)
                 self._end_row(row, "length")
