@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls of 2026-12-07's third session (issue 24): what the host costs the batched loop through ChatEngine.
 # Run from the repo root with .whl carried; records under $OUT:
+#   gpu-tests.txt   PARTS=tests: the batched step's and the paged pool's GPU tests (the engine's loop, overlap on)
 #   host-<n>.json   bench.batched --chats $CHATS (default 8,32) with every phase under each of $VARIANTS in turn
 #                   (bench.host_probe: default, blocks-per-row, switch-0.5ms, gc-freeze, gc-off), $REPEATS times, in
 #                   one process: per phase the collections, the scheduler thread's time in the loop's parts, and the
@@ -28,6 +29,10 @@ for r in json.load(open(sys.argv[1]))["records"]:
 P
 }
 N=${N:-1}
+[[ $PARTS != *" tests "* ]] || { timeout -s INT -k 15 "${TESTS_S:-150}" python3 -m pytest -q -m gpu -rA \
+  -p no:cacheprovider tests/test_batched_fast.py tests/test_paged_kv.py -k "${TESTS_K:-batched_rows or paged}" \
+  > "$OUT/gpu-tests.txt" 2>&1
+echo "tests rc=$?"; grep -E "^(FAILED|ERROR)|^E |passed|failed" "$OUT/gpu-tests.txt" | head -14 | cut -c1-300; }
 [[ $PARTS != *" host "* ]] || {
   timeout -s INT -k 15 "${HOST_S:-320}" python3 -m bench.batched --no-reference --chats "${CHATS:-8,32}" \
     --new-tokens 128 --ckpt $CKPT --host-variants "${VARIANTS:-default,blocks-per-row,switch-0.5ms,gc-freeze}" \
