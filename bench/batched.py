@@ -71,19 +71,21 @@ def restrict_gemv_configs(which: str) -> None:
 
 
 def set_mm_split_sum(which: str) -> None:
-    """--mm-split-sum: how this process's small-M NF4 kernel sums its K splits; fused: the library's (inside the
-    launch, MMConfig.fuse_splits); kernel: a second kernel (_sum_splits), as before 2026-12-07 (bench-only: the
-    launch rule's fuse_splits turned off in this process, for the A/B through the engine)."""
+    """--mm-split-sum: how this process's small-M NF4 kernel sums its K splits; rule: the library's launch rule
+    (inside the launch at 5-16 rows, nf4_mm.FUSE_ROWS; a second kernel otherwise); fused: inside the launch at every
+    row count (the library's rule on 2026-12-07 before its third session); kernel: a second kernel (_sum_splits) at
+    every row count, as before 2026-12-07 (bench-only: the launch rule patched in this process, for the A/B through
+    the engine)."""
     from llm_core.fast.kernels import nf4_mm
 
-    if which == "fused":
+    if which == "rule":
         return
     rule = nf4_mm.default_config
 
-    def unfused(m: int, n: int, k: int, sms: int = 132) -> nf4_mm.MMConfig:
-        return rule(m, n, k, sms).replace(fuse_splits=False)
+    def patched(m: int, n: int, k: int, sms: int = 132) -> nf4_mm.MMConfig:
+        return rule(m, n, k, sms).replace(fuse_splits=which == "fused")
 
-    nf4_mm.default_config = unfused  # type: ignore[assignment]
+    nf4_mm.default_config = patched  # type: ignore[assignment]
 
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -418,9 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
                         help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
                              "a load prefetch (plain: PREFETCH off): an A/B through the engine")
-    parser.add_argument("--mm-split-sum", default="fused", choices=("fused", "kernel"),
-                        help="the small-M NF4 kernel's K splits summed inside its launch (fused, the library's) or "
-                             "by a second kernel (kernel, as before): an A/B through the engine")
+    parser.add_argument("--mm-split-sum", default="rule", choices=("rule", "fused", "kernel"),
+                        help="the small-M NF4 kernel's K splits summed as the library's rule says (rule: inside the "
+                             "launch at 5-16 rows), inside its launch at every row count (fused) or by a second "
+                             "kernel (kernel): an A/B through the engine")
     parser.add_argument("--host-variants", default="default",
                         help=f"comma-separated host settings each phase runs under, in turn, in this process "
                              f"(bench.host_probe: {', '.join(HOST_VARIANTS)}): an A/B of the host's part")

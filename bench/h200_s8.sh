@@ -6,8 +6,9 @@
 #                          batched step's GPU test (rows equal the batch of one, kernels on)
 #   small-m-fused.json     bench.small_m --fused: per Llama-2-7B linear and M, the launch rule summed by a second
 #                          kernel and in the launch, and the in-launch sum over more tiles and splits (PDL launches)
-#   batched-{S}-{n}.json   bench.batched --chats $CHATS (default 8,32) through ChatEngine, S = fused (the library's)
-#                          | kernel (--mm-split-sum kernel); PROFILE_CHATS=N adds --profile-chats N to the runs
+#   batched-{S}-{n}.json   bench.batched --chats $CHATS (default 8,32) through ChatEngine, S = fused (in the launch
+#                          at every row count: the library's rule until 2026-12-07's third session) | kernel
+#                          (--mm-split-sum kernel); PROFILE_CHATS=N adds --profile-chats N to the runs
 # PARTS (default "tests smallm batched") picks the stages; SUMS (default "fused") the batched runs in order (a name
 # given twice runs twice: "fused kernel kernel fused"); PAIR the first run's number; CKPT the checkpoint (written
 # when missing).

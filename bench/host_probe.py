@@ -5,7 +5,10 @@ StepProbe, installed around one bench phase:
   gc       every collection the interpreter ran (gc.callbacks): count, total and longest pause per generation, and
            the generation-1/2 ones with their start (ms from the phase start) and thread
   gpu      CUDA events around each of the runner's run_step calls (the graph replay): the device's time per step and
-           its idle time between one step's end and the next one's start (the host's part of the step cadence)
+           its idle time between one step's end and the next one's start (the host's part of the step cadence).
+           The end event is queued when the replay call returns, after the thread has the GIL back: where that takes
+           longer than the device's step (the loop reading each step first, many reply threads), the step time
+           includes the wait and the idle time misses it; with the runner's overlap the events are exact
   host     the scheduler thread's time in the loop's parts (the runner's decode_step, its run_step call, which
            includes getting the GIL back after the replay, _take_blocks, advance_prefills, and the scheduler's
            deliver): calls, total, median and longest, in ms

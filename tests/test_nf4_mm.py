@@ -378,8 +378,10 @@ def test_default_config_splits_k_where_n_alone_gives_too_few_programs_or_k_is_lo
     assert mm.default_config(8, 4096, 4096, sms=28).split == 2  # a smaller GPU: fewer programs needed
     assert mm.default_config(2, 64, 256).split == 1  # two K steps: nothing to split
     cfg = mm.default_config(32, 12288, 4096)
-    assert (cfg.block_n, cfg.block_k, cfg.even, cfg.xvec, cfg.scale16, cfg.fuse_splits) == (64, 128, True, True,
-                                                                                              True, True)
+    assert (cfg.block_n, cfg.block_k, cfg.even, cfg.xvec, cfg.scale16) == (64, 128, True, True, True)
+    # the splits summed in the launch at 5-16 rows, by the second kernel at 1-4 and 32 (measured through the engine)
+    assert [mm.default_config(m, 4096, 4096).fuse_splits for m in (1, 2, 4, 5, 8, 16, 17, 32)] == [
+        False, False, False, True, True, True, False, False]
     cfg = mm.MMConfig(16, 128, 4, 8, 3, False, True, False, True, True, True)
     assert mm.MMConfig.from_list(cfg.as_list()) == cfg
     assert mm.MMConfig.from_list([16, 128, 4, 8, 3, 0]) == mm.MMConfig(16, 128, 4, 8, 3, False)  # the older lists

@@ -273,14 +273,16 @@ class SlotDecoder(SlotWarmup):
 
     def append_blocks(self, grown: Sequence[tuple[int, int, Sequence[int]]]) -> None:
         """Paged: rows' tables gain blocks at their end (kv_pool.BlockPool.grow), given as (slot, the first new
-        column, the new block ids) per row: every row of a step in one host-to-device copy and one scatter. (A row at
-        a time is a tensor and a blocking copy each, and each gives the GIL away to the reply threads: when a step's
-        rows cross into new blocks together, 32 of them stalled the loop for tens of ms.)"""
+        column, the new block ids) per row: every row of a step in one host-to-device copy and one scatter, the copy
+        from pinned memory without waiting for the device (a blocking copy waits for the step in flight: with the
+        runner's overlap that is most of a step). A row at a time was a tensor and a blocking copy each."""
         cells = [(slot, column + i, block) for slot, column, ids in grown for i, block in enumerate(ids)
                  if column + i < self.num_blocks]
         if not cells:
             return
-        where = torch.tensor(cells, dtype=torch.int64).T.contiguous().to(self.device)
+        where = torch.tensor(cells, dtype=torch.int64).T.contiguous()
+        if self.device.type == "cuda":  # queued behind the step in flight instead of waiting for it (overlap)
+            where = where.pin_memory().to(self.device, non_blocking=True)
         self.table[where[0], where[1]] = where[2].to(torch.int32)
 
     def allocate(self) -> None:

@@ -23,10 +23,10 @@ programs for 132 SMs): each split writes fp32 partial sums to its own slice of a
 summed in a fixed split order and written as bf16 (+ bias), so the result is the same bits on every run (the
 start-up pick's accuracy check and the tests compare exact reruns; atomic adds into a zeroed fp32 output would not
 be, and need a zeroing and a conversion launch). Who sums:
-  MMConfig.fuse_splits with a counters buffer (the default through the engine: pack_linears gives every NF4 linear
-  one): the last program of each n tile to finish, found by an atomic count per tile, sums that tile's partials
-  inside the same launch (_finish_splits), and leaves its counter at zero for the next launch: no second kernel
-  (the 2026-12-05 profile of the 8-row step: 128 _sum_splits launches per step, 0.22 ms of its 4.6);
+  MMConfig.fuse_splits with a counters buffer (default_config's choice at 5-16 rows, FUSE_ROWS; pack_linears gives
+  every NF4 linear one): the last program of each n tile to finish, found by an atomic count per tile, sums that
+  tile's partials inside the same launch (_finish_splits), and leaves its counter at zero for the next launch: no
+  second kernel (the 2026-12-05 profile of the 8-row step: 128 _sum_splits launches per step, 0.22 ms of its 4.6);
   otherwise: a second small kernel, _sum_splits.
 """
 
@@ -49,6 +49,7 @@ if triton is not None:
     from .nf4_gemv import block_scale, tile_rows
 
 MM_MAX = 32  # the largest M the kernel serves (the batched fast path's largest batch bucket)
+FUSE_ROWS = (5, 16)  # default_config sums the K splits inside the launch for this many rows (its docstring says why)
 DECODES = ("gather", "asm")
 
 
@@ -104,10 +105,14 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     tiles, 4 warps, 3 pipeline stages and the loop forms even + xvec + scale16 (712 -> 435 loop instructions on
     sm_90, bench/nf4_mm_sass.py) for every M; K split in two at least, then again while the grid holds fewer than
     1.5 programs per SM or a program would walk more than 16 K steps (N = 4096, K = 4096: 4 splits; K = 11008: 8;
-    N = 12288 or 22016: 2), summed inside the launch (fuse_splits) where the caller passes counters. Over the sweep
-    this rule is within 4% of the best config per layer at every M (one linear at most 14% off: Llama-2-7B qkv at
-    M = 1); per Llama-2-7B layer at M = 8 it takes 101.7 µs against 143.4 for the earlier rule (32 x 256 tiles
-    without the forms)."""
+    N = 12288 or 22016: 2). Over the sweep this rule is within 4% of the best config per layer at every M (one linear
+    at most 14% off: Llama-2-7B qkv at M = 1); per Llama-2-7B layer at M = 8 it takes 101.7 µs against 143.4 for the
+    earlier rule (32 x 256 tiles without the forms).
+
+    The splits are summed inside the launch (fuse_splits, where the caller passes counters) for 5-16 rows only:
+    through ChatEngine on an H100 the decode step's device time was 0.97x with it at 8 rows but 1.04x at 2, 4 and 32
+    rows (bench/results/2026-12-07-s3-h100.md); 16 rows was not run through the engine and goes with 8 (per linear,
+    in the start-up pick's timing, both lose 3-4% to the second kernel; at 32 the loss is 15%)."""
     block_n, block_k = 64, 128
     tiles = -(-n // block_n)
     steps = max(1, k // block_k)
@@ -115,7 +120,7 @@ def default_config(m: int, n: int, k: int, sms: int = 132) -> MMConfig:
     while split < 8 and steps // (split * 2) >= 2 and (tiles * split < 1.5 * sms or steps / split > 16):
         split *= 2
     return MMConfig(block_n=block_n, block_k=block_k, split=split, warps=4, stages=3, dot=True, even=True, xvec=True,
-                    scale16=True, fuse_splits=True)
+                    scale16=True, fuse_splits=FUSE_ROWS[0] <= m <= FUSE_ROWS[1])
 
 
 if triton is not None:
