@@ -153,6 +153,13 @@ class RowControl:
         if self.constraint is not None and not self.constraint.done:
             self.constraint.accept(token)
 
+    def forget_picks(self, count: int) -> None:
+        """The last `count` picks' logprobs dropped: they were picked for decode steps whose tokens the reply never
+        streams (the batched loop's overlap runs a step past a row's end). Their grammar and penalty state stays:
+        the reply has ended."""
+        if count > 0 and self.logprobs:
+            del self.logprobs[-count:]
+
     def stats_fields(self) -> dict[str, Any]:
         """The reply's numbers for ReplyStats: the mask's mean time per masked token."""
         if self.constraint is None:

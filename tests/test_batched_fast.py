@@ -220,6 +220,28 @@ def test_overlapped_steps_stream_the_tokens_of_steps_read_one_at_a_time(fast_bat
     assert launched_ahead, events
 
 
+def test_an_overlapped_row_ended_by_eos_keeps_one_logprob_per_streamed_token(fast_batched: ChatEngine) -> None:
+    """A row with logprobs (its output control picks its tokens on the host) that EOS ends while the next step is
+    already launched: that step's pick is dropped with its token, so the reply has exactly one logprob per token it
+    streamed, as in the loop that reads each step first, and the same logprobs."""
+    from llm_core.constraints import OutputSpec, RowControl
+
+    decoder = fast_batched.backend.decoder
+    greedy = SamplingOptions(repetition_penalty=1.0)
+    prompts = [list(range(500, 520)), list(range(530, 550))]
+    plain = _serve(decoder, prompts, [12, 12], [greedy] * 2, overlap=False)
+    eos = plain[0][3]
+    got = {}
+    for overlap in (True, False):
+        control = RowControl(OutputSpec(top_logprobs=2))
+        options = [SamplingOptions(repetition_penalty=1.0, control=control), greedy]
+        tokens = _serve(decoder, prompts, [12, 12], options, overlap=overlap, eos=(eos,))
+        assert tokens[0] == plain[0][:plain[0].index(eos) + 1]  # ended by EOS, the other row running on
+        assert [lp.token_id for lp in control.logprobs] == tokens[0]
+        got[overlap] = control.logprobs
+    assert got[True] == got[False]
+
+
 def test_overlapped_rows_that_fill_their_slot_never_step_past_it(fast_batched: ChatEngine) -> None:
     """Prompt + budget exactly a slot's 128 positions, on two neighbouring slots: with overlap a row whose last
     token is in flight sits the next step out (it would write position 128, past its slot), so both replies are

@@ -319,8 +319,12 @@ class FastRunner(BoundRunner):
         return [s for s in range(self.decoder.slots) if s not in taken]
 
     def _end_row(self, row: _Row, reason: str, error: BaseException | None = None) -> None:
-        """The row leaves: its record filled, its slot freed, its request finished."""
+        """The row leaves: its record filled, its slot freed, its request finished. A pick for a launched step whose
+        token the request never gets (overlap) leaves no logprob behind."""
         request = row.request
+        control = getattr(request.options, "control", None)
+        if row.inflight and control is not None:
+            control.forget_picks(row.inflight)
         record = request.record
         if record is not None:
             tokens = row.length if row.length else row.prefilled
