@@ -632,9 +632,9 @@ class FastRunner(BoundRunner):
             self._host_tok = [torch.empty(self.decoder.slots, dtype=tok.dtype, pin_memory=True) for _ in range(2)]
         host = self._host_tok[0][:bucket]
         self._host_tok.reverse()
-        host.copy_(tok, non_blocking=True)
+        host.copy_(tok, non_blocking=True)  # on tok's device's current stream, behind the step
         ready = torch.cuda.Event()
-        ready.record()
+        ready.record(torch.cuda.current_stream(self.device))
         return host, ready
 
     def _finish(self, step: _Step) -> None:
