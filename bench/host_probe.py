@@ -14,8 +14,7 @@ StepProbe, installed around one bench phase:
            deliver): calls, total, median and longest, in ms
 
 Host variants (a context manager each; "default" changes nothing):
-  gc-freeze      gc.collect() then gc.freeze() before the phase (what llm_core.memory.device.settle_heap does after
-                 start-up), gc.unfreeze() after
+  gc-freeze      gc.collect() then gc.freeze() before the phase, gc.unfreeze() after
   gc-off         gc.disable() during the phase, a collection after
   switch-0.5ms   sys.setswitchinterval(0.0005) during the phase (default 5 ms): a thread waiting for the GIL gets it
                  back sooner
@@ -95,11 +94,11 @@ def host_variant(name: str, runner: Any = None) -> Iterator[None]:
 
 
 class StepProbe:
-    """Collections and the device's step and idle times during a `with` block (see the module docstring). `decoder`:
-    the runner's SlotDecoder (its run_step is wrapped for the block), or None (collections only)."""
+    """Collections, the scheduler thread's time per part of the loop and the device's step and idle times during a
+    `with` block (see the module docstring). `runner`: the engine's FastRunner, whose methods (and its decoder's
+    run_step) are wrapped for the block, or None (collections only)."""
 
-    def __init__(self, decoder: Any = None, runner: Any = None) -> None:
-        self.decoder = decoder
+    def __init__(self, runner: Any = None) -> None:
         self.runner = runner
         self.host: dict[str, list[float]] = {}
         self._wrapped: list[tuple[Any, str]] = []
@@ -122,24 +121,25 @@ class StepProbe:
     def __enter__(self) -> StepProbe:
         self.t0 = time.perf_counter()
         gc.callbacks.append(self._on_gc)
-        decoder = self.decoder
-        if decoder is not None and torch.cuda.is_available():
+        runner = self.runner
+        if runner is None:
+            return self
+        decoder = runner.decoder
+        if torch.cuda.is_available():
             run_step = decoder.run_step
 
-            def timed(bucket: int, longest: int) -> None:
+            def with_events(bucket: int, longest: int) -> None:
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 begin.record()
                 run_step(bucket, longest)
                 end.record()
                 self.events.append((begin, end))
 
-            decoder.run_step = timed
-        if self.runner is not None:
-            for owner, name in ((self.runner, "decode_step"), (self.runner, "_take_blocks"),
-                                (self.runner, "advance_prefills"), (self.runner.host, "deliver"),
-                                (self.decoder, "run_step")):
-                if owner is not None and hasattr(owner, name):
-                    self._time(owner, name)
+            decoder.run_step = with_events
+            self._wrapped.append((decoder, "run_step"))
+        for owner, name in ((runner, "decode_step"), (runner, "_take_blocks"), (runner, "advance_prefills"),
+                            (runner.host, "deliver"), (decoder, "run_step")):
+            self._time(owner, name)
         return self
 
     def _time(self, owner: Any, name: str) -> None:
@@ -161,8 +161,6 @@ class StepProbe:
         for owner, name in reversed(self._wrapped):
             if name in vars(owner):
                 delattr(owner, name)
-        if self.decoder is not None and "run_step" in vars(self.decoder):
-            del self.decoder.run_step
 
     def summary(self) -> dict[str, Any]:
         by_gen: dict[int, list[float]] = {}
