@@ -70,23 +70,6 @@ def restrict_gemv_configs(which: str) -> None:
     tuner.configs = nf4_gemv.gemv_configs([c for c in nf4_gemv.CONFIGS if not c[3]])
 
 
-def set_gemv_kernels(which: str) -> None:
-    """--gemv: what this process's NF4 one-token kernel does beyond one row and one K range; all: the library's
-    (its autotuner also tries K splits summed in the launch where the linear passes counters, and the batched step's
-    start-up pick also times it over 2-4 rows, "gemv"); one-row: neither, as before 2026-12-07's fourth session
-    (bench-only: the split autotuner and the rows candidates patched in this process, for the A/B through the
-    engine)."""
-    from llm_core.fast import rows, slot_warmup
-    from llm_core.fast.kernels import nf4_gemv
-
-    if which == "all" or nf4_gemv.AUTOTUNER is None:
-        return
-    nf4_gemv._tuned_split.configs = nf4_gemv.AUTOTUNER.configs  # type: ignore[attr-defined]
-    kept = tuple(k for k in rows.ROWS_KERNELS if k != "gemv")
-    rows.ROWS_KERNELS = kept  # type: ignore[misc]
-    slot_warmup.ROWS_KERNELS = kept  # type: ignore[misc]
-
-
 def set_mm_split_sum(which: str) -> None:
     """--mm-split-sum: how this process's small-M NF4 kernel sums its K splits; rule: the library's launch rule
     (inside the launch at 5-16 rows, nf4_mm.FUSE_ROWS; a second kernel otherwise); fused: inside the launch at every
@@ -305,8 +288,7 @@ class Bench:
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
         restrict_gemv_configs(a.gemv_configs)
         set_mm_split_sum(a.mm_split_sum)
-        set_gemv_kernels(a.gemv)
-        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum, gemv=a.gemv)
+        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
         variants = [v for _ in range(a.host_repeats) for v in a.host_variants]
@@ -437,10 +419,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemv-configs", default="all", choices=("all", "plain"),
                         help="the NF4 one-token kernel's autotuner: the library's configs, or only the ones without "
                              "a load prefetch (plain: PREFETCH off): an A/B through the engine")
-    parser.add_argument("--gemv", default="all", choices=("all", "one-row"),
-                        help="the NF4 one-token kernel as the library runs it (all: K splits where its autotuner finds "
-                             "them faster, and a candidate of the batched step's pick at 2-4 rows) or one row and one "
-                             "K range only (one-row: as before 2026-12-07's fourth session): an A/B through the engine")
     parser.add_argument("--mm-split-sum", default="rule", choices=("rule", "fused", "kernel"),
                         help="the small-M NF4 kernel's K splits summed as the library's rule says (rule: inside the "
                              "launch at 5-16 rows), inside its launch at every row count (fused) or by a second "

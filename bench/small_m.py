@@ -3,7 +3,7 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
 (nf4_gemv at M = 1, nf4_rows above), bitsandbytes' matmul_4bit, dequantize_4bit + matmul, and bf16 cuBLAS.
 
     python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
-                            [--forms all] [--refine 3] [--overlap | --fused | --gemv]
+                            [--forms all] [--refine 3] [--overlap | --fused]
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
 without them (ours-default: the library's rule keeps them off until timed) and with them (ours-default-all,
@@ -197,11 +197,6 @@ def main() -> None:
                          "the launch (MMConfig.fuse_splits, a counters buffer per weight set), then the in-launch "
                          "sum over FUSED_TILES x FUSED_SPLITS, all as programmatic dependent launches (the engine's "
                          "LAUNCH_OVERLAP=auto on sm_90); no grid")
-    ap.add_argument("--gemv", action="store_true",
-                    help="only the one-token kernel (llm_core.nf4_gemv) at M = 1, 2, 4 (--ms), as the engine "
-                         "launches it (PDL, activations in planes): autotuned without and with K splits (counters), "
-                         "its launch for several rows (rows_config), the GEMV_TILES x splits grid, against nf4_mm's "
-                         "launch rule with the in-launch sum; no grid of nf4_mm")
     ap.add_argument("--overlap", action="store_true",
                     help="only the launch rule, one launch after the other and as programmatic dependent launches "
                          "(with and without the early weight prefetch): LAUNCH_OVERLAP per linear; no grid")
@@ -254,14 +249,6 @@ def main() -> None:
         def fused(cfg: MMConfig) -> Any:  # the engine's call: the weight's own counters, a PDL launch
             return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
                                                 decode="asm", levels=s.levels, pdl=True, counters=s.counters))
-
-        if args.gemv:
-            gemv_variants(m, n, k, sms, timed, fused)
-            doc["records"].append(rec)
-            save()
-            print(arch, lin, m, {key: v for key, v in sorted(rec["us"].items(), key=lambda kv: kv[1])[:5]},
-                  flush=True)
-            continue
 
         if args.fused:
             rule = default_config(m, n, k, sms)
@@ -321,11 +308,6 @@ def main() -> None:
         print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
               f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
               f"{others} errors={len(rec['errors'])}", flush=True)
-    if args.gemv:
-        doc["summary"] = summarize_gemv(doc)
-        save()
-        print(json.dumps(doc["summary"], indent=1))
-        return
     if args.fused:
         doc["summary"] = summarize_fused(doc)
         save()
@@ -334,65 +316,6 @@ def main() -> None:
     doc["summary"] = summarize(doc)
     save()
     print_table(doc)
-
-
-# --gemv: (BLOCK_N, BLOCK_B, warps, PREFETCH) tiles of the one-token kernel, each at these K splits
-GEMV_TILES = [(8, 16, 4, True), (4, 16, 4, True), (16, 8, 4, True), (8, 8, 4, True), (8, 8, 2, True), (8, 4, 4, True),
-              (4, 8, 4, True), (8, 8, 4, False)]
-GEMV_SPLITS = (1, 2, 4)
-
-
-def gemv_variants(m: int, n: int, k: int, sms: int, timed: Any, fused: Any) -> None:
-    """--gemv's variants for one linear and M (see its help), each as the engine launches it: PDL, planar
-    activations, the weight's counters where a launch may split."""
-    from llm_core.fast.kernels import nf4_gemv
-    from llm_core.fast.kernels.nf4_mm import default_config
-
-    def gemv(config: Any, counters: bool) -> Any:
-        return lambda s, x: (lambda: nf4_gemv.nf4_gemv(nf4_gemv.planar_pairs(x), s.words, 64, s.levels,
-                                                        nested=s.nested(), config=config, pdl=True, planar=True,
-                                                        counters=s.counters if counters else None))
-
-    if m == 1:
-        timed("gemv-tuned", gemv(None, False))
-        timed("gemv-tuned-split", gemv(None, True))
-    else:
-        timed("gemv-rows-config", gemv(None, True))
-        timed("mm-rule-fused-pdl", fused(default_config(m, n, k, sms)))
-    nblk = k // 64
-    for bn, bb, warps, prefetch in GEMV_TILES:
-        for split in GEMV_SPLITS:
-            if split > 1 and (bn < 4 or nblk // (split * bb) < 2):
-                continue
-            timed(f"gemv:{bn}x{bb}/w{warps}{'/pf' if prefetch else ''}/s{split}",
-                  gemv((bn, bb, warps, prefetch, split), split > 1))
-
-
-def summarize_gemv(doc: dict[str, Any]) -> dict[str, Any]:
-    """--gemv: per arch and M, µs per layer of each named variant and of the best grid entry, and the best grid
-    entries per linear."""
-    out: dict[str, Any] = {}
-    by: dict[tuple[str, int], list[dict[str, Any]]] = {}
-    for r in doc["records"]:
-        by.setdefault((r["arch"], r["m"]), []).append(r)
-    for (arch, m), recs in sorted(by.items()):
-        if len(recs) != len(LAYERS[arch]):
-            continue
-        names = sorted({key for r in recs for key in r["us"] if not key.startswith("gemv:")})
-        row: dict[str, Any] = {}
-        for name in names:
-            vals = [r["us"].get(name) for r in recs]
-            row[name + "_us"] = round(sum(vals), 2) if all(v is not None for v in vals) else None
-        row["best_grid_us"] = round(sum(min((v for key, v in r["us"].items() if key.startswith("gemv:")),
-                                            default=0.0) for r in recs), 2)
-        row["best_unsplit_grid_us"] = round(sum(min((v for key, v in r["us"].items()
-                                                     if key.startswith("gemv:") and key.endswith("/s1")),
-                                                    default=0.0) for r in recs), 2)
-        row["best"] = {r["linear"]: min((key for key in r["us"] if key.startswith("gemv:")), key=r["us"].__getitem__,
-                                        default=None) for r in recs}
-        row["nf4_bytes"] = sum(r["nf4_bytes"] for r in recs)
-        out[f"{arch}/M={m}"] = row
-    return out
 
 
 def summarize_fused(doc: dict[str, Any]) -> dict[str, Any]:

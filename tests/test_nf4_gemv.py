@@ -75,8 +75,7 @@ def _fma_bf16x2(a: int, b: int, c: int) -> int:
 
 
 def run_ptx(asm: str, regs: dict[str, int]) -> float:
-    """Execute the straight-line PTX of dot8_asm; regs holds $1.. as 32-bit patterns; returns $0 as fp32 (and
-    leaves every register written in regs)."""
+    """Execute the straight-line PTX of dot8_asm; regs holds $1.. as 32-bit patterns; returns $0 as fp32."""
 
     def value(tok: str) -> int:
         tok = tok.strip()
@@ -173,31 +172,6 @@ def test_dot8_bf16x2_ptx_pairs_each_level_with_its_activation_and_rounds_as_stat
     assert worst <= 2 ** -8, worst  # the roundings stay within bf16 precision of the products' magnitude
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
-def test_dot_rows_ptx_gives_each_row_the_bits_of_dot8_alone(rows: int) -> None:
-    """The several-rows form decodes a word once and runs each row's bf16x2 chain on the same level pairs: row r's
-    output ($r) equals dot8_asm's for that row by itself, bit for bit (any row's activations paired with another
-    row's or the wrong levels, or another rounding, would differ)."""
-    one, multi = nf4_gemv.dot8_asm(NF4), nf4_gemv.dot_rows_asm(NF4, rows)
-    g = torch.Generator().manual_seed(rows)
-    for nib, _ in _word_cases()[:60]:
-        word = sum(((nib[2 * p] << 4) | nib[2 * p + 1]) << (8 * p) for p in range(4))
-        xs = [torch.randn(8, generator=g).to(torch.bfloat16) for _ in range(rows)]
-        regs = {f"${rows}": word}
-        for r, x in enumerate(xs):
-            xb = (x.view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
-            for p in range(4):
-                regs[f"${rows + 1 + 4 * r + p}"] = xb[2 * p] | xb[2 * p + 1] << 16
-        run_ptx(multi, regs)
-        for r, x in enumerate(xs):
-            assert _b2f(regs[f"${r}"]) == _run_word(one, nib, x), (rows, r, nib)
-
-
-def test_dot_rows_refuses_more_rows_than_the_kernel_takes() -> None:
-    with pytest.raises(ValueError, match="rows"):
-        nf4_gemv.dot_rows_asm(NF4, nf4_gemv.GEMV_ROWS_MAX + 1)
-
-
 def test_dot8_refuses_an_unknown_math() -> None:
     with pytest.raises(ValueError, match="math"):
         nf4_gemv.dot8_asm(NF4, "fp16")
@@ -287,48 +261,6 @@ def test_kernel_matches_dequantize_then_matmul(nested: bool, shape: tuple[int, i
     err = ((got.float() - want).norm() / want.norm()).item()
     their_err = ((theirs.float() - want).norm() / want.norm()).item()
     assert err <= max(2 * their_err, 5e-3), (err, their_err)
-
-
-@pytest.mark.gpu
-@needs_kernel
-@pytest.mark.parametrize("shape", [(4096, 4096), (1000, 11008), (12288, 512)])
-@pytest.mark.parametrize("config", [None, (8, 16, 4, True, 2), (8, 8, 4, True, 4), (16, 8, 4, False, 1)],
-                         ids=["auto", "split2", "split4", "whole"])
-def test_kernel_rows_and_splits_match_dequantize_then_matmul(shape: tuple[int, int], config: Any) -> None:
-    """1-4 rows (the PTX of dot_rows_asm) and K splits summed inside the launch (the linear's counters), planar
-    activations and a PDL launch as the engine runs them: each row within bitsandbytes' own error of
-    x @ dequantize_4bit(W).T (fp32) + bias, each row of a several-row launch the bits of that row alone at the same
-    launch, and the counters back at zero (auto: the autotuner with splits at one row, rows_config above)."""
-    import bitsandbytes.functional as bf
-
-    from llm_core.fast.kernels.nf4_mm import mm_counters
-
-    n, k = shape
-    packed, qs = _quantized(n, k, True)
-    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
-    assert words is not None
-    code = tuple(qs.code.float().tolist())
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    deq = bf.dequantize_4bit(packed, qs).float()
-    counters = mm_counters(n, "cuda")
-    for m in (1, 2, 3, 4):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        want = x.float() @ deq.T + bias.float()
-
-        def run(rows: torch.Tensor, config: Any = config) -> torch.Tensor:
-            return nf4_gemv.nf4_gemv(nf4_gemv.planar_pairs(rows), words, 64, code, bias=bias, config=config,
-                                     planar=True, pdl=True, counters=counters, **_scales(qs, True))
-
-        got = run(x)
-        torch.cuda.synchronize()
-        assert not counters.any()
-        theirs = torch.cat([bf.gemv_4bit(x[r:r + 1], packed.t(), state=qs) for r in range(m)]) + bias
-        for r in range(m):
-            err = ((got[r].float() - want[r]).norm() / want[r].norm()).item()
-            their_err = ((theirs[r].float() - want[r]).norm() / want[r].norm()).item()
-            assert err <= max(2 * their_err, 5e-3), (m, r, err, their_err)
-            if m > 1 and config is not None:
-                assert torch.equal(got[r], run(x[r:r + 1])[0]), (m, r)
 
 
 def tiny_nf4_forced_case(tmp_path: Any) -> tuple[Any, torch.Tensor, list[int]]:
@@ -498,129 +430,6 @@ def test_interpreted_gemv_matches_dequantize_then_matmul_in_every_form(interpret
             assert got.shape == (1, n) and got.dtype == torch.bfloat16
             err = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
             assert err < 1e-2, (config, form, err)  # the output's bf16 rounding; a wrong index is off by far more
-
-
-def _gemv_case(n: int, k: int, nested: bool) -> tuple[torch.Tensor, tuple[float, ...], dict[str, Any], torch.Tensor,
-                                                       torch.Tensor, torch.Generator]:
-    import bitsandbytes.functional as bf
-
-    g = torch.Generator().manual_seed(n + k)
-    w = torch.randn(n, k, generator=g) * 0.02
-    packed, qs = bf.quantize_4bit(w.to(torch.bfloat16), blocksize=64, compress_statistics=nested, quant_type="nf4")
-    words = nf4_gemv.words_view(packed.view(torch.uint8).reshape(n, k // 2))
-    assert words is not None
-    bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    return words, tuple(qs.code.float().tolist()), _scales(qs, nested), bf.dequantize_4bit(packed, qs).float(), bias, g
-
-
-@pytest.mark.parametrize(("n", "k", "nested"), [(64, 1024, False), (40, 704, True)], ids=["even", "ragged"])
-def test_interpreted_gemv_rows_and_k_splits_match_each_row_alone(interpreter: None, nested: bool, n: int,
-                                                                  k: int) -> None:
-    """2 and 3 activation rows (MROWS 2 and 4: 3 rows read the last one twice and store it once) with K whole or
-    split in 2 or 4 with the in-launch sum, one activation form each: each output row is the bits of that row run
-    alone at the same launch (the same arithmetic per row), within bf16 rounding of x @ dequantize_4bit(W).T
-    (+ bias), and the split counters are back at zero after every launch. 40 x 704: 11 quant blocks, so splits of
-    8 + 3 and 4 + 4 + 3 blocks (masked steps), and 40 rows."""
-    from llm_core.fast.kernels.nf4_mm import mm_counters
-
-    words, code, scales, want_w, bias, g = _gemv_case(n, k, nested)
-    counters = mm_counters(n, "cpu")
-    launches: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
-        ((8, 4, 4), {}), ((8, 4, 4, True, 2), {"planar": True}), ((4, 2, 2, False, 4), {"xvec": False})]
-    for m in (2, 3):
-        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        want = x.float() @ want_w.T + bias.float()
-        for config, form in launches:
-            def run(rows: torch.Tensor, config: tuple[Any, ...] = config, form: dict[str, Any] = form
-                    ) -> torch.Tensor:
-                xin = nf4_gemv.planar_pairs(rows) if form.get("planar") else rows
-                return nf4_gemv.nf4_gemv(xin, words, 64, code, bias=bias, config=config, math="levels",
-                                         counters=counters, **form, **scales)
-
-            got = run(x)
-            assert got.shape == (m, n) and got.dtype == torch.bfloat16
-            assert not counters.any(), (m, config, form)
-            for r in (0, m - 1):  # the first row, and the last (at m = 3 the one read twice)
-                assert torch.equal(got[r], run(x[r:r + 1])[0]), (m, r, config, form)
-            err = ((got.float() - want).abs() / (want.abs() + 1)).max().item()
-            assert err < 1e-2, (m, config, form, err)
-
-
-def test_interpreted_gemv_splits_k_inside_the_launch_at_one_row(interpreter: None) -> None:
-    """One row, K in 4 splits (what the autotuner of a call with counters may pick for o and down): the same result
-    as the unsplit launch to fp32 rounding, a second launch the same bits, the counters at zero."""
-    from llm_core.fast.kernels.nf4_mm import mm_counters
-
-    words, code, scales, want_w, bias, g = _gemv_case(64, 1024, True)
-    counters = mm_counters(64, "cpu")
-    x = torch.randn(1, 1024, generator=g).to(torch.bfloat16)
-    whole = nf4_gemv.nf4_gemv(x, words, 64, code, bias=bias, config=(8, 4, 4, True), math="levels", **scales)
-    split = nf4_gemv.nf4_gemv(x, words, 64, code, bias=bias, config=(8, 4, 4, True, 4), math="levels",
-                              counters=counters, **scales)
-    assert not counters.any()
-    assert torch.equal(split, nf4_gemv.nf4_gemv(x, words, 64, code, bias=bias, config=(8, 4, 4, True, 4),
-                                                math="levels", counters=counters, **scales))
-    assert ((split.float() - whole.float()).abs() <= whole.float().abs() * 2**-7 + 1e-3).all()
-
-
-def test_interpreted_rows_linear_runs_the_gemv_with_its_linears_counters(interpreter: None) -> None:
-    """The batched step's "gemv" rows kernel (llm_core.fast.rows.nf4_rows_linear) over a fused linear with a bias:
-    the op hands the kernel the linear's counters and planar activations where the spec says so, and the result is
-    the kernel's own over the same rows."""
-    from llm_core.fast.pack import bias_of, counters_of, pack_linears
-    from llm_core.fast.rows import nf4_rows_linear
-    from tests.test_nf4_mm import nf4_linear
-
-    mods = [nf4_linear(n, 512, seed=i + 1, bias=True) for i, n in enumerate((64, 32, 32))]
-    p = pack_linears(mods, FastDecodeOptions(), "nf4")
-    s, ts = p.spec, p.tensors
-    x = torch.randn(3, 512, dtype=torch.bfloat16)
-    calls: list[dict[str, Any]] = []
-    real = nf4_gemv.nf4_gemv
-
-    def spy(*args: Any, **kw: Any) -> torch.Tensor:
-        calls.append(kw)
-        return real(*args, **{**kw, "math": "levels"})  # the interpreter runs no inline PTX
-
-    try:
-        nf4_gemv.nf4_gemv = spy  # type: ignore[assignment]
-        got = nf4_rows_linear("gemv", s, x, ts)
-    finally:
-        nf4_gemv.nf4_gemv = real  # type: ignore[assignment]
-    counters = counters_of(s, ts)
-    assert calls and calls[0]["counters"] is counters and not counters.any()
-    words = nf4_gemv.words_view(ts[0])
-    assert words is not None
-    want = real(x, words, s.blocksize, s.levels, nested=(ts[1], ts[2], ts[3], ts[4]), bias=bias_of(s, ts),
-                math="levels", counters=counters)
-    assert torch.equal(got, want)
-    with pytest.raises(ValueError, match="at most"):
-        nf4_rows_linear("gemv", s, torch.randn(5, 512, dtype=torch.bfloat16), ts)
-
-
-def test_gemv_refuses_rows_splits_and_math_it_cannot_run() -> None:
-    x, words = torch.zeros(5, 64, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.int32)
-    absmax = torch.ones(4)
-    if nf4_gemv.triton is None:
-        pytest.skip("Triton is not installed")
-    with pytest.raises(ValueError, match="1-4 rows"):
-        nf4_gemv.nf4_gemv(x, words, 64, NF4, absmax=absmax)
-    with pytest.raises(ValueError, match="counters"):
-        nf4_gemv.nf4_gemv(x[:1], words, 64, NF4, absmax=absmax, config=(4, 1, 1, False, 2))
-    with pytest.raises(ValueError, match="bf16x2"):
-        nf4_gemv.nf4_gemv(x[:2], words, 64, NF4, absmax=absmax, math="fp32")
-    with pytest.raises(ValueError, match="rows"):
-        nf4_gemv.planar_pairs(torch.zeros(5, 64, dtype=torch.bfloat16))
-
-
-def test_rows_config_splits_only_small_grids_with_counters() -> None:
-    """The several-rows launch: K split in 2 for o and down (4096 rows: 512 tiles of 8 on 132 SMs) when the caller
-    has counters, never for gate_up (22016 rows) or without counters."""
-    assert nf4_gemv.rows_config(2, 4096, 64, True)[4] == 2
-    assert nf4_gemv.rows_config(4, 4096, 172, True)[4] == 2  # 11008 / 64 = 172 blocks: 88 + 84, the last step masked
-    assert nf4_gemv.rows_config(2, 4096, 16, True)[4] == 1  # a split of 8 blocks would be one step
-    assert nf4_gemv.rows_config(2, 22016, 64, True)[4] == 1
-    assert nf4_gemv.rows_config(2, 4096, 64, False)[4] == 1
 
 
 def test_the_gemv_interpreter_tests_pass_in_their_own_process() -> None:

@@ -240,7 +240,7 @@ def test_counters_that_do_not_fit_are_refused_and_none_falls_back_to_the_second_
     for bad in (torch.zeros(4, dtype=torch.int32), torch.zeros(8, dtype=torch.int64)):
         with pytest.raises(ValueError, match="counters"):
             mm.nf4_mm(x, words, s.blocksize, code_of(s, ts), absmax=ts[1].reshape(-1), config=cfg, counters=bad)
-    assert counters_of(s, ts).numel() == 80 // 4 + 1  # one per tile at the smallest split BLOCK_N (nf4_gemv's 4)
+    assert counters_of(s, ts).numel() == 80 // 16 + 1  # one per tile at the smallest BLOCK_N
 
 
 # nf4_gemm (a prompt's prefill, any M): small tiles so these shapes take several m tiles, ragged M (70, 33 rows

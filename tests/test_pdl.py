@@ -23,8 +23,7 @@ needs_gdc = pytest.mark.skipif(not pdl.triton_has_gdc(), reason="needs a Triton 
 WAIT, RELEASE = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
 GEMV_SIGNATURE = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": "*fp32", "q8_ptr": "*u8", "absmax2_ptr": "*fp32",
                   "offsets_ptr": "*fp32", "code2_ptr": "*fp32", "levels_ptr": "*fp32", "bias_ptr": "*bf16",
-                  "y_ptr": "*bf16", "part_ptr": "*bf16", "count_ptr": "*bf16", "N": "i32",
-                  "M": "i32"}  # what nf4_gemv passes the one-token kernel without counters
+                  "y_ptr": "*bf16", "N": "i32"}  # what nf4_gemv passes the one-token kernel
 
 
 def _levels() -> tuple[float, ...]:
@@ -49,7 +48,7 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
     signature = GEMV_SIGNATURE
     constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
                       XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=False, XPLANAR=False, EVEN_N=False, EVEN_B=False,
-                      PDL=on, EARLY=early, MROWS=1, SPLIT=1)
+                      PDL=on, EARLY=early)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert (WAIT in ptx, RELEASE in ptx) == (on, on)
     if on:  # the wait comes before the first load of the activations, the release after the main loop's loads
@@ -61,21 +60,16 @@ def test_the_gemv_waits_and_releases_only_in_its_pdl_form(on: bool, early: bool)
 
 
 @needs_gdc
-@pytest.mark.parametrize(("planar", "mrows", "split"), [(False, 1, 1), (True, 1, 1), (True, 1, 2), (True, 2, 2),
-                                                         (False, 4, 4)])
-def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool, mrows: int, split: int) -> None:
+@pytest.mark.parametrize("planar", [False, True])
+def test_the_prefetching_gemv_loads_nothing_before_the_pdl_wait(planar: bool) -> None:
     """PREFETCH issues the first step's loads before the loop: they must come after the wait, or the first step
-    would read activations the kernel before it has not written yet (plain and planar activations; one row and
-    several, K whole and split with the in-launch sum, whose counter atomics also come after the wait)."""
-    signature = {**GEMV_SIGNATURE, **({"part_ptr": "*fp32", "count_ptr": "*i32"} if split > 1 else {})}
-    constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False,
-                      ASM=nf4_gemv._asm_for(_levels(), "bf16x2", mrows), XVEC=True, BLOCK_N=8, BLOCK_B=8,
-                      PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True, PDL=True, EARLY=False, MROWS=mrows,
-                      SPLIT=split)
+    would read activations the kernel before it has not written yet (plain and planar activations)."""
+    signature = GEMV_SIGNATURE
+    constexprs = dict(KW=512, NBLK=64, WPB=8, NESTED=True, HAS_BIAS=False, ASM=nf4_gemv._asm_for(_levels(), "bf16x2"),
+                      XVEC=True, BLOCK_N=8, BLOCK_B=8, PREFETCH=True, XPLANAR=planar, EVEN_N=True, EVEN_B=True,
+                      PDL=True, EARLY=False)
     ptx = _compile(nf4_gemv._nf4_gemv_kernel, signature, constexprs)
     assert ptx.index(WAIT) < ptx.index("ld.global") < ptx.index(RELEASE)
-    if split > 1:
-        assert ptx.index(WAIT) < ptx.index("atom.")
 
 
 def test_the_kernels_refuse_an_early_prefetch_without_a_pdl_wait() -> None:

@@ -14,7 +14,7 @@ from . import prefill_gemm as _prefill_gemm  # noqa: F401 - registers torch.ops.
 from .kernels import prefix_attention as _prefix_attention  # noqa: F401 - registers ...prefix_attention_paged
 from .kernels.nf4_gemv import planar_pairs
 from .kvquant import from_cache, is_quantized, to_cache
-from .pack import LinSpec, absmax_2d, bias_of, code_of, counters_of
+from .pack import LinSpec, absmax_2d, bias_of, code_of
 from .tables import embed_rows
 
 # K/V heads a later prefill chunk reads back from the cache at a time (layer_prefill): a fixed count, so the loop is
@@ -63,25 +63,17 @@ def linear_decode(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) ->
                                                     spec.blocksize, "nf4", bias_of(spec, ts))
         return torch.ops.bitsandbytes.gemm_4bit(x, packed, [spec.n, spec.k], ts[2], spec.blocksize, "nf4",
                                                 bias_of(spec, ts), ts[1], ts[4], ts[5])
-    if spec.gemv == "nf4":
-        return nf4_gemv_linear(spec, x, ts)
+    if spec.gemv == "nf4":  # llm_core.nf4_gemv: NF4 table in registers, nested absmax read in place
+        if spec.planar:  # in planes (inductor folds this permutation into the kernel that made x)
+            x = planar_pairs(x)
+        if spec.absmax == "fp32":
+            return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
+                                               spec.blocksize, False, list(spec.levels), spec.pdl, spec.early,
+                                               spec.planar)
+        return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
+                                           spec.blocksize, True, list(spec.levels), spec.pdl, spec.early,
+                                           spec.planar)
     return nf4_matvec_torch(x, ts[0], absmax_2d(spec, ts), code_of(spec, ts), bias_of(spec, ts))
-
-
-def nf4_gemv_linear(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x (M, K), M = 1..4 -> (M, N) through llm_core.nf4_gemv (NF4 table in registers, nested absmax read in place,
-    each word decoded once for every row; K split and summed inside the launch where its autotuner finds that
-    faster, with the linear's counters)."""
-    if spec.planar:  # in planes (inductor folds this permutation into the kernel that made x)
-        x = planar_pairs(x)
-    counters = counters_of(spec, ts)
-    if spec.absmax == "fp32":
-        return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], bias_of(spec, ts),
-                                           spec.blocksize, False, list(spec.levels), spec.pdl, spec.early,
-                                           spec.planar, counters)
-    return torch.ops.llm_core.nf4_gemv(x, ts[0], ts[1], ts[1], ts[2], ts[3], ts[4], bias_of(spec, ts),
-                                       spec.blocksize, True, list(spec.levels), spec.pdl, spec.early, spec.planar,
-                                       counters)
 
 
 def linear_prefill(spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor], gemm: bool = True) -> torch.Tensor:

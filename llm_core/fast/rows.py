@@ -2,9 +2,7 @@
 pick (SlotDecoder._pick_rows_kernel) times the candidates and fills a RowsPlan. Knows nothing of slots or scheduling.
 
 Kernels: "mm" llm_core.nf4_mm (each 4-bit weight read once for all rows, launch shape nf4_mm.default_config),
-"gemv" the one-token kernel llm_core.nf4_gemv over 2-4 rows (each word decoded once for every row, multiply-adds on
-the CUDA cores: no 16-row padding of a tensor-core tile; buckets up to nf4_gemv.GEMV_ROWS_MAX only), "bnb"
-bitsandbytes' gemm_4bit op (its own small-M kernel or dequantize + cuBLAS, by its own dispatch), "dequant"
+"bnb" bitsandbytes' gemm_4bit op (its own small-M kernel or dequantize + cuBLAS, by its own dispatch), "dequant"
 dequantize_4bit + matmul (correct on every device; fused q/k/v and gate/up one part at a time)."""
 
 from __future__ import annotations
@@ -15,12 +13,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kernels.nf4_gemv import GEMV_ROWS_MAX
 from .kernels.nf4_mm import MM_MAX
-from .layer import linear_decode, linear_prefill, linear_prefill_parts, nf4_gemv_linear
+from .layer import linear_decode, linear_prefill, linear_prefill_parts
 from .pack import LinSpec, absmax_2d, bias_of, code_of, counters_of
 
-ROWS_KERNELS = ("mm", "gemv", "bnb", "dequant")
+ROWS_KERNELS = ("mm", "bnb", "dequant")
 
 
 @dataclass(frozen=True)
@@ -51,20 +48,15 @@ def kernel_for(plan: RowsPlan | int, rows: int) -> str:
 
 def pick_rows_plan(timings: dict[int, dict[str, float]]) -> RowsPlan:
     """From {bucket: {kernel: µs}}: the fastest kernel at each bucket (ties go to dequantize + matmul, which every
-    device runs, then to bitsandbytes, then to nf4_mm)."""
-    order = {"dequant": 0, "bnb": 1, "mm": 2, "gemv": 3}
+    device runs, then to bitsandbytes)."""
+    order = {"dequant": 0, "bnb": 1, "mm": 2}
     return RowsPlan(tuple((bucket, min(t, key=lambda k: (t[k], order.get(k, 3))))
                           for bucket, t in sorted(timings.items()) if t))
 
 
 def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x (B, K) bf16 -> (B, N) through llm_core.nf4_mm ("mm"), llm_core.nf4_gemv ("gemv", B <= GEMV_ROWS_MAX) or
-    bitsandbytes' gemm_4bit ("bnb")."""
+    """x (B, K) bf16 -> (B, N) through llm_core.nf4_mm ("mm") or bitsandbytes' gemm_4bit ("bnb")."""
     bias = bias_of(spec, ts)
-    if kernel == "gemv":
-        if x.shape[0] > GEMV_ROWS_MAX:
-            raise ValueError(f"the one-token NF4 kernel takes at most {GEMV_ROWS_MAX} rows, not {x.shape[0]}")
-        return nf4_gemv_linear(spec, x, ts)
     if kernel == "mm":
         counters = counters_of(spec, ts)
         if spec.absmax == "fp32":

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .kernels.nf4_gemv import GEMV_ROWS_MAX
 from .layer import _split_linears, linear_prefill
 from .rows import ROWS_KERNELS, RowsPlan, fused_rows, linear_rows, nf4_rows_linear, pick_rows_plan
 from .timing import time_in_cuda_graph
@@ -57,13 +56,11 @@ class SlotWarmup:
         return self.warmup_s
 
     def _pick_rows_kernel(self) -> None:
-        """The kernel for NF4 linears over B > 1 rows, per batch bucket: llm_core.nf4_mm and the one-token kernel over
-        several rows (llm_core.nf4_gemv) checked against dequantize + matmul on the first layer's NF4 linears for a
-        batch of 8 and of 4 (relative error < 2%, the bf16 rounding of the weights and products), then every
-        candidate (those that passed, bitsandbytes' gemm_4bit, dequantize + matmul; the one-token kernel at buckets
-        up to GEMV_ROWS_MAX) timed there inside a CUDA graph at every bucket above 1, as layer_rows runs them; each
-        bucket takes its fastest (pick_rows_plan). A candidate that fails to run is left out; dequantize + matmul
-        always runs."""
+        """The kernel for NF4 linears over B > 1 rows, per batch bucket: llm_core.nf4_mm checked against dequantize +
+        matmul on the first layer's NF4 linears for a batch of 8 (relative error < 2%, the bf16 rounding of the
+        weights and products), then every candidate (nf4_mm if it passed, bitsandbytes' gemm_4bit, dequantize +
+        matmul) timed there inside a CUDA graph at every bucket above 1, as layer_rows runs them; each bucket takes
+        its fastest (pick_rows_plan). A candidate that fails to run is left out; dequantize + matmul always runs."""
         spec = self.fast._layer_specs[0]
         nf4 = [i for i, s in enumerate(spec.linears) if s.fmt == "nf4" and s.levels]
         if not nf4 or self.fast.dtype != torch.bfloat16:
@@ -72,36 +69,28 @@ class SlotWarmup:
 
         lins = _split_linears(spec, self.fast._layer_weights[0])
         candidates = list(ROWS_KERNELS)
-        errors: dict[str, float] = {}
-        checks = (("mm", 8, "NF4 small-M kernel"), ("gemv", GEMV_ROWS_MAX, "NF4 one-token kernel over several rows"))
-        for kernel, rows, name in checks:
-            if kernel not in candidates:
-                continue
-            worst = 0.0
-            try:
-                if triton is None:
-                    raise RuntimeError("Triton is not installed")
-                for i in nf4:
-                    s = spec.linears[i]
-                    x = torch.randn(rows, s.k, dtype=torch.bfloat16, device=self.device)
-                    got = nf4_rows_linear(kernel, s, x, lins[i]).float()
-                    ref = linear_prefill(s, x, lins[i], gemm=False).float()
-                    worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
-                errors[kernel] = worst
-                if worst >= 0.02:
-                    self.notes.append(f"{name} off: relative error {worst:.3f} vs dequantize + matmul")
-                    candidates.remove(kernel)
-            except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
-                log.warning("%s unavailable: %s: %s", name, type(exc).__name__, exc)
-                self.notes.append(f"{name} off ({type(exc).__name__}: {str(exc)[:120]})")
-                candidates.remove(kernel)
+        worst = 0.0
+        try:
+            if triton is None:
+                raise RuntimeError("Triton is not installed")
+            for i in nf4:
+                s = spec.linears[i]
+                x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
+                got = nf4_rows_linear("mm", s, x, lins[i]).float()
+                ref = linear_prefill(s, x, lins[i], gemm=False).float()
+                worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
+            if worst >= 0.02:
+                self.notes.append(f"NF4 small-M kernel off: relative error {worst:.3f} vs dequantize + matmul")
+                candidates.remove("mm")
+        except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
+            log.warning("NF4 small-M kernel unavailable: %s: %s", type(exc).__name__, exc)
+            self.notes.append(f"NF4 small-M kernel off ({type(exc).__name__}: {str(exc)[:120]})")
+            candidates.remove("mm")
         timings: dict[int, dict[str, float]] = {}
         for m in (b for b in self.buckets() if b > 1):
             xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
             timings[m] = {}
             for kernel in candidates:
-                if kernel == "gemv" and m > GEMV_ROWS_MAX:
-                    continue
                 plan = RowsPlan(((m, kernel),))
 
                 def run(plan: RowsPlan = plan, xs: dict[int, torch.Tensor] = xs) -> None:
@@ -120,8 +109,7 @@ class SlotWarmup:
         shown = "; ".join(f"{m} rows " + ", ".join(f"{k} {v:.0f}" for k, v in t.items()) + " µs"
                           for m, t in sorted(timings.items()))
         chosen = ", ".join(f"{b}: {k}" for b, k in self.rows_max.kernels)
-        shown_errors = ", ".join(f"{k} {v:.4f}" for k, v in errors.items())
-        self.notes.append(f"NF4 rows kernels per batch ({chosen}); relative error {shown_errors or 'n/a'}"
+        self.notes.append(f"NF4 rows kernels per batch ({chosen}); nf4_mm relative error {worst:.4f}"
                           + (f"; first layer's NF4 linears: {shown}" if shown else ""))
         self.rows_timings_us = timings
         self._make_functions(compiled=False)

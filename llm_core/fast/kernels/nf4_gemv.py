@@ -37,8 +37,6 @@ except ImportError:  # pragma: no cover - depends on the install
 from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_inputs  # noqa: E402 - after the optional Triton import
 
 AVAILABLE = triton is not None
-GEMV_ROWS_MAX = 4  # the one-token kernel also takes 2 or 4 rows (MROWS): each word decoded once for all of them
-SPLIT_MAX = 4  # its largest K split (SPLIT_CONFIGS); the partial-sum buffer holds this many
 AUTOTUNER: Any = None  # the GEMV's autotuner; what it picked per shape: llm_core.fast.kernels.tuning.tuned_pick
 
 
@@ -63,16 +61,13 @@ def words_view(packed: torch.Tensor) -> torch.Tensor | None:
 
 
 def planar_pairs(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bf16 -> the same values in the order the kernel's XPLANAR form reads, row by row: as int32 pairs,
-    pair p of word j (activations 8j + 2p and 8j + 2p + 1) at p * K/8 + j of its row, so that each of a word's 4 pairs
-    is a plane of K/8. Plain torch views and one copy (no bit casts): inductor folds it into the kernel that
-    computes x."""
+    """x (1, K) bf16 -> the same values in the order the kernel's XPLANAR form reads: as int32 pairs, pair p of word j
+    (activations 8j + 2p and 8j + 2p + 1) at p * K/8 + j, so that each of a word's 4 pairs is a plane of K/8. Plain
+    torch views and one copy (no bit casts): inductor folds it into the kernel that computes x."""
     k = x.shape[-1]
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_ROWS_MAX or k % 8 or x.dtype != torch.bfloat16:
-        raise ValueError(f"planar_pairs takes 1-{GEMV_ROWS_MAX} bf16 rows of a multiple of 8, not "
-                         f"{tuple(x.shape)} {x.dtype}")
-    m = x.shape[0]
-    return x.reshape(m, k // 8, 4, 2).transpose(1, 2).contiguous().view(m, k)
+    if x.dim() != 2 or x.shape[0] != 1 or k % 8 or x.dtype != torch.bfloat16:
+        raise ValueError(f"planar_pairs takes one bf16 row of a multiple of 8, not {tuple(x.shape)} {x.dtype}")
+    return x.reshape(k // 8, 4, 2).transpose(0, 1).contiguous().view(1, k)
 
 
 def table_bytes(code: list[float]) -> tuple[list[int], list[int]]:
@@ -150,33 +145,6 @@ fma.rn.f32 acc, fv, fx, acc;
             + half("$1", "$2", "$3") + "shr.u32 w2, $1, 16;\n" + half("w2", "$4", "$5") + "mov.b32 $0, acc;\n}")
 
 
-def dot_rows_asm(code: list[float], rows: int) -> str:
-    """PTX: one int32 word of 8 NF4 indices dotted with the 8 matching bf16 activations of each of `rows` rows
-    (outputs $0..$(rows-1), fp32; the word $rows; row r's 4 bf16 pairs $(rows+1+4r)..$(rows+4+4r)). The word is
-    decoded once (dot8_asm's register-table lookup, bf16x2 math) into its 4 level pairs, then each row runs
-    dot8_asm's chain of 4 `fma.rn.bf16x2` on them and adds the halves in fp32: row r's result is bit for bit what
-    dot8_asm gives that row alone, for about 7 more instructions per row instead of the whole decode again."""
-    if not 1 <= rows <= GEMV_ROWS_MAX:
-        raise ValueError(f"dot_rows_asm takes 1-{GEMV_ROWS_MAX} rows, not {rows}")
-    lo, hi = table_bytes(code)
-    consts = "".join(f"mov.b32 L{i}, {lo[i]:#010x}; mov.b32 H{i}, {hi[i]:#010x};\n" for i in range(4))
-    w = f"${rows}"
-    select = ("prmt.b32 la, L0, L1, {s};\nprmt.b32 lb, L2, L3, {s};\nprmt.b32 ha, H0, H1, {s};\n"
-              "prmt.b32 hb, H2, H3, {s};\nlop3.b32 lo, la, lb, {m}, 0xD8;\nlop3.b32 hi, ha, hb, {m}, 0xD8;\n")
-    decode = (f"and.b32 s7, {w}, 0x77777777;\nshr.u32 s7h, s7, 16;\nshl.b32 t, {w}, 4;\n"
-              f"prmt.b32 m, t, {w}, 0xD9C8;\nprmt.b32 mh, t, {w}, 0xFBEA;\n"
-              + select.format(s="s7", m="m") + "prmt.b32 p0, lo, hi, 0x4051;\nprmt.b32 p1, lo, hi, 0x6273;\n"
-              + select.format(s="s7h", m="mh") + "prmt.b32 p2, lo, hi, 0x4051;\nprmt.b32 p3, lo, hi, 0x6273;\n")
-    per_row = ""
-    for r in range(rows):
-        xs = [f"${rows + 1 + 4 * r + p}" for p in range(4)]
-        per_row += ("mov.b32 acc2, 0;\n" + "".join(f"fma.rn.bf16x2 acc2, p{p}, {xs[p]}, acc2;\n" for p in range(4))
-                    + "shl.b32 f0, acc2, 16;\nand.b32 f1, acc2, 0xFFFF0000;\nadd.f32 acc, f0, f1;\n"
-                    + f"mov.b32 ${r}, acc;\n")
-    return ("{\n.reg .b32 L0, L1, L2, L3, H0, H1, H2, H3, s7, s7h, t, m, mh, la, lb, ha, hb, lo, hi, p0, p1, p2, p3, "
-            "acc2;\n.reg .f32 acc, f0, f1;\n" + consts + decode + per_row + "}")
-
-
 if triton is not None:
 
     @triton.jit
@@ -201,10 +169,19 @@ if triton is not None:
         return tl.load(ptr)
 
     @triton.jit
-    def _x_pairs(x_ptr, rows, words, bmask, m3, KW: tl.constexpr, XVEC: tl.constexpr, XPLANAR: tl.constexpr,
-                 BLOCK_B: tl.constexpr, WPB: tl.constexpr, EVEN_B: tl.constexpr):
-        """One activation row's 4 bf16 pairs per word of a step (x0..x3), as the kernel's XPLANAR / XVEC / plain
-        form reads them from x_ptr (the row's start)."""
+    def _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW: tl.constexpr, NBLK: tl.constexpr,
+                         WPB: tl.constexpr, NESTED: tl.constexpr, XVEC: tl.constexpr, XPLANAR: tl.constexpr,
+                         BLOCK_B: tl.constexpr, EVEN_N: tl.constexpr, EVEN_B: tl.constexpr):
+        """The global loads of one step (quant blocks b0 .. b0 + BLOCK_B of `rows`): the weight words (rows, blocks,
+        words), each word's 4 activation pairs x0..x3 (see the kernel's XVEC / XPLANAR) and the raw block scales
+        (the double-quant byte or the fp32 absmax). Blocks past the row come back as zeros (EVEN_B: there are none;
+        EVEN_N: every row is in range)."""
+        blks = b0 + tl.arange(0, BLOCK_B)
+        bmask = blks < NBLK
+        words = blks[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCK_B, WPB) word index within a row
+        m3 = rmask[:, None, None] & bmask[None, :, None]
+        MASK3: tl.constexpr = not (EVEN_N and EVEN_B)
+        w = _masked_load(w_ptr + rows[:, None, None] * KW + words[None, :, :], m3, 0, MASK3)
         if XPLANAR:  # plane p at p * KW: each plane's tile has the words' own shape and layout (no conversion)
             xw = x_ptr + (rows * 0)[:, None, None] + words[None, :, :]
             x0 = _masked_load(xw, m3, 0, not EVEN_B)  # every row's address is in range: only blocks need the mask
@@ -225,23 +202,6 @@ if triton is not None:
             x1 = _masked_load(x_ptr + xo + 1, xm2, 0, not EVEN_B)[None, :, :]
             x2 = _masked_load(x_ptr + xo + 2, xm2, 0, not EVEN_B)[None, :, :]
             x3 = _masked_load(x_ptr + xo + 3, xm2, 0, not EVEN_B)[None, :, :]
-        return x0, x1, x2, x3
-
-    @triton.jit
-    def _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, bhi, KW: tl.constexpr,
-                         NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr, XVEC: tl.constexpr,
-                         XPLANAR: tl.constexpr, BLOCK_B: tl.constexpr, EVEN_N: tl.constexpr, EVEN_B: tl.constexpr):
-        """The global loads of one step (quant blocks b0 .. b0 + BLOCK_B of `rows`, those below bhi: the end of the
-        program's K split): the weight words (rows, blocks, words), the first activation row's 4 pairs per word
-        x0..x3 (see the kernel's XVEC / XPLANAR) and the raw block scales (the double-quant byte or the fp32 absmax).
-        Blocks past bhi come back as zeros (EVEN_B: there are none; EVEN_N: every row is in range)."""
-        blks = b0 + tl.arange(0, BLOCK_B)
-        bmask = blks < bhi
-        words = blks[:, None] * WPB + tl.arange(0, WPB)[None, :]  # (BLOCK_B, WPB) word index within a row
-        m3 = rmask[:, None, None] & bmask[None, :, None]
-        MASK3: tl.constexpr = not (EVEN_N and EVEN_B)
-        w = _masked_load(w_ptr + rows[:, None, None] * KW + words[None, :, :], m3, 0, MASK3)
-        x0, x1, x2, x3 = _x_pairs(x_ptr, rows, words, bmask, m3, KW, XVEC, XPLANAR, BLOCK_B, WPB, EVEN_B)
         blk = rows[:, None] * NBLK + blks[None, :]
         m2 = rmask[:, None] & bmask[None, :]
         if NESTED:
@@ -261,183 +221,71 @@ if triton is not None:
             tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
     @triton.jit
-    def finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
-                      SPLIT: tl.constexpr):
-        """Split-K's end inside the launch, in every program (n tile t = program_id(0), split s), after it stored its
-        fp32 partial sums at part[s, :M, tile] (offs: their offsets within one split's (M, N)): count in
-        counters[t]; the program that counts SPLIT - 1 before it (the last of its tile to get here) reads the tile's
-        SPLIT partials in split order 0, 1, ... (the sum, and so its bits, do not depend on which program came last),
-        adds the bias, stores y (bf16) and resets counters[t] to 0 for the next launch. Shared by nf4_mm and the
-        one-token kernel here.
-
-        Memory ordering: the partial stores come from many threads and the counter's atomic from one (Triton
-        issues a scalar atomic in one thread and broadcasts its result through shared memory), so a CTA barrier
-        first orders every thread's stores before that thread's release (acq_rel, gpu scope: cumulative over what
-        the barrier made it observe). The last program's acquire half makes the other programs' partials visible
-        to its thread, and the broadcast's barrier passes that on to the CTA's other threads; their loads go to
-        the L2 (.cg), past any L1 line. The reset needs no ordering within the launch (every program of the tile
-        has counted); the next launch on the stream (or its PDL wait) sees it."""
-        tile = tl.program_id(0)
-        tl.debug_barrier()
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done == SPLIT - 1:
-            y = tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
-            for s in tl.static_range(1, SPLIT):
-                y += tl.load(part_ptr + s * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=omask)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-    @triton.jit
-    def _dot_rows(w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3, levels_ptr,
-                  ASM: tl.constexpr, MROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
-        """The words w (BLOCK_N, BLOCK_B, WPB) dotted with MROWS (2 or 4) activation rows a, b[, c, d] (each row's 4
-        pairs per word) and summed over each block's words -> (BLOCK_N, BLOCK_B, MROWS) fp32, rows in order. ASM:
-        dot_rows_asm's PTX (each word decoded once for every row), or "" (math="levels": each row on its own)."""
-        if ASM == "":
-            pa = _dot8_levels(w, xa0, xa1, xa2, xa3, levels_ptr)
-            pb = _dot8_levels(w, xb0, xb1, xb2, xb3, levels_ptr)
-            if MROWS == 4:
-                pc = _dot8_levels(w, xc0, xc1, xc2, xc3, levels_ptr)
-                pd = _dot8_levels(w, xd0, xd1, xd2, xd3, levels_ptr)
-        elif MROWS == 2:
-            pa, pb = tl.inline_asm_elementwise(ASM, "=r,=r,r,r,r,r,r,r,r,r,r",
-                                               [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3],
-                                               dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        else:
-            pa, pb, pc, pd = tl.inline_asm_elementwise(
-                ASM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
-                [w, xa0, xa1, xa2, xa3, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-        if MROWS == 2:
-            out = tl.join(tl.sum(pa, axis=2), tl.sum(pb, axis=2))
-        else:  # join(join(a, c), join(b, d)) holds row 2q + s at [..., q, s]: a, b, c, d in the flat order
-            out = tl.reshape(tl.join(tl.join(tl.sum(pa, axis=2), tl.sum(pc, axis=2)),
-                                     tl.join(tl.sum(pb, axis=2), tl.sum(pd, axis=2))), (BLOCK_N, BLOCK_B, 4))
-        return out
-
-    @triton.jit
     def _nf4_gemv_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, levels_ptr, bias_ptr,
-                         y_ptr, part_ptr, count_ptr, N, M,
+                         y_ptr, N,
                          KW: tl.constexpr, NBLK: tl.constexpr, WPB: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, XVEC: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_B: tl.constexpr, PREFETCH: tl.constexpr = False, XPLANAR: tl.constexpr = False,
                          EVEN_N: tl.constexpr = False, EVEN_B: tl.constexpr = False, PDL: tl.constexpr = False,
-                         EARLY: tl.constexpr = False, MROWS: tl.constexpr = 1, SPLIT: tl.constexpr = 1):
-        """Program (p, s): rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step,
-        over K split s of SPLIT.
-        ASM: dot8_asm's PTX (MROWS 1) or dot_rows_asm's (MROWS 2, 4), or "" for math="levels" (levels_ptr: the 16
-        levels in fp32; a dummy otherwise).
-        x_ptr is the bf16 activation rows read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
-        8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble). Row r starts at
-        r * 4 * KW pairs.
-        MROWS (1, 2 or 4): activation rows per launch, M of them real (row r >= M reads row M - 1 again and is not
-        stored). Each weight word is loaded and decoded once for all of them; rows past the first load their pairs
-        inside the step (from the L1 or L2: every program reads the same activations).
+                         EARLY: tl.constexpr = False):
+        """Program p: rows [p*BLOCK_N, (p+1)*BLOCK_N), BLOCK_B quant blocks (WPB int32 words each) per step.
+        ASM: dot8_asm's PTX, or "" for math="levels" (levels_ptr: the 16 levels in fp32; a dummy otherwise).
+        x_ptr is the bf16 activation row read as int32 pairs: pair 4j + p holds weights 8j + 2p (low half) and
+        8j + 2p + 1 (high half); word j's byte p holds their indices as (high nibble, low nibble).
         XVEC: a word's 4 activation pairs are read with one 16-byte load and split, not 4 separate loads.
         XPLANAR: x_ptr holds the pairs in planes instead (planar_pairs: pair p of word j at p * KW + j), so each
         plane loads as a tile of the words' own shape and layout: no shared-memory conversion of the activations
         (and its barriers) in the loop, for one redundant load per row a thread holds.
-        PREFETCH: each step issues the next step's loads (weights, the first row's activations, block scales) into
-        registers before it decodes its own, so their memory latency hides behind a step of arithmetic; costs the
-        registers of one more step. (Triton's own pipeline, `tl.range(num_stages=2 or 3)`, cp.async copies through
-        shared memory, was slower for every tile on an H100: docs/fast_decode.md.)
-        SPLIT > 1: program (p, s) walks 1/SPLIT of the quant blocks (where N / BLOCK_N programs are too few to keep
-        the memory busy) and stores its fp32 partial sums in part_ptr (SPLIT, M, N); each tile's last program sums
-        them into y (finish_splits; count_ptr: one int32 counter per tile, zero before the launch and after it).
-        EVEN_N / EVEN_B (set by the launcher from the shapes): N is a multiple of BLOCK_N / NBLK of SPLIT * BLOCK_B,
-        so the loads go unmasked (the prefetch past a split's last step wraps to its first, its loads unused).
+        PREFETCH: each step issues the next step's loads (weights, activations, block scales) into registers before
+        it decodes its own, so their memory latency hides behind a step of arithmetic; costs the registers of one
+        more step. (Triton's own pipeline, `tl.range(num_stages=2 or 3)`, cp.async copies through shared memory,
+        was slower for every tile on an H100: docs/fast_decode.md.)
+        EVEN_N / EVEN_B (set by the launcher from the shapes): N is a multiple of BLOCK_N / NBLK of BLOCK_B, so the
+        loads go unmasked (the prefetch past the last step wraps to the first, its loads unused).
         PDL: launched as a programmatic dependent launch (llm_core.fast.kernels.pdl). EARLY (with PDL): before the
         wait, the program's first weight tile is prefetched into the L2 (weights are never written during a step),
         so its DRAM latency overlaps the kernel before this one."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
-        if SPLIT == 1:
-            b_lo: tl.constexpr = 0
-            b_hi: tl.constexpr = NBLK
-        else:
-            per_split: tl.constexpr = (NBLK + SPLIT * BLOCK_B - 1) // (SPLIT * BLOCK_B) * BLOCK_B
-            b_lo = tl.program_id(1) * per_split
-            b_hi = tl.minimum(b_lo + per_split, NBLK)
         if EARLY:
-            prefetch_weight_rows(w_ptr, rows, rmask, KW, b_lo * WPB, BLOCK_B * WPB)
+            prefetch_weight_rows(w_ptr, rows, rmask, KW, 0, BLOCK_B * WPB)
         wait_for_inputs(PDL)
         bi = tl.arange(0, BLOCK_B)
-        if MROWS == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_N, BLOCK_B, MROWS), dtype=tl.float32)
-        XROW: tl.constexpr = 4 * KW  # int32 pairs per activation row
+        acc = tl.zeros((BLOCK_N, BLOCK_B), dtype=tl.float32)
         if PREFETCH:
-            w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b_lo, b_hi, KW,
-                                                      NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
-        for b0 in range(b_lo, b_hi, BLOCK_B):
+            w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, 0, KW, NBLK, WPB,
+                                                      NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N, EVEN_B)
+        for b0 in range(0, NBLK, BLOCK_B):
             if PREFETCH:
                 w_now, x0_now, x1_now, x2_now, x3_now, raw_now = w, x0, x1, x2, x3, raw
                 b_next = b0 + BLOCK_B
-                if EVEN_B:  # unmasked: past the split's last step, load its first again (unused)
-                    if SPLIT == 1:
-                        b_next = b_next % NBLK
-                    else:
-                        b_next = tl.where(b_next >= b_hi, b_lo, b_next)
+                if EVEN_B:  # unmasked: past the last step, load the first again (unused)
+                    b_next = b_next % NBLK
                 w, x0, x1, x2, x3, raw = _gemv_step_loads(x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b_next,
-                                                          b_hi, KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B,
-                                                          EVEN_N, EVEN_B)
+                                                          KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B, EVEN_N,
+                                                          EVEN_B)
             else:
                 w_now, x0_now, x1_now, x2_now, x3_now, raw_now = _gemv_step_loads(
-                    x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, b_hi, KW, NBLK, WPB, NESTED, XVEC, XPLANAR,
-                    BLOCK_B, EVEN_N, EVEN_B)
+                    x_ptr, w_ptr, absmax_ptr, q8_ptr, rows, rmask, b0, KW, NBLK, WPB, NESTED, XVEC, XPLANAR, BLOCK_B,
+                    EVEN_N, EVEN_B)
+            if ASM == "":  # math="levels": no PTX (the interpreter's form)
+                part = _dot8_levels(w_now, x0_now, x1_now, x2_now, x3_now, levels_ptr)
+            else:
+                part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
+                                                 dtype=tl.float32, is_pure=True, pack=1)
+            dot = tl.sum(part, axis=2)
             if NESTED:
                 blks = b0 + bi
                 blk = rows[:, None] * NBLK + blks[None, :]
-                m2 = rmask[:, None] & (blks < b_hi)[None, :]
+                m2 = rmask[:, None] & (blks < NBLK)[None, :]
                 masked: tl.constexpr = not (EVEN_N and EVEN_B)
                 scale = (tl.load(code2_ptr + raw_now) * _masked_load(absmax2_ptr + blk // 256, m2, 0.0, masked)
                          + _masked_load(offsets_ptr + blk // 256, m2, 0.0, masked))
             else:
                 scale = raw_now
-            if MROWS == 1:
-                if ASM == "":  # math="levels": no PTX (the interpreter's form)
-                    part = _dot8_levels(w_now, x0_now, x1_now, x2_now, x3_now, levels_ptr)
-                else:
-                    part = tl.inline_asm_elementwise(ASM, "=r,r,r,r,r,r", [w_now, x0_now, x1_now, x2_now, x3_now],
-                                                     dtype=tl.float32, is_pure=True, pack=1)
-                acc += tl.sum(part, axis=2) * scale
-            else:
-                blks_w = b0 + bi
-                words = blks_w[:, None] * WPB + tl.arange(0, WPB)[None, :]
-                bmask = blks_w < b_hi
-                m3 = rmask[:, None, None] & bmask[None, :, None]
-                xb0, xb1, xb2, xb3 = _x_pairs(x_ptr + tl.minimum(1, M - 1) * XROW, rows, words, bmask, m3, KW, XVEC,
-                                              XPLANAR, BLOCK_B, WPB, EVEN_B)
-                if MROWS == 4:
-                    xc0, xc1, xc2, xc3 = _x_pairs(x_ptr + tl.minimum(2, M - 1) * XROW, rows, words, bmask, m3, KW,
-                                                  XVEC, XPLANAR, BLOCK_B, WPB, EVEN_B)
-                    xd0, xd1, xd2, xd3 = _x_pairs(x_ptr + tl.minimum(3, M - 1) * XROW, rows, words, bmask, m3, KW,
-                                                  XVEC, XPLANAR, BLOCK_B, WPB, EVEN_B)
-                else:  # unused
-                    xc0, xc1, xc2, xc3, xd0, xd1, xd2, xd3 = xb0, xb1, xb2, xb3, xb0, xb1, xb2, xb3
-                acc += _dot_rows(w_now, x0_now, x1_now, x2_now, x3_now, xb0, xb1, xb2, xb3, xc0, xc1, xc2, xc3,
-                                 xd0, xd1, xd2, xd3, levels_ptr, ASM, MROWS, BLOCK_N, BLOCK_B) * scale[:, :, None]
+            acc += dot * scale
         release_dependents(PDL)
-        if MROWS == 1 and SPLIT == 1:
-            _write_y(tl.sum(acc, axis=1), rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
-        else:
-            if MROWS == 1:
-                out = tl.sum(acc, axis=1)[None, :]  # (1, BLOCK_N)
-            else:
-                out = tl.trans(tl.sum(acc, axis=1))  # (MROWS, BLOCK_N)
-            mi = tl.arange(0, MROWS)
-            offs = mi[:, None] * N + rows[None, :]
-            omask = (mi < M)[:, None] & rmask[None, :]
-            if SPLIT == 1:
-                if HAS_BIAS:
-                    out += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + offs, out.to(y_ptr.dtype.element_ty), mask=omask)
-            else:
-                tl.store(part_ptr + tl.program_id(1) * M * N + offs, out, mask=omask)
-                finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
+        _write_y(tl.sum(acc, axis=1), rows, rmask, bias_ptr, y_ptr, HAS_BIAS, EVEN_N)
 
     # (BLOCK_N, BLOCK_B, warps, PREFETCH); the tiles that were fastest plain (on an H100, bench/gemv_bench.py
     # --sweep, 2026-12-06 fourth session) also with their next step's loads in registers
@@ -447,79 +295,42 @@ if triton is not None:
                (8, 8, 4, False), (4, 16, 4, False), (16, 4, 4, False), (16, 8, 4, False), (8, 16, 4, False),
                (16, 8, 8, False),  # above: 1-8 words per thread per step
                *[(bn, bb, w, True) for bn, bb, w in PREFETCH_TILES]]
-    # K split in 2 or 4 (with the in-launch sum; the autotuner of calls that pass counters also tries these): the
-    # prefetching tiles, for shapes whose N / BLOCK_N programs leave the memory idle (o and down: 512 programs of 8
-    # rows on 132 SMs, 22% occupancy and 29-39% of the DRAM bandwidth under Nsight Compute, 2026-12-06)
-    SPLIT_CONFIGS = [(bn, bb, w, True, s) for bn, bb, w in PREFETCH_TILES[:4] for s in (2, SPLIT_MAX)]
 
-    def gemv_configs(tiles: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """(BLOCK_N, BLOCK_B, warps, PREFETCH[, SPLIT]) tuples -> the autotuner's triton.Configs (the module's
-        autotuners over CONFIGS and SPLIT_CONFIGS; bench/batched.py --gemv-configs narrows one process's to a
-        subset)."""
-        return [triton.Config({"BLOCK_N": t[0], "BLOCK_B": t[1], "PREFETCH": t[3],
-                               "SPLIT": t[4] if len(t) > 4 else 1}, num_warps=t[2]) for t in tiles]
-
-    def _prune_splits(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-        """The split configs only where the unsplit grid is small (under 8 programs per SM at BLOCK_N) and each
-        split keeps 2 steps or more (a ragged last step is masked)."""
-        n, nblk, sms = named_args["N"], kwargs.get("NBLK", named_args.get("NBLK")), sm_count() or 132
-        keep = []
-        for c in configs:
-            s, bn, bb = c.kwargs["SPLIT"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_B"]
-            if s == 1 or (-(-n // bn) < 8 * sms and nblk // (s * bb) >= 2):
-                keep.append(c)
-        return keep
+    def gemv_configs(tiles: Sequence[tuple[int, int, int, bool]]) -> list[Any]:
+        """(BLOCK_N, BLOCK_B, warps, PREFETCH) tuples -> the autotuner's triton.Configs (the module's autotuner
+        over CONFIGS; bench/batched.py --gemv-configs narrows one process's to a subset)."""
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_B": bb, "PREFETCH": pf}, num_warps=w) for bn, bb, w, pf in tiles]
 
     _even = triton.heuristics({"EVEN_N": lambda a: a["N"] % a["BLOCK_N"] == 0,
-                               "EVEN_B": lambda a: a["NBLK"] % (a["BLOCK_B"] * a["SPLIT"]) == 0})(_nf4_gemv_kernel)
+                               "EVEN_B": lambda a: a["NBLK"] % a["BLOCK_B"] == 0})(_nf4_gemv_kernel)
     _tuned = triton.autotune(configs=gemv_configs(CONFIGS),
-                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR", "MROWS"])(_even)
-    _tuned_split = triton.autotune(configs=gemv_configs(CONFIGS + SPLIT_CONFIGS),
-                                   key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR", "MROWS"],
-                                   prune_configs_by={"early_config_prune": _prune_splits})(_even)
+                             key=["N", "KW", "WPB", "NESTED", "ASM", "XVEC", "XPLANAR"])(_even)
     AUTOTUNER = _tuned
 
 
 @functools.lru_cache(maxsize=8)
-def _asm_for(code: tuple[float, ...], math: str, rows: int = 1) -> str:
-    return dot8_asm(list(code), math) if rows == 1 else dot_rows_asm(list(code), rows)
-
-
-def rows_config(mrows: int, n: int, nblk: int, can_split: bool, sms: int = 132) -> tuple[int, int, int, bool, int]:
-    """The one-token kernel's launch for 2 or 4 rows (BLOCK_N, BLOCK_B, warps, PREFETCH, SPLIT): 8 weight rows and
-    8 quant blocks a step with the next step's loads in registers, 4 warps; K split in 2 (can_split: the caller
-    passed counters) where the tiles would give fewer than 4 programs per SM and each split keeps 2 steps or more."""
-    bn, bb = 8, 8
-    split = 1
-    if can_split and -(-n // bn) < 4 * sms and nblk // (2 * bb) >= 2:
-        split = 2
-    return bn, bb, 4, True, split
+def _asm_for(code: tuple[float, ...], math: str) -> str:
+    return dot8_asm(list(code), math)
 
 
 def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             bias: torch.Tensor | None = None, config: tuple[Any, ...] | None = None,
+             bias: torch.Tensor | None = None, config: tuple[int, ...] | None = None,
              math: str = "bf16x2", xvec: bool = True, compiled: list[Any] | None = None,
-             pdl: bool = False, early: bool = False, planar: bool = False,
-             counters: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16, M = 1, 2, 3 or 4 -> (M, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or
-    nested = (q8, absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would
-    sync, and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT]]) skips autotuning;
-    `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs;
-    M > 1 takes "bf16x2" or "levels"); `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel
-    (its PTX/SASS in .asm); `pdl` launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl);
-    `early` (with pdl) prefetches each program's first weight tile before the wait (bench/gemv_bench.py times it; the
-    engine serves it with LAUNCH_OVERLAP=early); `planar`: x is given as planar_pairs(x) (the kernel's XPLANAR form).
-    `counters`: the linear's split counters (nf4_mm.mm_counters: int32 on x's device, all zero, at least one per
-    tile of 4 rows); with them the autotuner also tries K splits summed inside the launch (SPLIT_CONFIGS), and the
-    kernel leaves them at zero. A config with SPLIT > 1 needs them. Several rows run MROWS = 2 or 4 (3 rows: 4, the
-    last row read twice and stored once); each row's result is the same bits as that row alone at the same config."""
+             pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
+    """x (1, K) bf16 -> (1, N) bf16. `words` from words_view(); absmax fp32 (N*K/blocksize) or nested = (q8,
+    absmax2, offset per 256-block, code2); `code` the 16 NF4 levels as host floats (a tensor here would sync,
+    and break graph capture). `config` = (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]) skips autotuning;
+    `math` see dot8_asm and MATH ("levels": tests only; it copies the levels to the device per call, no graphs);
+    `xvec` see the kernel; `compiled` (diagnostics) receives the compiled kernel (its PTX/SASS in .asm); `pdl`
+    launches it as a programmatic dependent launch (sm_90+, llm_core.fast.kernels.pdl); `early` (with pdl) prefetches
+    each program's first weight tile before the wait (bench/gemv_bench.py times it; the engine serves it with
+    LAUNCH_OVERLAP=early); `planar`: x is given as planar_pairs(x) (the kernel's XPLANAR form)."""
     launch = pdl_meta(pdl, early)
     if triton is None:
         raise RuntimeError("Triton is not installed")
     n, kw = words.shape
-    m = int(x.shape[0]) if x.dim() == 2 else 0
     if (absmax is None) == (nested is None):
         raise ValueError("give exactly one of absmax and nested")
     wpb = blocksize // 8
@@ -527,48 +338,25 @@ def nf4_gemv(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: Sequenc
         raise ValueError(f"blocksize {blocksize} does not fit the kernel")
     if x.dtype != torch.bfloat16:
         raise ValueError(f"the NF4 kernel reads bf16 activations, not {x.dtype}")
-    if not 1 <= m <= GEMV_ROWS_MAX or x.shape[1] != kw * 8:
-        raise ValueError(f"the NF4 one-token kernel takes 1-{GEMV_ROWS_MAX} rows of {kw * 8}, not {tuple(x.shape)}")
-    mrows = 1 if m == 1 else 2 if m == 2 else 4
-    if mrows > 1 and math == "fp32":
-        raise ValueError("several rows take math='bf16x2' (or 'levels'), not 'fp32'")
-    tiles_min = triton.cdiv(n, 4)
-    if counters is not None and (counters.dtype != torch.int32 or counters.device != x.device
-                                 or counters.numel() < tiles_min):
-        raise ValueError(f"counters must be int32 on {x.device} with at least {tiles_min} entries")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     dummy = y
-    part = torch.empty(SPLIT_MAX, m, n, dtype=torch.float32, device=x.device) if counters is not None else dummy
     q8, absmax2, offsets, code2 = nested if nested is not None else (dummy, dummy, dummy, dummy)
     host = tuple(float(v) for v in code)
     levels = torch.tensor(host, device=x.device) if math == "levels" else dummy
     args: tuple[Any, ...] = (x.contiguous().view(torch.int32), words, absmax if absmax is not None else dummy, q8,
-                             absmax2, offsets, code2, levels, bias if bias is not None else dummy, y, part,
-                             counters if counters is not None else dummy, n, m)
+                             absmax2, offsets, code2, levels, bias if bias is not None else dummy, y, n)
     flags = {"KW": kw, "NBLK": kw // wpb, "WPB": wpb, "NESTED": nested is not None, "HAS_BIAS": bias is not None,
-             "ASM": "" if math == "levels" else _asm_for(host, math, mrows),
-             "XVEC": bool(xvec), "XPLANAR": bool(planar), "MROWS": mrows, **launch}
+             "ASM": "" if math == "levels" else _asm_for(host, math),
+             "XVEC": bool(xvec), "XPLANAR": bool(planar), **launch}
     if config is not None:
-        if len(config) not in (3, 4, 5):
-            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH[, SPLIT]]), not {config}")
-        bn, bb, warps = config[:3]
-        prefetch = bool(config[3]) if len(config) > 3 else False
-        split = int(config[4]) if len(config) > 4 else 1
-        if split > 1 and counters is None:
-            raise ValueError("a K split sums inside the launch: pass the linear's counters")
-        if not 1 <= split <= SPLIT_MAX or bn < 4 and split > 1:
-            raise ValueError(f"SPLIT is 1-{SPLIT_MAX}, with BLOCK_N >= 4 when above 1; got {config}")
-        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn), split)](
-            *args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch, SPLIT=split, EVEN_N=n % bn == 0,
-            EVEN_B=(kw // wpb) % (bb * split) == 0, num_warps=warps)
-    elif mrows > 1:  # several rows: a fixed launch (rows_config), no autotuning of every row count at start-up
-        return nf4_gemv(x, words, blocksize, code, absmax=absmax, nested=nested, bias=bias, math=math, xvec=xvec,
-                        compiled=compiled, pdl=pdl, early=early, planar=planar, counters=counters,
-                        config=rows_config(mrows, n, kw // wpb, counters is not None, sm_count(x.device.index)
-                                           if x.is_cuda else 132))
+        if len(config) not in (3, 4):
+            raise ValueError(f"config is (BLOCK_N, BLOCK_B, num_warps[, PREFETCH]), not {config}")
+        bn, bb, warps, prefetch = (*config, False)[:4]
+        kernel = _nf4_gemv_kernel[(triton.cdiv(n, bn),)](*args, **flags, BLOCK_N=bn, BLOCK_B=bb, PREFETCH=prefetch,
+                                                         EVEN_N=n % bn == 0, EVEN_B=(kw // wpb) % bb == 0,
+                                                         num_warps=warps)
     else:
-        tuner = _tuned_split if counters is not None else _tuned
-        kernel = tuner[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT"])](*args, **flags)
+        kernel = _tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     if compiled is not None:
         compiled.append(kernel)
     return y
@@ -585,22 +373,19 @@ def _op_operands(packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, a
 
 _OP_SCHEMA = ("(Tensor x, Tensor packed, Tensor absmax, Tensor q8, Tensor absmax2, Tensor offsets, Tensor code2, "
               "Tensor? bias, int blocksize, bool nested, float[] code, bool pdl=False, bool early=False, "
-              "bool planar=False, Tensor? counters=None) -> Tensor")
+              "bool planar=False) -> Tensor")
 
 
 def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callable[[torch.Tensor], int]) -> Any:
     """`kernel` as one opaque op llm_core::<name> for torch.compile and CUDA graphs; packed is bitsandbytes'
-    (N, K/2); the op's fake output is (rows_of(x), N). `counters` (the linear's, pack.counters_of) go to kernels
-    that split K (nf4_gemv); the kernel leaves them at zero, so the op mutates nothing."""
+    (N, K/2); the op's fake output is (rows_of(x), N)."""
 
     @torch.library.custom_op(f"llm_core::{name}", mutates_args=(), schema=_OP_SCHEMA)
     def op(x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, q8: torch.Tensor, absmax2: torch.Tensor,
            offsets: torch.Tensor, code2: torch.Tensor, bias: torch.Tensor | None, blocksize: int, nested: bool,
-           code: Sequence[float], pdl: bool = False, early: bool = False, planar: bool = False,
-           counters: torch.Tensor | None = None) -> torch.Tensor:
+           code: Sequence[float], pdl: bool = False, early: bool = False, planar: bool = False) -> torch.Tensor:
         words, scales = _op_operands(packed, absmax, q8, absmax2, offsets, code2, nested)
-        extra = {"counters": counters} if counters is not None else {}
-        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, early=early, planar=planar, **scales, **extra)
+        return kernel(x, words, blocksize, code, bias=bias, pdl=pdl, early=early, planar=planar, **scales)
 
     @op.register_fake
     def _(x: torch.Tensor, packed: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -610,8 +395,7 @@ def _register_op(name: str, kernel: Callable[..., torch.Tensor], rows_of: Callab
 
 
 if triton is not None:
-    # the module attribute looked up per call (not captured here), so a test can swap in the interpreter's math
-    _nf4_gemv_op = _register_op("nf4_gemv", lambda *a, **kw: nf4_gemv(*a, **kw), lambda x: x.shape[0])
+    _nf4_gemv_op = _register_op("nf4_gemv", nf4_gemv, lambda x: 1)
 
 
 # --- a few rows at once (the batched fast path) ------------------------------------------------------------------

@@ -25,9 +25,8 @@ start-up pick's accuracy check and the tests compare exact reruns; atomic adds i
 be, and need a zeroing and a conversion launch). Who sums:
   MMConfig.fuse_splits with a counters buffer (default_config's choice at 5-16 rows, FUSE_ROWS; pack_linears gives
   every NF4 linear one): the last program of each n tile to finish, found by an atomic count per tile, sums that
-  tile's partials inside the same launch (nf4_gemv.finish_splits), and leaves its counter at zero for the next
-  launch: no second kernel (the 2026-12-05 profile of the 8-row step: 128 _sum_splits launches per step, 0.22 ms
-  of its 4.6);
+  tile's partials inside the same launch (_finish_splits), and leaves its counter at zero for the next launch: no
+  second kernel (the 2026-12-05 profile of the 8-row step: 128 _sum_splits launches per step, 0.22 ms of its 4.6);
   otherwise: a second small kernel, _sum_splits.
 """
 
@@ -47,7 +46,7 @@ from .pdl import pdl_meta, prefetch_weight_rows, release_dependents, wait_for_in
 if triton is not None:
     import triton.language as tl
 
-    from .nf4_gemv import block_scale, finish_splits, tile_rows
+    from .nf4_gemv import block_scale, tile_rows
 
 MM_MAX = 32  # the largest M the kernel serves (the batched fast path's largest batch bucket)
 FUSE_ROWS = (5, 16)  # default_config sums the K splits inside the launch for this many rows (its docstring says why)
@@ -184,6 +183,34 @@ if triton is not None:
     def _all_true(SIZE: tl.constexpr):
         return tl.full((SIZE,), 1, tl.int1)
 
+    @triton.jit
+    def _finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS: tl.constexpr,
+                       SPLIT: tl.constexpr):
+        """Split-K's end inside the launch, in every program (n tile t, split s), after it stored its fp32 partial
+        sums at part[s, :M, tile] (offs: their offsets within one split's (M, N)): count in counters[t]; the
+        program that counts SPLIT - 1 before it (the last of its tile to get here) reads the tile's SPLIT partials
+        in split order 0, 1, ... (the sum, and so its bits, do not depend on which program came last: _sum_splits'
+        order), adds the bias, stores y (bf16) and resets counters[t] to 0 for the next launch.
+
+        Memory ordering: the partial stores come from many threads and the counter's atomic from one (Triton
+        issues a scalar atomic in one thread and broadcasts its result through shared memory), so a CTA barrier
+        first orders every thread's stores before that thread's release (acq_rel, gpu scope: cumulative over what
+        the barrier made it observe). The last program's acquire half makes the other programs' partials visible
+        to its thread, and the broadcast's barrier passes that on to the CTA's other threads; their loads go to
+        the L2 (.cg), past any L1 line. The reset needs no ordering within the launch (every program of the tile
+        has counted); the next launch on the stream (or its PDL wait) sees it."""
+        tile = tl.program_id(0)
+        tl.debug_barrier()
+        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:
+            y = tl.load(part_ptr + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(1, SPLIT):
+                y += tl.load(part_ptr + s * M * N + offs, mask=omask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + offs, y.to(tl.bfloat16), mask=omask)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
+
     @triton.jit(do_not_specialize=["M"])  # one compile for every M of a row bucket (M = 1 and 16 | M included)
     def _nf4_mm_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, code_ptr, bias_ptr,
                        y_ptr, part_ptr, count_ptr, M, N, K, KW, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
@@ -195,7 +222,7 @@ if triton is not None:
                        FUSE: tl.constexpr = False):
         """Program (n tile, split): y[:, tile] over one K range. SPLIT == 1: y (M, N) bf16 with bias; else
         part_ptr is the (SPLIT, M, N) fp32 partial-sum buffer, and FUSE: each tile's last program sums them into y
-        (nf4_gemv.finish_splits; count_ptr: one int32 counter per n tile, zero before the launch and after it), or not
+        (_finish_splits; count_ptr: one int32 counter per n tile, zero before the launch and after it), or not
         FUSE: _sum_splits finishes (y unwritten here). EVEN_K: K is a multiple of BLOCK_K (every
         split's range is whole steps, no K masks); EVEN_N: N a multiple of BLOCK_N (no row masks in the loop);
         XVEC, SCALE16, ASM_SCALE: MMConfig's xvec, scale16, asm_scale. TILE_M (nf4_gemm, SPLIT 1): program (m tile,
@@ -263,7 +290,7 @@ if triton is not None:
             offs = mi[:, None] * N + rows[None, :]
             tl.store(part_ptr + pid_k * M * N + offs, acc, mask=omask)
             if FUSE:
-                finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
+                _finish_splits(offs, rows, rmask, omask, M, N, part_ptr, count_ptr, bias_ptr, y_ptr, HAS_BIAS, SPLIT)
 
     @triton.jit
     def _sum_splits(p_ptr, bias_ptr, y_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -416,11 +443,10 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
 
 
 def mm_counters(n: int, device: torch.device | str) -> torch.Tensor:
-    """A zeroed int32 counters buffer for the in-launch split sum over an N-row weight (nf4_mm's, and the one-token
-    kernel's, llm_core.fast.kernels.nf4_gemv): one per n tile of BLOCK_N 4 or more (the one-token kernel splits only
-    such tiles; both refuse a call whose tiles outnumber it), owned by whoever owns the weight (pack_linears: one
-    per NF4 linear; 4 bytes per 4 weight rows)."""
-    return torch.zeros(n // 4 + 1, dtype=torch.int32, device=device)
+    """A zeroed int32 counters buffer for nf4_mm's in-launch split sum over an N-row weight: one per n tile of
+    BLOCK_N 16 or more (every tensor-core config; nf4_mm refuses a call whose tiles outnumber it), owned by whoever
+    owns the weight (pack_linears: one per NF4 linear)."""
+    return torch.zeros(n // 16 + 1, dtype=torch.int32, device=device)
 
 
 GEMM_SMALL_ROWS = 128  # nf4_gemm takes 64-row tiles up to this many rows (GemmConfig.for_rows)
