@@ -304,7 +304,7 @@ class Bench:
             if runner is not None:
                 runner.group_prefill = mode == "group"
             own = texts[index * width:(index + 1) * width]
-            with host_variant(variant, runner), StepProbe(runner) as probe:
+            with host_variant(variant, runner, engine), StepProbe(runner) as probe:
                 run = self.ours(engine, n, own)
             self.rec.add(**common, prefill=mode, host=variant, **run, host_probe=probe.summary())
             if a.reference and mode == modes[0] and index == phases.index((n, mode, variants[0])):

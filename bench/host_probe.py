@@ -22,6 +22,12 @@ Host variants (a context manager each; "default" changes nothing):
                  copy per row, as before 2026-12-07's third session) instead of SlotDecoder.append_blocks' one write
   no-overlap     FastRunner.overlap off: each step's tokens read and delivered before the next step is launched (as
                  before 2026-12-07's third session)
+  reply-worker   each scheduled reply read by one of the engine's worker threads, which runs the backend's run() and
+                 feeds the streamer, while the reply's thread waits on the streamer's text queue (two threads a reply,
+                 as before 2026-12-07's fourth session) instead of the reply's own thread reading the scheduler
+  whole-decode   the streamer decodes with transformers' TextStreamer (every id since the last newline decoded again
+                 at each token, text held back to the next space; as before 2026-12-07's fourth session) instead of
+                 the tokenizers library's incremental DecodeStream
 """
 
 from __future__ import annotations
@@ -37,17 +43,34 @@ from typing import Any
 
 import torch
 
-HOST_VARIANTS = ("default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row", "no-overlap")
+HOST_VARIANTS = ("default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row", "no-overlap", "reply-worker",
+                 "whole-decode")
 
 
 @contextlib.contextmanager
-def host_variant(name: str, runner: Any = None) -> Iterator[None]:
+def host_variant(name: str, runner: Any = None, engine: Any = None) -> Iterator[None]:
     """The host as `name` says (the module docstring) for the block; `runner`: the engine's FastRunner
-    (blocks-per-row patches its decoder's append_blocks, no-overlap turns its overlap off), or None."""
+    (blocks-per-row patches its decoder's append_blocks, no-overlap turns its overlap off), or None; `engine`: the
+    ChatEngine (reply-worker patches how it reads its scheduled replies)."""
     if name not in HOST_VARIANTS:
         raise ValueError(f"host variant must be one of {HOST_VARIANTS}, got {name!r}")
     decoder = runner.decoder if runner is not None else None
-    if name == "no-overlap" and runner is not None:
+    if name == "reply-worker" and engine is not None:
+        engine._scheduled_texts = _via_worker(engine)
+        try:
+            yield
+        finally:
+            del engine._scheduled_texts
+    elif name == "whole-decode":
+        from llm_core.engine import chat
+
+        real = chat.incremental_decoder
+        chat.incremental_decoder = lambda tokenizer: None  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            chat.incremental_decoder = real  # type: ignore[assignment]
+    elif name == "no-overlap" and runner is not None:
         before = runner.overlap
         runner.overlap = False
         try:
@@ -91,6 +114,33 @@ def host_variant(name: str, runner: Any = None) -> Iterator[None]:
             sys.setswitchinterval(before)
     else:
         yield
+
+
+def _via_worker(engine: Any) -> Any:
+    """ChatEngine._scheduled_texts' stand-in for reply-worker: the backend's run() on one of the engine's worker
+    threads feeds the streamer, and this thread iterates the streamer's text queue (its timeout raising queue.Empty)."""
+
+    def texts(backend: Any, prepared: Any, streamer: Any, stop_event: Any, cache: Any, cached: list[int]
+              ) -> Iterator[str]:
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                with torch.inference_mode():
+                    cached.append(int(backend.run(prepared, streamer, stop_event, cache) or 0))
+            except BaseException as exc:  # noqa: BLE001 - relayed below
+                errors.append(exc)
+                streamer.end()
+
+        done = engine._workers.submit(work)
+        try:
+            yield from streamer
+        finally:
+            done.wait(30.0)
+        if errors:
+            raise errors[0]
+
+    return texts
 
 
 class StepProbe:

@@ -1,7 +1,7 @@
 """A reply's tokens between the batch scheduler's thread (llm_core.engine.scheduler.Scheduler, whatever its runner)
 and the request's thread: the scheduler thread puts token ids (int) on the request's `items` queue and finally a
-`Finished`; the request's thread reads them with `stream`, or feeds a streamer with `generate` (model.generate's shape,
-for the engine's workers)."""
+`Finished`; the request's thread reads them with `token_batches` (every id queued by then at each read) or `stream`
+(one by one)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from .errors import GenerationError
+
+
+class TokenTimeout(Exception):
+    """No token of a reply came within the reader's timeout (TokenStreams.token_batches)."""
 
 
 @dataclass(frozen=True)
@@ -91,33 +93,39 @@ class TokenStreams:
             self._cond.notify_all()
         return request
 
-    def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
-        """Yield the request's token ids as the scheduler produces them; raise its error; end when it finishes."""
+    def token_batches(self, request: Any, timeout_s: float | None = None, poll_s: float = 0.25
+                      ) -> Iterator[list[int]]:
+        """Yield the request's token ids as the scheduler produces them, as lists: each read takes every id queued by
+        then (a reader that fell behind catches up in one go); raise its error; end when it finishes. timeout_s:
+        raise TokenTimeout when no id came for that long (None: wait while the loop runs)."""
+        last = time.perf_counter()
         while True:
             try:
-                item = request.items.get(timeout=poll_s)
+                item = request.items.get(timeout=poll_s if timeout_s is None else min(poll_s, timeout_s))
             except queue.Empty:
                 if not self._loop_running():
                     raise GenerationError("The batch decode loop stopped while this reply was running.") from \
                         self.fatal_error
+                if timeout_s is not None and time.perf_counter() - last >= timeout_s:
+                    raise TokenTimeout(f"no token for {timeout_s:.0f} s") from None
                 continue
+            last = time.perf_counter()
+            batch: list[int] = []
+            while not isinstance(item, Finished):
+                batch.append(item)
+                try:
+                    item = request.items.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                yield batch
             if isinstance(item, Finished):
                 if item.error is not None:
                     raise item.error
                 return
-            yield item
 
-    def generate(self, input_ids: torch.Tensor, options: Any, max_new_tokens: int, streamer: Any,
-                 stop_event: threading.Event, record: Any = None) -> None:
-        """model.generate-shaped entry for a worker thread: the prompt to `streamer` first, then each new token, then
-        end() (also on error); raises the reply's error."""
-        try:
-            request = self.submit(input_ids.reshape(-1).tolist(), options, max_new_tokens, stop_event, record)
-            if streamer is not None:
-                streamer.put(input_ids.detach().reshape(1, -1).cpu())
-            for token in self.stream(request):
-                if streamer is not None:
-                    streamer.put(torch.tensor([token]))
-        finally:
-            if streamer is not None:
-                streamer.end()
+    def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
+        """Yield the request's token ids one by one as the scheduler produces them; raise its error; end when it
+        finishes."""
+        for batch in self.token_batches(request, None, poll_s):
+            yield from batch

@@ -519,11 +519,9 @@ def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tm
     out = tmp_path / "batched.json"
     interval = sys.getswitchinterval()
     assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--chats", "3",
-                         "--no-reference", "--host-variants",
-                         "default,gc-freeze,gc-off,switch-0.5ms,blocks-per-row,no-overlap"]) == 0
+                         "--no-reference", "--host-variants", ",".join(host_probe.HOST_VARIANTS)]) == 0
     runs = [r for r in json.loads(out.read_text())["records"] if r.get("recipe") == "ours"]
-    assert [r["host"] for r in runs] == ["default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row",
-                                         "no-overlap"]
+    assert [r["host"] for r in runs] == list(host_probe.HOST_VARIANTS)
     for r in runs:
         assert r["completed"] == 3
         host = r["host_probe"]["host"]
@@ -531,6 +529,9 @@ def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tm
         assert host["decode_step"]["calls"] >= 7 and host["run_step"]["calls"] >= 7
         assert "gpu" not in r["host_probe"]  # CPU: no device events
     assert gc.isenabled() and gc.get_freeze_count() == 0 and sys.getswitchinterval() == interval
+    from llm_core.engine import chat
+
+    assert chat.incremental_decoder.__module__ == "llm_core.engine.chat"  # whole-decode put it back
     with pytest.raises(ValueError, match="host variant"):
         with host_probe.host_variant("fast"):
             pass

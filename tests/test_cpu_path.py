@@ -240,6 +240,33 @@ def test_stop_halts_the_cpu_path_worker(cpu_engine: ChatEngine) -> None:
     assert cpu_engine.generating == 0 and cpu_engine.stop("cpu-stop") is False
 
 
+def test_a_scheduled_reply_is_read_on_its_own_thread_and_counted_while_it_runs(cpu_engine: ChatEngine) -> None:
+    """The CPU path's backend is one of the scheduler's: the reply's thread reads its ids from the scheduler itself
+    (no job goes to the engine's worker threads), `generating` counts it while it streams and not after, and its
+    text is the tokenizer's decode of its ids."""
+    workers = cpu_engine._workers
+    jobs: list[Any] = []
+    real = workers.submit
+
+    def spy(fn: Any) -> Any:
+        jobs.append(fn)
+        return real(fn)
+
+    gen = cpu_engine.request_options(max_new_tokens=12, min_new_tokens=12)
+    counts = []
+    workers.submit = spy  # type: ignore[method-assign]
+    try:
+        for update in cpu_engine.stream_chat("Say something about rivers.", [], gen=gen):
+            counts.append(cpu_engine.generating)
+            final = update
+    finally:
+        workers.submit = real  # type: ignore[method-assign]
+    assert not jobs and final.done and final.stats.new_tokens == 12
+    assert counts[0] == 1 and counts[-1] == 0 and cpu_engine.generating == 0
+    tok = cpu_engine.loaded.tokenizer
+    assert final.text == tok.decode(list(final.token_ids), skip_special_tokens=True)
+
+
 def test_eos_ends_a_cpu_reply_and_min_new_tokens_holds_it_back(cpu_engine: ChatEngine) -> None:
     text = "Name a colour."
     free = greedy(cpu_engine, text, 6)

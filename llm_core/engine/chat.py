@@ -5,10 +5,14 @@ What serves the replies is a DecodePath that start-up returned (llm_core.engine.
 measurement, fall back); ChatEngine holds it as `path` and swaps it whole (a re-plan of the fast path's cache is a new
 path). The runners behind DecodeBackend are llm_core.engine.runners.
 
-Generation runs on one of the engine's long-lived worker threads feeding a `TextIteratorStreamer` with a
-timeout; the caller iterates text updates. Stop sets a per-request event checked by a stopping criterion, so
-the worker really halts. A worker exception is re-raised in the caller as a GenerationError (OutOfMemoryError
-after freeing memory); a stalled worker raises after `stream_timeout_s`. Nothing can wait forever.
+A reply of the one scheduler (the batched fast path, the eager batch, the CPU path: serving.ScheduledBackend) is a
+row of its loop: the caller's own thread queues it and reads its token ids from the scheduler, and a streamer
+(`_TimedStreamer`, incremental decoding) stamps them and turns them into text. The single-reply backends (plain
+`generate`, the fast path's single loop) run on one of the engine's long-lived worker threads feeding that streamer,
+with a timeout; the caller iterates text updates. Stop sets a per-request event (the scheduler drops the row; a
+stopping criterion halts `generate`). A reply's error is re-raised in the caller as a GenerationError
+(OutOfMemoryError after freeing memory); no token within `stream_timeout_s` stops the reply with an error. Nothing can
+wait forever.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,11 +46,12 @@ from ..memory.device import OOMInjector, PeakMeter, cached_free_bytes, free_memo
 from ..memory.kv_cache import cache_bytes, make_cache
 from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
+from ..streams import TokenTimeout
 from ..types import LoadedModel
 from .admission import ReplySlots
 from .runners import DecodeBackend, PreparedPrompt
 from .scheduler import Scheduler
-from .serving import RowKV
+from .serving import RowKV, ScheduledBackend
 from .startup import (
     DecodePath,
     PathBuilder,
@@ -78,32 +83,78 @@ class ReplyUpdate:
     token_ids: tuple[int, ...] = ()  # the generated ids, on the final update only
 
 
-class _TimedStreamer(TextIteratorStreamer):
-    """TextIteratorStreamer that also stamps every generated token id on a TokenClock as it arrives.
+def incremental_decoder(tokenizer: Any) -> Any | None:
+    """A `tokenizers.decoders.DecodeStream` for `tokenizer` (each token's new text in O(1), incomplete UTF-8 held back
+    until its character is whole), or None where it would not give tokenizer.decode's text: a slow tokenizer, or one
+    that cleans up tokenization spaces (" ." -> "."), which only a decode of the whole text does."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not getattr(tokenizer, "is_fast", False) or getattr(
+            tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:  # pragma: no cover - tokenizers older than 0.21
+        return None
+    return DecodeStream(skip_special_tokens=True)
 
-    `every_token`: pass on each token's text as it comes (structured output). The base class holds symbols back
-    until the next space (they may open formatting, or be half a character); JSON is mostly symbols, so a compact
-    value would arrive in one piece at the end. Only an incomplete character (decoded as U+FFFD) still waits."""
+
+class _TimedStreamer(TextIteratorStreamer):
+    """TextIteratorStreamer that also stamps every generated token id on a TokenClock as it arrives, and passes on each
+    token's text as it comes.
+
+    With a fast tokenizer the text comes from `incremental_decoder` (O(1) per token; the base class decodes every id
+    since the last newline again at each token, and holds symbols back until the next space). Otherwise the base
+    class's decoding, and `every_token` (structured output: JSON is mostly symbols, so a compact value would arrive
+    in one piece at the end) passes on each token's text except an incomplete character (decoded as U+FFFD).
+    `put_ids` and `texts` are for a reader that feeds the streamer on its own thread (ChatEngine's scheduled
+    replies)."""
 
     def __init__(self, tokenizer: Any, clock: TokenClock, timeout_s: float, *, every_token: bool = False) -> None:
         super().__init__(tokenizer, skip_prompt=True, timeout=timeout_s, skip_special_tokens=True)
         self.clock = clock
         self.every_token = every_token
+        self._decoder = incremental_decoder(tokenizer)
 
     def put(self, value: torch.Tensor) -> None:
         if self.skip_prompt and self.next_tokens_are_prompt:
             super().put(value)  # the prompt: skipped
             return
-        ids = value.reshape(-1).tolist()
+        self.put_ids(value.reshape(-1).tolist())
+
+    def put_ids(self, ids: list[int]) -> None:
+        """Generated token ids: stamped on the clock, their text passed on."""
         self.clock.on_tokens(ids)
+        if self._decoder is not None:
+            backend = self.tokenizer._tokenizer
+            text = "".join(chunk for chunk in (self._decoder.step(backend, i) for i in ids) if chunk)
+            if text:
+                self.on_finalized_text(text)
+            return
         if not self.every_token:
-            super().put(value)
+            super().put(torch.tensor(ids))
             return
         self.token_cache.extend(ids)  # one decode per token, as the base class does; end() flushes the rest
         text = str(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
         if len(text) > self.print_len and not text.endswith("\ufffd"):
             self.on_finalized_text(text[self.print_len:])
             self.print_len = len(text)
+
+    def end(self) -> None:
+        if self._decoder is not None:  # nothing held back but an incomplete character, which never completes now
+            self.next_tokens_are_prompt = True
+            self.text_queue.put(self.stop_signal, timeout=self.timeout)
+            return
+        super().end()
+
+    def texts(self) -> Iterator[str]:
+        """The text passed on so far and not yet read, without waiting (the reader that feeds put_ids)."""
+        while True:
+            try:
+                text = self.text_queue.get_nowait()
+            except queue.Empty:
+                return
+            if text is not self.stop_signal and text:
+                yield text
 
 
 class WorkerThreads:
@@ -129,6 +180,17 @@ class WorkerThreads:
     def grow(self, size: int) -> None:
         with self._start_lock:
             self._size = max(self._size, size)
+
+    @contextlib.contextmanager
+    def occupied(self) -> Iterator[None]:
+        """Count a reply that runs on its caller's thread among the running jobs (`running`: what the UI shows)."""
+        with self._start_lock:
+            self._running += 1
+        try:
+            yield
+        finally:
+            with self._start_lock:
+                self._running -= 1
 
     def submit(self, fn: Callable[[], None]) -> threading.Event:
         """Run fn on a worker thread; the returned event is set when it has returned (or raised)."""
@@ -604,14 +666,23 @@ class ChatEngine:
         cached_free = cached_free_bytes(loaded.device)
         if not getattr(backend, "measures_peak", False):  # overlapping replies: the backend records each one's peak
             peak.start()
-        worker_done = self._workers.submit(work)
+        worker_done: threading.Event | None = None
+        scheduled: Generator[str, None, None] | None = None
+        if isinstance(backend, ScheduledBackend):  # a row of the scheduler: read on this thread, no worker between
+            scheduled = self._scheduled_texts(backend, prepared, streamer, stop_event, cache, cached)
+            chunks: Iterator[str] = scheduled
+        else:
+            worker_done = self._workers.submit(work)
+            chunks = iter(streamer)
         reply = ""
         try:
             try:
-                for chunk in streamer:
+                for chunk in chunks:
                     reply += chunk
                     yield ReplyUpdate(reply, self._live_stats(stats, clock))
-            except Exception as exc:  # queue.Empty: no token within stream_timeout_s
+            except Exception as exc:  # queue.Empty / TokenTimeout: no token within stream_timeout_s
+                if worker_done is None and not isinstance(exc, TokenTimeout):
+                    errors.append(exc)  # the scheduled reply's own error
                 if errors:
                     cache = None  # drop the KV cache before recovering memory
                     raise self._translate(errors[0]) from None
@@ -620,7 +691,8 @@ class ChatEngine:
                     f"No new token for {gen.stream_timeout_s:.0f} s; the reply was stopped. Try again, or "
                     "lower max new tokens."
                 ) from exc
-            worker_done.wait(_JOIN_TIMEOUT_S)
+            if worker_done is not None:
+                worker_done.wait(_JOIN_TIMEOUT_S)
             if errors:
                 cache = None  # drop the KV cache before recovering memory
                 raise self._translate(errors[0]) from None
@@ -631,8 +703,30 @@ class ChatEngine:
                 final = replace(final, **gen.control.stats_fields())
             yield ReplyUpdate(reply, final, done=True, token_ids=tuple(clock.token_ids))
         finally:
-            stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker too
-            worker_done.wait(_JOIN_TIMEOUT_S)
+            stop_event.set()  # the consumer went away (Stop, disconnect, error): halt the worker or the row too
+            if worker_done is not None:
+                worker_done.wait(_JOIN_TIMEOUT_S)
+            elif scheduled is not None:
+                scheduled.close()  # its reply counted out of `generating` now, not when it is collected
+
+    def _scheduled_texts(self, backend: ScheduledBackend, prepared: PreparedPrompt, streamer: _TimedStreamer,
+                         stop_event: threading.Event, cache: Any, cached: list[int]) -> Generator[str, None, None]:
+        """A reply of a scheduled backend (the batched fast path, the eager batch, the CPU path) read on the reply's
+        own thread: its token ids straight from the scheduler's queue (every id queued by then in one read), stamped
+        and decoded by the streamer here. No worker thread in between: with one per reply, 32 replies woke 64 threads
+        a step, and the scheduler's thread waited for the GIL behind them (bench/results/2026-12-07-s3-h100.md).
+        Raises the reply's error, or TokenTimeout after stream_timeout_s without a token."""
+        with self._workers.occupied():
+            try:
+                request = backend.submit(prepared, streamer, stop_event, cache)
+                for ids in backend.scheduler.token_batches(request, prepared.gen.stream_timeout_s):
+                    streamer.put_ids(ids)
+                    yield from streamer.texts()
+            finally:
+                backend.after_reply()
+            streamer.end()
+            yield from streamer.texts()
+            cached.append(backend.cached_tokens(cache))
 
     def _live_stats(self, stats: ReplyStats, clock: TokenClock) -> ReplyStats:
         return replace(stats, **clock.snapshot())

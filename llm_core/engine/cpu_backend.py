@@ -3,7 +3,6 @@ CPURunner (llm_core.engine.cpu_runner) over llm_core.fast.cpu.CPUDecoder; knows 
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,19 +30,16 @@ class CPUBackend(ScheduledBackend):
         """Long prompts are prefilled in chunks of this many tokens, one chunk per turn of the loop (None: one pass)."""
         return self.scheduler.runner.prefill_chunk_tokens
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
-            input_ids: Any = None) -> int:
-        """ScheduledBackend.run with the prompt's padding dropped. Its RowKV gets the static cache's rows the reply
-        wrote (the cache is allocated empty, so rows never written are never resident). The first reply allocates
-        the cache and compiles the step on the loop's thread."""
+    def prompt_ids(self, prepared: Any) -> Any:
+        """The prompt with its padding dropped. The reply's RowKV gets the static cache's rows the reply wrote (the
+        cache is allocated empty, so rows never written are never resident). The first reply allocates the cache
+        and compiles the step on the loop's thread."""
         mask = prepared.attention_mask
-        if input_ids is None:
-            input_ids = prepared.input_ids if bool(mask.all()) else prepared.input_ids[mask.bool()][None]
-        try:
-            return super().run(prepared, streamer, stop_event, cache, input_ids)
-        finally:
-            if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
-                self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
+        return prepared.input_ids if bool(mask.all()) else prepared.input_ids[mask.bool()][None]
+
+    def after_reply(self) -> None:
+        if self.decoder.compile_error and "eager" not in self.reason:  # the model panel says what runs
+            self.reason += f"; compiling failed ({self.decoder.compile_error}): running eagerly"
 
 
 def cpu_backend(loaded: LoadedModel, weights: Any, cache_tokens: int, prefill_chunk_tokens: int | None, *,

@@ -131,15 +131,46 @@ class ScheduledBackend:
         """Start the loop (idempotent): the runner warms up first (the fast path: slots, compile, graphs)."""
         self.scheduler.start()
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
-            input_ids: torch.Tensor | None = None) -> int:
-        """The prepared reply (input_ids: its prompt, when not prepared.input_ids) as a row, streamed into
-        `streamer`. Returns the prompt tokens whose KV came from a cache instead of the prefill."""
+    def prompt_ids(self, prepared: Any) -> torch.Tensor:
+        """The ids the row is prefilled from (the CPU path drops the prompt's padding)."""
+        return prepared.input_ids
+
+    def submit(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> Any:
+        """Queue the prepared reply as a row and hand `streamer` its prompt (what `generate` does first): the caller
+        then reads the reply's token ids (scheduler.token_batches) and feeds them to the streamer itself
+        (ChatEngine: on the reply's own thread, no worker in between). Returns the request (streams.QueuedReply)."""
         gen = prepared.gen
-        record = cache if isinstance(cache, RowKV) else None
-        self.scheduler.generate(prepared.input_ids if input_ids is None else input_ids, SamplingOptions.of(gen),
-                                gen.max_new_tokens, streamer, stop_event, record)
-        return record.cached_prompt_tokens if record is not None else 0
+        ids = self.prompt_ids(prepared)
+        request = self.scheduler.submit(ids.reshape(-1).tolist(), SamplingOptions.of(gen), gen.max_new_tokens,
+                                        stop_event, cache if isinstance(cache, RowKV) else None)
+        if streamer is not None:
+            streamer.put(ids.detach().reshape(1, -1).cpu())
+        return request
+
+    def cached_tokens(self, cache: Any) -> int:
+        """After the reply: the prompt tokens whose KV came from a cache instead of the prefill."""
+        return cache.cached_prompt_tokens if isinstance(cache, RowKV) else 0
+
+    def after_reply(self) -> None:
+        """Called once a reply of this backend ended (the CPU path updates what its panel says)."""
+
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        """The prepared reply as a row, streamed into `streamer` on the calling thread (DecodeBackend's form; the
+        engine reads the row itself instead: submit). Returns the prompt tokens whose KV came from a cache instead
+        of the prefill."""
+        try:
+            request = self.submit(prepared, streamer, stop_event, cache)
+            if streamer is not None:
+                for ids in self.scheduler.token_batches(request):
+                    streamer.put(torch.tensor(ids))
+            else:
+                for _ in self.scheduler.token_batches(request):
+                    pass
+        finally:
+            if streamer is not None:
+                streamer.end()
+            self.after_reply()
+        return self.cached_tokens(cache)
 
 
 @dataclass
