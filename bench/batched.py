@@ -432,9 +432,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.settings = {}
     args.host_variants = [v for v in args.host_variants.split(",") if v]
-    unknown = sorted(set(args.host_variants) - set(HOST_VARIANTS))
+    unknown = sorted({part for v in args.host_variants for part in v.split("+")} - set(HOST_VARIANTS))
     if unknown or not args.host_variants or args.host_repeats < 1:
-        parser.error(f"--host-variants takes names from {HOST_VARIANTS} and --host-repeats 1 or more")
+        parser.error(f"--host-variants takes names from {HOST_VARIANTS} (several at once joined by '+') and "
+                     "--host-repeats 1 or more")
     for item in args.set:
         name, sep, value = item.partition("=")
         if not sep or not name:

@@ -52,6 +52,12 @@ def host_variant(name: str, runner: Any = None, engine: Any = None) -> Iterator[
     """The host as `name` says (the module docstring) for the block; `runner`: the engine's FastRunner
     (blocks-per-row patches its decoder's append_blocks, no-overlap turns its overlap off), or None; `engine`: the
     ChatEngine (reply-worker patches how it reads its scheduled replies)."""
+    if "+" in name:  # several at once: "reply-worker+whole-decode" is the reply path before 2026-12-07's fourth session
+        with contextlib.ExitStack() as stack:
+            for part in name.split("+"):
+                stack.enter_context(host_variant(part, runner, engine))
+            yield
+        return
     if name not in HOST_VARIANTS:
         raise ValueError(f"host variant must be one of {HOST_VARIANTS}, got {name!r}")
     decoder = runner.decoder if runner is not None else None

@@ -519,9 +519,10 @@ def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tm
     out = tmp_path / "batched.json"
     interval = sys.getswitchinterval()
     assert batched.main(["--smoke", "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--chats", "3",
-                         "--no-reference", "--host-variants", ",".join(host_probe.HOST_VARIANTS)]) == 0
+                         "--no-reference", "--host-variants",
+                         ",".join([*host_probe.HOST_VARIANTS, "reply-worker+whole-decode"])]) == 0
     runs = [r for r in json.loads(out.read_text())["records"] if r.get("recipe") == "ours"]
-    assert [r["host"] for r in runs] == list(host_probe.HOST_VARIANTS)
+    assert [r["host"] for r in runs] == [*host_probe.HOST_VARIANTS, "reply-worker+whole-decode"]
     for r in runs:
         assert r["completed"] == 3
         host = r["host_probe"]["host"]
