@@ -125,7 +125,8 @@ def within(r: float | None) -> bool | None:
 
 class Probe:
     """Clock reads inside a compare-side reply, to attribute a TTFT gap: around ChatEngine.prepare, and when the
-    decode backend starts in the worker thread. Wraps the engine object's own prepare and backend.run (two
+    decode backend starts: its run() in the worker thread, or, for a reply of the scheduler (ScheduledBackend), its
+    submit() on the reply's own thread. Wraps the engine object's own prepare and backend.run / backend.submit (two
     perf_counter calls per reply); it also keeps the PreparedPrompt, whose ids the bench side then uses."""
 
     def __init__(self, engine: ChatEngine) -> None:
@@ -150,6 +151,14 @@ class Probe:
 
         engine.prepare = prepare  # type: ignore[method-assign]
         engine.backend.run = run
+        inner_submit = getattr(engine.backend, "submit", None)
+        if inner_submit is not None:
+            def submit(prepared: Any, streamer: Any, *args: Any, **kwargs: Any) -> Any:
+                self.decode_start = time.perf_counter()
+                self.clock_start = streamer.clock.start_s
+                return inner_submit(prepared, streamer, *args, **kwargs)
+
+            engine.backend.submit = submit
 
     def clear(self) -> None:
         self.prepare_start = self.prepare_end = self.decode_start = self.clock_start = None

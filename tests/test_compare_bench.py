@@ -62,6 +62,26 @@ def test_min_new_tokens_holds_eos_back_on_the_plain_and_fast_paths(tiny_checkpoi
     assert engine.request_options(min_new_tokens=4.0).min_new_tokens == 4
 
 
+def test_the_probe_times_a_scheduled_replys_start_at_its_submit() -> None:
+    """A reply of the scheduler starts at backend.submit on the reply's own thread (ChatEngine._scheduled_texts), not
+    at run() in a worker: the probe reads the decode start and the reply's clock there too, and passes the call on."""
+    from types import SimpleNamespace
+
+    from bench.compare_bench import Probe
+    from llm_core.metrics import TokenClock
+
+    calls: list[Any] = []
+    backend = SimpleNamespace(run=lambda *a, **kw: calls.append(("run", a)) or 0,
+                              submit=lambda *a, **kw: calls.append(("submit", a)) or "request")
+    engine = SimpleNamespace(prepare=lambda *a, **kw: "prepared", backend=backend)
+    probe = Probe(engine)  # type: ignore[arg-type]
+    clock = TokenClock(start_s=12.5)
+    streamer = SimpleNamespace(clock=clock)
+    assert engine.backend.submit("prepared", streamer, "stop", "cache") == "request"
+    assert calls == [("submit", ("prepared", streamer, "stop", "cache"))]
+    assert probe.clock_start == 12.5 and probe.decode_start is not None and probe.decode_start > 12.5
+
+
 def test_cpu_smoke_checks_every_mode_against_the_bench_on_the_same_model(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     proc = subprocess.run([sys.executable, "-m", "bench.compare_bench", "--cpu-smoke",
