@@ -120,12 +120,14 @@ class TokenClock:
         self._count = 0
         self.token_ids: list[int] = []
 
-    def on_tokens(self, ids: list[int]) -> None:
+    def on_tokens(self, ids: list[int], times: list[float] | None = None) -> None:
+        """Stamp `ids` as arrived now, or at `times` (one per id: when the scheduler delivered them)."""
         now = time.perf_counter()
+        first, last = (times[0], times[-1]) if times else (now, now)
         with self._lock:
             if self._first_s is None:
-                self._first_s = now
-            self._last_s = now
+                self._first_s = first
+            self._last_s = last
             self._count += len(ids)
             self.token_ids.extend(ids)
 

@@ -43,6 +43,9 @@ class QueuedReply:
         self.stop_event = stop_event
         self.record = record
         self.items: queue.SimpleQueue[int | Finished] = queue.SimpleQueue()
+        # when each token was delivered (perf_counter, the scheduler thread; appended before the token is queued): a
+        # reader that takes several ids at once stamps each at its delivery, not at the read
+        self.delivered_s: list[float] = []
         self.arrived_s = time.perf_counter()
         self.counted_wait = False  # counted once in the scheduler's waiting statistics
         self.overtaken = 0  # admissions of later requests while this one waited (bounded: runner.max_overtakes)

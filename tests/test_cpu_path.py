@@ -15,6 +15,7 @@ import collections
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -265,6 +266,31 @@ def test_a_scheduled_reply_is_read_on_its_own_thread_and_counted_while_it_runs(c
     assert counts[0] == 1 and counts[-1] == 0 and cpu_engine.generating == 0
     tok = cpu_engine.loaded.tokenizer
     assert final.text == tok.decode(list(final.token_ids), skip_special_tokens=True)
+
+
+def test_a_reader_that_falls_behind_stamps_each_token_at_its_delivery(cpu_engine: ChatEngine) -> None:
+    """The reply's thread reads its ids late (here: after the whole reply was queued, in one read): TTFT and decode
+    tokens/s still come from when the scheduler delivered each token, not from the read."""
+    scheduler = cpu_engine.backend.scheduler
+    real = scheduler.token_batches
+    batches: list[list[int]] = []
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.5)  # the 8 tokens take well under a second on this model
+        for ids in real(*args, **kwargs):
+            batches.append(ids)
+            yield ids
+
+    gen = cpu_engine.request_options(max_new_tokens=8, min_new_tokens=8)
+    scheduler.token_batches = late  # type: ignore[method-assign]
+    try:
+        final = last(cpu_engine.stream_chat("Tell me about lakes.", [], gen=gen))
+    finally:
+        del scheduler.token_batches
+    stats = final.stats
+    assert batches == [list(final.token_ids)]  # one read took them all
+    assert stats.new_tokens == 8 and stats.ttft_s is not None and stats.ttft_s < 1.5
+    assert stats.decode_tokens_per_s is not None and stats.decode_tokens_per_s > 0
 
 
 def test_eos_ends_a_cpu_reply_and_min_new_tokens_holds_it_back(cpu_engine: ChatEngine) -> None:

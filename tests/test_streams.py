@@ -65,6 +65,18 @@ def test_the_streamer_passes_on_the_text_decode_gives_one_or_several_tokens_at_a
     assert "".join(streamer.texts()) == "Hello"  # TextStreamer would hold "Hello" back until the next space
 
 
+def test_ids_read_together_keep_the_times_they_were_delivered(tokenizer: Any) -> None:
+    """put_ids with the delivery times (what the engine passes for a read of several ids): the clock's first and last
+    token are those times, so TTFT and decode tokens/s do not depend on when the reader woke."""
+    clock = TokenClock(start_s=100.0)
+    streamer = _TimedStreamer(tokenizer, clock, 1.0)
+    streamer.put(torch.tensor([[1]]))
+    streamer.put_ids(tokenizer("one two three four")["input_ids"][:4], [100.5, 100.6, 100.7, 100.8])
+    snap = clock.snapshot()
+    assert snap["new_tokens"] == 4 and snap["ttft_s"] == pytest.approx(0.5)
+    assert snap["decode_s"] == pytest.approx(0.3) and snap["decode_tokens_per_s"] == pytest.approx(10.0)
+
+
 def test_an_incomplete_character_waits_for_its_last_byte(tokenizer: Any) -> None:
     """Byte-level tokens that split one character: nothing (no U+FFFD) is passed on until the character is whole."""
     ids = tokenizer("😀")["input_ids"]

@@ -121,9 +121,9 @@ class _TimedStreamer(TextIteratorStreamer):
             return
         self.put_ids(value.reshape(-1).tolist())
 
-    def put_ids(self, ids: list[int]) -> None:
-        """Generated token ids: stamped on the clock, their text passed on."""
-        self.clock.on_tokens(ids)
+    def put_ids(self, ids: list[int], times: list[float] | None = None) -> None:
+        """Generated token ids: stamped on the clock (at `times`, their delivery, where given), their text passed on."""
+        self.clock.on_tokens(ids, times)
         if self._decoder is not None:
             backend = self.tokenizer._tokenizer
             text = "".join(chunk for chunk in (self._decoder.step(backend, i) for i in ids) if chunk)
@@ -713,14 +713,17 @@ class ChatEngine:
                          stop_event: threading.Event, cache: Any, cached: list[int]) -> Generator[str, None, None]:
         """A reply of a scheduled backend (the batched fast path, the eager batch, the CPU path) read on the reply's
         own thread: its token ids straight from the scheduler's queue (every id queued by then in one read), stamped
-        and decoded by the streamer here. No worker thread in between: with one per reply, 32 replies woke 64 threads
-        a step, and the scheduler's thread waited for the GIL behind them (bench/results/2026-12-07-s3-h100.md).
+        at their delivery (a read that takes several does not bunch their times) and decoded by the streamer here.
+        No worker thread in between: with one per reply, 32 replies woke 64 threads a step, and the scheduler's
+        thread waited for the GIL behind them (bench/results/2026-12-07-s3-h100.md).
         Raises the reply's error, or TokenTimeout after stream_timeout_s without a token."""
         with self._workers.occupied():
             try:
                 request = backend.submit(prepared, streamer, stop_event, cache)
+                read = 0
                 for ids in backend.scheduler.token_batches(request, prepared.gen.stream_timeout_s):
-                    streamer.put_ids(ids)
+                    streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
+                    read += len(ids)
                     yield from streamer.texts()
             finally:
                 backend.after_reply()

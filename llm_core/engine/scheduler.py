@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -129,6 +130,7 @@ class Scheduler(TokenStreams, Generic[R]):
         """Stream a row's new token (its `new_tokens`-th) to its request; the reason the row ends with it, if any:
         eos (once min_new_tokens are out: the fast path bans EOS until then, the eager one has no such minimum)
         or length. The request's own eos_token_ids, when set, replace the scheduler's."""
+        request.delivered_s.append(time.perf_counter())
         request.items.put(token)
         eos = request.eos_token_ids if request.eos_token_ids is not None else self.eos_token_ids
         if token in eos and new_tokens >= min_new_tokens:

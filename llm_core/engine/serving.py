@@ -161,8 +161,13 @@ class ScheduledBackend:
         try:
             request = self.submit(prepared, streamer, stop_event, cache)
             if streamer is not None:
+                read = 0
                 for ids in self.scheduler.token_batches(request):
-                    streamer.put(torch.tensor(ids))
+                    if hasattr(streamer, "put_ids"):  # the engine's streamer: stamped at delivery
+                        streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
+                    else:
+                        streamer.put(torch.tensor(ids))
+                    read += len(ids)
             else:
                 for _ in self.scheduler.token_batches(request):
                     pass
