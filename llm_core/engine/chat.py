@@ -718,15 +718,8 @@ class ChatEngine:
         thread waited for the GIL behind them (bench/results/2026-12-07-s3-h100.md).
         Raises the reply's error, or TokenTimeout after stream_timeout_s without a token."""
         with self._workers.occupied():
-            try:
-                request = backend.submit(prepared, streamer, stop_event, cache)
-                read = 0
-                for ids in backend.scheduler.token_batches(request, prepared.gen.stream_timeout_s):
-                    streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
-                    read += len(ids)
-                    yield from streamer.texts()
-            finally:
-                backend.after_reply()
+            for _ in backend.feed(prepared, streamer, stop_event, cache, prepared.gen.stream_timeout_s):
+                yield from streamer.texts()
             streamer.end()
             yield from streamer.texts()
             cached.append(backend.cached_tokens(cache))

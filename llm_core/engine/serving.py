@@ -7,6 +7,7 @@ path's, llm_core.engine.cpu_backend, is a ScheduledBackend too). Knows nothing a
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -136,9 +137,8 @@ class ScheduledBackend:
         return prepared.input_ids
 
     def submit(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> Any:
-        """Queue the prepared reply as a row and hand `streamer` its prompt (what `generate` does first): the caller
-        then reads the reply's token ids (scheduler.token_batches) and feeds them to the streamer itself
-        (ChatEngine: on the reply's own thread, no worker in between). Returns the request (streams.QueuedReply)."""
+        """Queue the prepared reply as a row and hand `streamer` its prompt (what `generate` does first); `feed` then
+        reads the reply's token ids. Returns the request (streams.QueuedReply)."""
         gen = prepared.gen
         ids = self.prompt_ids(prepared)
         request = self.scheduler.submit(ids.reshape(-1).tolist(), SamplingOptions.of(gen), gen.max_new_tokens,
@@ -154,27 +154,35 @@ class ScheduledBackend:
     def after_reply(self) -> None:
         """Called once a reply of this backend ended (the CPU path updates what its panel says)."""
 
-    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
-        """The prepared reply as a row, streamed into `streamer` on the calling thread (DecodeBackend's form; the
-        engine reads the row itself instead: submit). Returns the prompt tokens whose KV came from a cache instead
-        of the prefill."""
+    def feed(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
+             timeout_s: float | None = None) -> Iterator[None]:
+        """Queue the prepared reply as a row (submit) and feed `streamer` its token ids on the calling thread as the
+        scheduler delivers them, each read's ids stamped at their delivery (the engine's streamer, put_ids; another
+        streamer gets them as a tensor); yields after each read. Raises the reply's error, or streams.TokenTimeout
+        after timeout_s without a token; calls after_reply however it ends. The caller ends the streamer."""
         try:
             request = self.submit(prepared, streamer, stop_event, cache)
-            if streamer is not None:
-                read = 0
-                for ids in self.scheduler.token_batches(request):
-                    if hasattr(streamer, "put_ids"):  # the engine's streamer: stamped at delivery
-                        streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
-                    else:
-                        streamer.put(torch.tensor(ids))
-                    read += len(ids)
-            else:
-                for _ in self.scheduler.token_batches(request):
-                    pass
+            read = 0
+            for ids in self.scheduler.token_batches(request, timeout_s):
+                if hasattr(streamer, "put_ids"):
+                    streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
+                elif streamer is not None:
+                    streamer.put(torch.tensor(ids))
+                read += len(ids)
+                yield
+        finally:
+            self.after_reply()
+
+    def run(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any) -> int:
+        """The prepared reply as a row, streamed into `streamer` on the calling thread (DecodeBackend's form; the
+        engine reads the row on the reply's thread itself: feed). Returns the prompt tokens whose KV came from a
+        cache instead of the prefill."""
+        try:
+            for _ in self.feed(prepared, streamer, stop_event, cache):
+                pass
         finally:
             if streamer is not None:
                 streamer.end()
-            self.after_reply()
         return self.cached_tokens(cache)
 
 
