@@ -62,6 +62,7 @@ MAX_SYSTEM_PROMPT_CHARS_RANGE = (0, 1_000_000)
 SESSION_MAX_WAITING_RANGE = (0, 16)
 COMPARE_MAX_LOADED_RANGE = (1, 16)
 LOGIN_MAX_FAILURES_RANGE = (1, 1000)
+UI_UPDATE_INTERVAL_RANGE = (0.0, 1.0)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MIN_SAMPLING_TEMPERATURE = 0.01  # logits / 1e-300 overflow to inf and sampling gets NaN probabilities
 
@@ -437,6 +438,11 @@ class ServerSettings:
         "are accepted, /v1 included; empty: every other site's requests are refused, as OLLAMA_ORIGINS")
     export_ttl_s: float = setting("EXPORT_TTL_S", 3600.0, _parse_float,
         "exported stats files are deleted after this many seconds, and when their session ends")
+    ui_update_interval_s: float = setting("UI_UPDATE_INTERVAL_S", 0.05, _parse_float,
+        "a streamed reply's page and /chat API updates come at most this often, in seconds (the first token's "
+        "and the end's at once); an update per token halved each reply's speed at 8 concurrent chats on an H100 "
+        "(docs/sharing.md); 0 = an update per token",
+        within=UI_UPDATE_INTERVAL_RANGE)
 
     @property
     def is_shared(self) -> bool:

@@ -16,6 +16,7 @@ from app import launch
 from llm_core.engine.chat import ChatEngine
 from ui import build_demo
 from ui.common import EMBEDDED_CHOICE as EMBEDDED
+from ui.common import UpdatePacer
 from ui.compare import NO_SIDE
 
 CHROMIUM = "/usr/bin/chromium"
@@ -109,6 +110,58 @@ def test_regenerate_replaces_the_last_reply(client: Any) -> None:
     job = client.submit(history, SYSTEM, 4, 8, False, 0.7, 0.95, 50, 1.05, "bf16", api_name="/regenerate")
     regenerated = list(job)[-1][0]
     assert len(regenerated) == 2 and text(regenerated[0]["content"]) == "Say one word."
+
+
+def test_update_pacer_sends_the_first_and_last_at_once_and_the_rest_at_most_one_per_interval() -> None:
+    now = [0]
+    pacer = UpdatePacer(5, clock=lambda: now[0])  # whole clock ticks: no float rounding at the interval's edge
+    sent = []
+    for step in range(20):  # a token every tick, the last one the reply's end
+        now[0] = step
+        sent.append(pacer.due(last=step == 19))
+    assert [i for i, due in enumerate(sent) if due] == [0, 5, 10, 15, 19]
+    every = UpdatePacer(0.0, clock=lambda: 1.0)  # UI_UPDATE_INTERVAL_S=0: every update, even at the same instant
+    assert all(every.due() for _ in range(5))
+
+
+@contextlib.contextmanager
+def paced_client(engine: ChatEngine, interval_s: float) -> Iterator[Any]:
+    from gradio_client import Client
+
+    settings = engine.settings.replace(server={"ui_update_interval_s": interval_s})
+    demo = build_demo(engine, settings)
+    port = free_port()
+    launch(demo, settings.replace(server={"port": port}), prevent_thread_lock=True, quiet=True)
+    try:
+        yield Client(f"http://127.0.0.1:{port}/", verbose=False)
+    finally:
+        demo.close()
+
+
+def test_streamed_updates_are_paced_by_the_setting_and_the_reply_is_whole(nf4_engine: ChatEngine,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """UI_UPDATE_INTERVAL_S=0 sends every update the engine yields; a 1 s interval sends the first token's and the
+    end's at once and at most one a second between them. The reply and its numbers are the same (greedy)."""
+    yielded = [0]
+    stream_chat = nf4_engine.stream_chat
+
+    def counted(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for update in stream_chat(*args, **kwargs):
+            yielded[0] += 1
+            yield update
+
+    monkeypatch.setattr(nf4_engine, "stream_chat", counted)
+    with paced_client(nf4_engine, 0.0) as every, paced_client(nf4_engine, 1.0) as paced:
+        each = chat(every, "Count from one to twenty in words.", max_new_tokens=24)
+        each_yielded, yielded[0] = yielded[0], 0
+        few = chat(paced, "Count from one to twenty in words.", max_new_tokens=24)
+        few_yielded = yielded[0]
+    assert each and few, "a streaming job failed (it yields nothing)"
+    assert each[-1][1] == few[-1][1] and text(few[-1][1][1]["content"]).strip()
+    assert each[-1][3]["new_tokens"] == few[-1][3]["new_tokens"] == 24
+    assert len(each) == each_yielded  # interval 0: one page update per engine update
+    decode_s = (few[-1][3]["new_tokens"] - 1) / few[-1][3]["decode_tokens_per_s"]
+    assert 2 <= len(few) <= min(few_yielded, 3 + decode_s), (len(few), few_yielded, decode_s)
 
 
 @pytest.mark.browser

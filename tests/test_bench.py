@@ -131,3 +131,41 @@ def test_cards_stops_a_chat_once_trimming_holds_its_context() -> None:
     assert plateaued([0, 0, 0, 2, 2, 4])  # three
     run = [0, 0, 0, 0, 0, 0, 2, 2, 4, 4, 5, 7, 7, 8, 10, 10, 11, 13]
     assert next(turn for turn in range(len(run) + 1) if plateaued(run[:turn])) == 9
+
+
+def test_app_load_serves_concurrent_chats_through_the_app_at_each_update_interval(tmp_path: Path) -> None:
+    """bench.app_load on the embedded model: two chats at once through the app's own server, each interval on the
+    same engine; every chat completes with its numbers, and the 1 s interval sends fewer updates than interval 0."""
+    out = tmp_path / "app-load.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.app_load", "--chats", "2", "--new-tokens", "16",
+                           "--prompt-tokens", "64", "--pairs", "1", "--intervals", "0,1", "--client-procs", "1",
+                           "--settings", "MAX_BATCH_SIZE=2", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rounds = {r["ui_update_interval_s"]: r for r in json.loads(out.read_text())["records"] if r.get("phase") == "round"}
+    assert sorted(rounds) == [0.0, 1.0]
+    for r in rounds.values():
+        assert r["completed"] == 2 and not r["errors"] and r["new_tokens"] == 32, r
+        assert r["aggregate_tokens_per_s"] > 0 and r["engine_decode_tokens_per_s"]["min"] > 0 and r["server_cpu_s"] > 0
+        assert r["prompt_tokens"] == [64] and r["ttft_p95_s"] <= r["client_ttft_p95_s"]
+    assert rounds[1.0]["updates_per_chat"]["max"] < rounds[0.0]["updates_per_chat"]["min"]
+
+
+def test_slim_wheel_drops_the_named_members_and_their_record_lines(tmp_path: Path) -> None:
+    import zipfile
+
+    from bench.slim_wheel import slim
+
+    wheel = tmp_path / "pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("pkg/__init__.py", "x = 1\n")
+        z.writestr("pkg/lib_cuda118.so", b"\0" * 100)
+        z.writestr("pkg/lib_cuda130.so", b"\1" * 100)
+        z.writestr("pkg-1.0.dist-info/RECORD", "pkg/__init__.py,sha256=a,6\npkg/lib_cuda118.so,sha256=b,100\n"
+                                               "pkg/lib_cuda130.so,sha256=c,100\npkg-1.0.dist-info/RECORD,,\n")
+    target, kept, dropped = slim(wheel, tmp_path / "out", ["pkg/lib_cuda1[12]*"])
+    with zipfile.ZipFile(target) as z:
+        assert sorted(z.namelist()) == ["pkg-1.0.dist-info/RECORD", "pkg/__init__.py", "pkg/lib_cuda130.so"]
+        assert z.read("pkg/lib_cuda130.so") == b"\1" * 100
+        assert "lib_cuda118" not in z.read("pkg-1.0.dist-info/RECORD").decode()
+    assert (kept, dropped) == (3, 1)

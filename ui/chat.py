@@ -18,7 +18,18 @@ from llm_core.history import ERROR_TITLE, check_history_size, clean_chat_input, 
 from llm_core.metrics import ReplyStats
 from llm_core.security import person_of
 
-from .common import PROGRESS, ChatHistory, Options, PageContext, add_rows, gen_options, session, stats_json, whole
+from .common import (
+    PROGRESS,
+    ChatHistory,
+    Options,
+    PageContext,
+    UpdatePacer,
+    add_rows,
+    gen_options,
+    session,
+    stats_json,
+    whole,
+)
 from .errors import user_error
 from .model import ModelPanel, build_model_panel
 from .stats import format_stats
@@ -100,17 +111,22 @@ class ChatHandlers:
         shown: ChatHistory = [*chat_input.history, {"role": "user", "content": chat_input.message},
                               {"role": "assistant", "content": first.text}]
         update = first
+        pacer = UpdatePacer(self.ctx.settings.server.ui_update_interval_s)
         try:
+            pacer.due()
             yield "", shown, format_stats(first.stats, live=True), gr.skip(), gr.skip()
-            for update in stream:
-                shown[-1] = {"role": "assistant", "content": update.text}
+            for update in stream:  # every token's update is read; at most one per interval is sent (and the last)
                 done = update.done
+                if not pacer.due(last=done):
+                    continue
+                shown[-1] = {"role": "assistant", "content": update.text}
                 stats = self._with_others_share(update.stats) if done else update.stats
                 yield gr.skip(), shown, format_stats(stats, live=not done), (
                     stats_json(stats) if done else gr.skip()), (add_rows(rows, [stats]) if done else gr.skip())
         except LLMCoreError as exc:
             note = {"role": "assistant", "content": str(exc), "metadata": {"title": ERROR_TITLE}}
-            shown = [*shown[:-1], *([shown[-1]] if update.text else []), note]
+            reply = [{"role": "assistant", "content": update.text}] if update.text else []  # a held update's too
+            shown = [*shown[:-1], *reply, note]
             stats = self._with_others_share(update.stats)
             yield gr.skip(), shown, format_stats(stats, live=False), stats_json(stats), add_rows(rows, [stats])
             raise user_error(exc) from None

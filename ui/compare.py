@@ -13,7 +13,7 @@ from llm_core.config import KV_CACHE_MODES, Settings
 from llm_core.errors import LLMCoreError
 from llm_core.security import person_of
 
-from .common import PageContext, add_rows, gen_options, model_choice, session
+from .common import PageContext, UpdatePacer, add_rows, gen_options, model_choice, session
 from .errors import user_error
 from .stats import format_stats
 
@@ -89,19 +89,25 @@ class CompareHandler:
             side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
             notes: list[str] = []
             shown_results = -1  # the summary and bars are sent when a side finishes, not with every token
+            pacer = UpdatePacer(ctx.settings.server.ui_update_interval_s)
             for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request),
                                            person=person_of(request, ctx.settings.server)):
                 if step.notes:
                     notes.extend(n for n in step.notes if n not in notes)
+                changed = len(step.results) != shown_results
+                token = (step.update is not None and not step.update.done and not changed and not step.done
+                         and not step.notes)  # a side's next token, nothing else: sent at the pacer's rate
                 if step.update is not None:
                     texts[step.index] = step.update.text
+                if not pacer.due(last=not token):
+                    continue  # the sides run one after another: this side's next update shows this text
+                if step.update is not None:
                     side_stats[step.index] = format_stats(step.update.stats, live=not step.update.done)
                 elif not step.done:
                     side_stats[step.index] = f"*Loading / starting {step.config.label}…*"
                 for i, result in enumerate(step.results):  # a finished side: its stats as the comparison counted them
                     side_stats[i] = format_stats(result.stats)
                 summary = [r.summary_row() for r in step.results]
-                changed = len(step.results) != shown_results
                 shown_results = len(step.results)
                 yield (*texts, *side_stats, summary_frame(summary) if changed else gr.skip(),
                        summary_bars(summary) if changed else gr.skip(),
