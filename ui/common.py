@@ -55,9 +55,10 @@ def header(report: Any) -> str:
 class UpdatePacer:
     """When a streamed reply's next update goes out: the first and the last at once, the rest at most one per
     `interval_s` (UI_UPDATE_INTERVAL_S; 0 = every one). A held update is not lost: the reply's text is whole in each
-    update, so the next one sent shows it. Each update costs Gradio ~0.3-0.6 ms of CPU (its postprocess, diff, queue
-    and SSE), all under the GIL the decoder's scheduler needs; at 8-32 replies of ~200 tokens/s each that is most of
-    a core (docs/sharing.md). A held token waits at most one interval plus the gap to the next token."""
+    update, so the next one sent shows it. Each update costs Gradio ~0.6 ms of CPU on a 2-core machine (its
+    postprocess, diff, queue and SSE), under the GIL the decoder's scheduler needs: with an update per token, 8
+    concurrent chats on an H100 decoded at half the speed (docs/sharing.md). A held token waits at most one interval
+    plus the gap to the next token."""
 
     interval_s: float
     clock: Callable[[], float] = time.perf_counter
