@@ -3,17 +3,20 @@ server in one process as `python app.py` runs them, each UI_UPDATE_INTERVAL_S in
 what the users receive and what the server's process spent; one JSON document.
 
 GPU (one call; the random checkpoint is written once to --ckpt):
-    python -m bench.app_load --random llama-2-7b --chats 8,32 --intervals 0,0.05 --pairs 3 --out "$OUT/app-load.json"
+    python -m bench.app_load --random llama-2-7b --chats 8,32 --intervals 0,0.05,0.05/128 --pairs 2 \
+        [--host-variants default,switch-0.5ms] --out "$OUT/app-load.json"
 CPU (the embedded model; MAX_BATCH_SIZE from --settings, else the app's default):
     python -m bench.app_load --chats 4 --new-tokens 32 --settings MAX_BATCH_SIZE=4 --out /tmp/app-load.json
 
 How: the engine is loaded once through llm_core's loader with the app's defaults (MODEL_ID = the checkpoint,
 MAX_BATCH_SIZE = the most chats, FORWARDED_ALLOW_IPS = 127.0.0.1 so each session is its own person, --settings on
-top). One demo per interval is built over it (`ui.build_demo`, `app.launch`: the app's page, queue and guard), each on
-its own port. A round = one interval, N chats: --client-procs client processes (clients outside the server's GIL, as
-users' browsers are) create their gradio_client sessions, report ready, and on "go" each submits one /chat (a distinct
---prompt-tokens prompt per chat and round, so the prefix cache finds nothing; --new-tokens, greedy) and reads every
-streamed update. Rounds go interval A, B, then B, A, ... (--pairs pairs per chat count).
+top). One demo per interval (and cap) is built over it (`ui.build_demo`, `app.launch`: the app's page, queue and
+guard), each on its own port. A round = one interval, N chats: --client-procs client processes (clients outside the
+server's GIL, as users' browsers are) create their gradio_client sessions, report ready, and on "go" each submits one
+/chat (a distinct --prompt-tokens prompt per chat and round, so the prefix cache finds nothing; --new-tokens, greedy)
+and reads every streamed update. Rounds go interval A, B, then B, A, ... (--pairs pairs per chat count); with
+--host-variants (bench.host_probe: e.g. switch-0.5ms, the GIL's switch interval at 0.5 ms), each interval under each
+variant.
 
 Records (`round`), per chat from the client (monotonic clock, one machine) and the reply's own stats:
   aggregate_tokens_per_s        sum over chats of (new_tokens - 1) / (latest final update - earliest first update):
@@ -179,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--random", metavar="ARCH", help="a random-weight checkpoint of this shape (bench.harness)")
     p.add_argument("--ckpt", type=Path, help="where the random checkpoint is (written when missing)")
     p.add_argument("--chats", default="8", help="comma-separated chat counts")
-    p.add_argument("--intervals", default="0,0.05", help="comma-separated UI_UPDATE_INTERVAL_S values")
+    p.add_argument("--intervals", default="0,0.05",
+                   help="comma-separated UI_UPDATE_INTERVAL_S values, each alone (no cap) or as INTERVAL/CAP with a "
+                        "UI_MAX_UPDATES_PER_S (0.05/128: the app's defaults)")
     p.add_argument("--pairs", type=int, default=2, help="rounds of each interval per chat count")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--client-procs", type=int, default=4)
+    p.add_argument("--host-variants", default="default",
+                   help="comma-separated bench.host_probe host variants (e.g. default,switch-0.5ms); every round runs "
+                        "under each in turn")
     p.add_argument("--settings", nargs="*", default=[], metavar="KEY=VALUE", help="more settings for the engine")
     a = p.parse_args(argv)
     if a.client:
@@ -198,12 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     from app import launch
     from bench.batched import prompt_text
     from bench.harness import Recorder, checkpoint_ready, make_random_checkpoint
+    from bench.host_probe import HOST_VARIANTS, host_variant
     from llm_core.config import Settings
     from llm_core.engine.chat import ChatEngine
     from ui import build_demo
 
     chats = [int(n) for n in a.chats.split(",")]
-    intervals = [float(v) for v in a.intervals.split(",")]
+    variants = [v for v in a.host_variants.split(",") if v]
+    if not variants or {part for v in variants for part in v.split("+")} - set(HOST_VARIANTS):
+        p.error(f"--host-variants takes names from {HOST_VARIANTS}")
+    intervals = [(float(v.split("/")[0]), int(v.split("/")[1]) if "/" in v else 0) for v in a.intervals.split(",")]
     cuda = torch.cuda.is_available()
     meta: dict[str, Any] = {
         "command": " ".join(shlex.quote(x) for x in [sys.executable, "-m", "bench.app_load", *sys.argv[1:]]),
@@ -232,25 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     user_tokens = a.prompt_tokens - (engine.count_tokens([{"role": "system", "content": SYSTEM}, *one])
                                      - engine.count_tokens(one))
     demos, urls = [], {}
-    for interval in intervals:
-        paced = settings.replace(server={"ui_update_interval_s": interval, "port": free_port()})
+    for interval, cap in intervals:
+        paced = settings.replace(server={"ui_update_interval_s": interval, "ui_max_updates_per_s": cap,
+                                         "port": free_port()})
         demo = build_demo(engine, paced)
         launch(demo, paced, prevent_thread_lock=True, quiet=True)
         demos.append(demo)
-        urls[interval] = f"http://127.0.0.1:{paced.server.port}/"
+        urls[(interval, cap)] = f"http://127.0.0.1:{paced.server.port}/"
+    runner = getattr(getattr(engine, "fast_scheduler", None), "runner", None)
+    cases = [(interval, variant) for interval in intervals for variant in variants]
     try:
         serial = 0
         for n in chats:
             for pair in range(a.pairs):
-                for interval in (intervals if pair % 2 == 0 else intervals[::-1]):
+                for interval, variant in (cases if pair % 2 == 0 else cases[::-1]):
                     messages = [prompt_text(engine, serial + i, user_tokens) for i in range(n)]
-                    result = run_round(urls[interval], messages, a.new_tokens, a.client_procs, serial)
+                    with host_variant(variant, runner, engine):
+                        result = run_round(urls[interval], messages, a.new_tokens, a.client_procs, serial)
                     serial += n
-                    rec.add(phase="round", concurrent_chats=n, ui_update_interval_s=interval, pair=pair, **result)
+                    rec.add(phase="round", concurrent_chats=n, ui_update_interval_s=interval[0],
+                            ui_max_updates_per_s=interval[1], host=variant, pair=pair, **result)
                     print({k: result.get(k) for k in ("chats", "completed", "aggregate_tokens_per_s",
                                                       "engine_decode_tokens_per_s", "ttft_p95_s", "updates_per_chat",
-                                                      "server_cpu_ms_per_token", "errors")}, f"interval={interval}",
-                          flush=True)
+                                                      "server_cpu_ms_per_token", "errors")},
+                          f"interval={interval[0]} cap={interval[1]} host={variant}", flush=True)
     finally:
         for demo in demos:
             demo.close()

@@ -3,8 +3,9 @@
 # cache at 32 chats. Run from the repo root with the slim wheels in .whl (bench/slim_wheel.py: bitsandbytes, our
 # transformers pin, Gradio's server and the packages it needs that the device lacks, llguidance). Records under $OUT:
 #   app-load-<N>.json   PARTS=app: bench.app_load --chats $APP_CHATS (default 8,32) --intervals $INTERVALS (default
-#                       0,0.05), $PAIRS pairs: the app's own server and engine in one process, gradio_client sessions
-#                       in $PROCS client processes
+#                       0,0.05; INTERVAL/CAP adds a UI_MAX_UPDATES_PER_S), $PAIRS pairs, each under the bench.host_probe
+#                       variants $HOST (default: default): the app's own server and engine in one process,
+#                       gradio_client sessions in $PROCS client processes
 #   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
@@ -15,7 +16,7 @@ N=${N:-1}
 if [[ $PARTS == *" app "* ]]; then
   timeout -s INT -k 15 "${APP_S:-300}" python3 -m bench.app_load --random llama-2-7b --ckpt $CKPT \
     --chats "${APP_CHATS:-8,32}" --intervals "${INTERVALS:-0,0.05}" --pairs "${PAIRS:-2}" --new-tokens 128 \
-    --prompt-tokens 512 --client-procs "${PROCS:-8}" --out "$OUT/app-load-$N.json" > "$OUT/app-load-$N.log" 2>&1
+    --prompt-tokens 512 --client-procs "${PROCS:-8}" --host-variants "${HOST:-default}" --out "$OUT/app-load-$N.json" > "$OUT/app-load-$N.log" 2>&1
   echo "app rc=$?"; grep -E "^\{'|Traceback|Error" "$OUT/app-load-$N.log" | head -24 | cut -c1-400
 fi
 if [[ $PARTS == *" kv "* ]]; then

@@ -63,6 +63,7 @@ SESSION_MAX_WAITING_RANGE = (0, 16)
 COMPARE_MAX_LOADED_RANGE = (1, 16)
 LOGIN_MAX_FAILURES_RANGE = (1, 1000)
 UI_UPDATE_INTERVAL_RANGE = (0.0, 1.0)
+UI_MAX_UPDATES_RANGE = (0, 100_000)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 MIN_SAMPLING_TEMPERATURE = 0.01  # logits / 1e-300 overflow to inf and sampling gets NaN probabilities
 
@@ -443,6 +444,11 @@ class ServerSettings:
         "and the end's at once); an update per token halved each reply's speed at 8 concurrent chats on an H100 "
         "(docs/sharing.md); 0 = an update per token",
         within=UI_UPDATE_INTERVAL_RANGE)
+    ui_max_updates_per_s: int = setting("UI_MAX_UPDATES_PER_S", 128, _parse_int,
+        "streamed updates a second for every reply together at most: with N replies streaming, each updates every "
+        "max(UI_UPDATE_INTERVAL_S, N / this) s (32 chats: every 0.25 s); Gradio's work per update slows the "
+        "decoder (32 chats on an H100: ~730 tokens/s in all at 0.05 s, 1,860 at 0.25 s); 0 = no cap",
+        within=UI_MAX_UPDATES_RANGE)
 
     @property
     def is_shared(self) -> bool:

@@ -8,11 +8,13 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from app import launch
+from llm_core.config import Settings
 from llm_core.engine.chat import ChatEngine
 from ui import build_demo
 from ui.common import EMBEDDED_CHOICE as EMBEDDED
@@ -122,6 +124,27 @@ def test_update_pacer_sends_the_first_and_last_at_once_and_the_rest_at_most_one_
     assert [i for i, due in enumerate(sent) if due] == [0, 5, 10, 15, 19]
     every = UpdatePacer(0.0, clock=lambda: 1.0)  # UI_UPDATE_INTERVAL_S=0: every update, even at the same instant
     assert all(every.due() for _ in range(5))
+
+
+def test_update_pacer_spreads_a_cap_on_all_updates_over_the_replies_streaming() -> None:
+    """UI_MAX_UPDATES_PER_S: 20 replies under a cap of 2 per tick each update every 10 ticks, not every 5; one reply
+    keeps the interval; the count is every loaded engine's `generating` (an engine without one counts none)."""
+    now, streaming = [0], [20]
+    pacer = UpdatePacer(5, streams=lambda: streaming[0], max_updates_per_s=2, clock=lambda: now[0])
+    sent = []
+    for step in range(30):
+        now[0] = step
+        sent.append(pacer.due(last=step == 29))
+    assert [i for i, due in enumerate(sent) if due] == [0, 10, 20, 29]
+    streaming[0] = 1
+    assert pacer.interval() == 5 and UpdatePacer(5, streams=lambda: 99).interval() == 5  # no cap: 0
+
+    engines = [SimpleNamespace(generating=3), SimpleNamespace(generating=1), SimpleNamespace()]
+    settings = Settings().replace(server={"ui_update_interval_s": 0.05, "ui_max_updates_per_s": 40})
+    page = SimpleNamespace(settings=settings, pool=SimpleNamespace(engines=lambda: engines))
+    assert UpdatePacer.for_page(page).interval() == pytest.approx(4 / 40)  # type: ignore[arg-type]
+    engines[0].generating = 0
+    assert UpdatePacer.for_page(page).interval() == 0.05  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager

@@ -111,7 +111,7 @@ class ChatHandlers:
         shown: ChatHistory = [*chat_input.history, {"role": "user", "content": chat_input.message},
                               {"role": "assistant", "content": first.text}]
         update = first
-        pacer = UpdatePacer(self.ctx.settings.server.ui_update_interval_s)
+        pacer = UpdatePacer.for_page(self.ctx)
         try:
             # The raw stats JSON is {} while the reply streams and the reply's own at its end. An unchanged value
             # costs Gradio less than gr.skip(), which builds a new component for each update (~0.4 ms of CPU). The

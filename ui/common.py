@@ -61,15 +61,35 @@ class UpdatePacer:
     plus the gap to the next token."""
 
     interval_s: float
+    streams: Callable[[], int] = lambda: 1  # replies streaming now, this one included
+    max_updates_per_s: float = 0.0  # UI_MAX_UPDATES_PER_S: all replies' updates together; 0 = no cap
     clock: Callable[[], float] = time.perf_counter
     _last_s: float | None = field(default=None, init=False)
 
+    @classmethod
+    def for_page(cls, ctx: PageContext) -> UpdatePacer:
+        """A reply's pacer: the settings' interval, capped for all replies the page's loaded engines are streaming
+        (read without waiting for a load; a remote engine's replies are not counted)."""
+        server, pool = ctx.settings.server, ctx.pool
+        return cls(server.ui_update_interval_s,
+                   lambda: sum(int(getattr(engine, "generating", 0)) for engine in pool.engines()),
+                   float(server.ui_max_updates_per_s))
+
+    def interval(self) -> float:
+        """The interval now: UI_UPDATE_INTERVAL_S, or longer while so many replies stream that their updates
+        together would pass UI_MAX_UPDATES_PER_S."""
+        if self.max_updates_per_s <= 0:
+            return self.interval_s
+        return max(self.interval_s, max(1, self.streams()) / self.max_updates_per_s)
+
     def due(self, last: bool = False) -> bool:
         now = self.clock()
-        if last or self._last_s is None or now - self._last_s >= self.interval_s:
-            self._last_s = now
-            return True
-        return False
+        if not (last or self._last_s is None):
+            elapsed = now - self._last_s
+            if elapsed < self.interval_s or elapsed < self.interval():  # the replies are counted only past the first
+                return False
+        self._last_s = now
+        return True
 
 
 @dataclass(frozen=True)

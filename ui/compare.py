@@ -89,7 +89,7 @@ class CompareHandler:
             side_stats = ["" for _ in range(MAX_COMPARE_SIDES)]
             notes: list[str] = []
             shown_results = -1  # the summary and bars are sent when a side finishes, not with every token
-            pacer = UpdatePacer(ctx.settings.server.ui_update_interval_s)
+            pacer = UpdatePacer.for_page(ctx)
             for step in ctx.comparison.run(configs, prompt, gen, system_prompt, request_id=session(request),
                                            person=person_of(request, ctx.settings.server)):
                 if step.notes:
