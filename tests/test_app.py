@@ -187,6 +187,42 @@ def test_streamed_updates_are_paced_by_the_setting_and_the_reply_is_whole(nf4_en
     assert 2 <= len(few) <= min(few_yielded, 3 + decode_s), (len(few), few_yielded, decode_s)
 
 
+def test_a_reply_failing_mid_stream_keeps_every_token_read_even_those_not_yet_sent(
+        nf4_engine: ChatEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With updates held back (a 1 s interval), a reply that fails after several tokens ends with the text of the
+    last update the engine gave, not the last one sent, and the error note after it."""
+    import gradio as gr
+
+    from llm_core.errors import GenerationError
+    from llm_core.history import ERROR_TITLE
+    from ui.chat import ChatHandlers
+    from ui.common import PageContext
+
+    stream_chat = nf4_engine.stream_chat
+    read: list[str] = []
+
+    def failing(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        for update in stream_chat(*args, **kwargs):
+            if len(read) == 6:
+                raise GenerationError("The reply broke off (test).")
+            read.append(update.text)
+            yield update
+
+    monkeypatch.setattr(nf4_engine, "stream_chat", failing)
+    settings = nf4_engine.settings.replace(server={"ui_update_interval_s": 1.0})
+    handlers = ChatHandlers(PageContext.create(nf4_engine, settings, None))
+    request = SimpleNamespace(session_hash="held", client=SimpleNamespace(host="10.9.9.9"), username=None)
+    shown = []
+    with pytest.raises(gr.Error, match="broke off"):
+        for out in handlers.respond("Count from one to twenty in words.", [], SYSTEM, 24, 8, False, 0.7, 0.95, 50,
+                                    1.05, "bf16", "", [], request):  # type: ignore[arg-type]
+            shown.append(out[1])
+    assert len(read) == 6 and len(shown) == 2  # the first token's update, then the failure's
+    *_, reply, note = shown[-1]
+    assert reply == {"role": "assistant", "content": read[-1]} and read[-1] != read[0]
+    assert note["metadata"]["title"] == ERROR_TITLE and "broke off" in note["content"]
+
+
 @pytest.mark.browser
 @pytest.mark.skipif(not Path(CHROMIUM).exists() or shutil.which("chromium") is None,
                     reason="Debian chromium not installed (make test installs it)")
