@@ -254,6 +254,28 @@ def test_browser_sends_a_message_and_sees_the_reply_and_its_numbers(app_url: str
             browser.close()
 
 
+@pytest.mark.browser
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium not installed (make test installs it)")
+def test_browser_what_the_user_types_while_a_reply_streams_stays(app_url: str) -> None:
+    """The streamed updates leave the message box alone: the next message typed during a reply is still there when
+    the reply ends (the first update clears the box once)."""
+    from playwright.sync_api import expect
+
+    with opened_page(app_url) as page:
+        box = page.locator("#chat-input textarea")
+        box.fill("Tell me a long story about a lighthouse keeper.")
+        page.locator("#send").click()
+        stats = page.locator("#stats")
+        expect(stats).to_contain_text("tokens/s", timeout=60_000)  # streaming: the live numbers are shown
+        expect(box).to_have_value("", timeout=20_000)
+        streaming = "Finished by" not in stats.inner_text()
+        box.fill("And then what happened?")
+        expect(stats).to_contain_text("Finished by", timeout=120_000)
+        page.wait_for_timeout(300)
+        assert streaming, "the reply ended before the next message was typed: nothing was checked"
+        expect(box).to_have_value("And then what happened?")
+
+
 def test_compare_endpoint_answers_with_both_sides_and_a_summary(client: Any) -> None:
     sides = [EMBEDDED, "nf4", "sdpa", "bf16", EMBEDDED, "none", "sdpa", "bf16", EMBEDDED, NO_SIDE, "sdpa",
              "bf16"]
