@@ -135,7 +135,7 @@ def test_cards_stops_a_chat_once_trimming_holds_its_context() -> None:
 
 def test_app_load_serves_concurrent_chats_through_the_app_at_each_update_interval(tmp_path: Path) -> None:
     """bench.app_load on the embedded model: two chats at once through the app's own server, each interval on the
-    same engine; every chat completes with its numbers, and the 1 s interval sends fewer updates than interval 0."""
+    same engine; every chat completes with its numbers, and the 1 s interval sends one update a second at most."""
     out = tmp_path / "app-load.json"
     proc = subprocess.run([sys.executable, "-m", "bench.app_load", "--chats", "2", "--new-tokens", "16",
                            "--prompt-tokens", "64", "--pairs", "1", "--intervals", "0,1", "--client-procs", "1",
@@ -148,7 +148,8 @@ def test_app_load_serves_concurrent_chats_through_the_app_at_each_update_interva
         assert r["completed"] == 2 and not r["errors"] and r["new_tokens"] == 32, r
         assert r["aggregate_tokens_per_s"] > 0 and r["engine_decode_tokens_per_s"]["min"] > 0 and r["server_cpu_s"] > 0
         assert r["prompt_tokens"] == [64] and r["ttft_p95_s"] <= r["client_ttft_p95_s"]
-    assert rounds[1.0]["updates_per_chat"]["max"] < rounds[0.0]["updates_per_chat"]["min"]
+    # 1 s: the first token's update, the end's, and one a second between them at most
+    assert 2 <= rounds[1.0]["updates_per_chat"]["max"] <= 3 + rounds[1.0]["wall_s"]
 
 
 def test_slim_wheel_drops_the_named_members_and_their_record_lines(tmp_path: Path) -> None:
