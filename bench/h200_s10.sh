@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device calls of 2026-12-07's fifth session (issue 24): the web app under 8-32 concurrent chats, and the int8 KV
-# cache at 32 chats. Run from the repo root with the slim wheels in .whl (bench/slim_wheel.py: bitsandbytes, our
-# transformers pin, Gradio's server and the packages it needs that the device lacks, llguidance). Records under $OUT:
+# cache at 32 chats. Run from the repo root with the slim wheels in .whl (`bash bench/gpu_wheels.sh` builds .whl-gpu:
+# bitsandbytes, our transformers pin, Gradio's server and the packages it needs that the device lacks, llguidance;
+# carry [".whl-gpu"] and start with `mkdir -p .whl && cp .whl-gpu/*.whl .whl/;`). Records under $OUT:
 #   app-load-<N>.json   PARTS=app: bench.app_load --chats $APP_CHATS (default 8,32) --intervals $INTERVALS (default
 #                       0,0.05; INTERVAL/CAP adds a UI_MAX_UPDATES_PER_S), $PAIRS pairs, each under the bench.host_probe
 #                       variants $HOST (default: default): the app's own server and engine in one process,
