@@ -441,8 +441,8 @@ class ServerSettings:
         "exported stats files are deleted after this many seconds, and when their session ends")
     ui_update_interval_s: float = setting("UI_UPDATE_INTERVAL_S", 0.05, _parse_float,
         "a streamed reply's page and /chat API updates come at most this often, in seconds (the first token's "
-        "and the end's at once); an update per token halved each reply's speed at 8 concurrent chats on an H100 "
-        "(docs/sharing.md); 0 = an update per token",
+        "and the end's at once); an update per token cut each reply to about a third of its speed at 8 "
+        "concurrent chats on an H100 (docs/sharing.md); 0 = an update per token",
         within=UI_UPDATE_INTERVAL_RANGE)
     ui_max_updates_per_s: int = setting("UI_MAX_UPDATES_PER_S", 128, _parse_int,
         "streamed updates a second for every reply together at most: with N replies streaming, each updates every "

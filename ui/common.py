@@ -57,8 +57,8 @@ class UpdatePacer:
     `interval_s` (UI_UPDATE_INTERVAL_S; 0 = every one). A held update is not lost: the reply's text is whole in each
     update, so the next one sent shows it. Each update costs Gradio ~0.6 ms of CPU on a 2-core machine (its
     postprocess, diff, queue and SSE), under the GIL the decoder's scheduler needs: with an update per token, 8
-    concurrent chats on an H100 decoded at half the speed (docs/sharing.md). A held token waits at most one interval
-    plus the gap to the next token."""
+    concurrent chats on an H100 decoded at about a third of the speed (docs/sharing.md). A held token waits at most
+    one interval plus the gap to the next token."""
 
     interval_s: float
     streams: Callable[[], int] = lambda: 1  # replies streaming now, this one included
