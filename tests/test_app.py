@@ -361,11 +361,16 @@ def test_browser_fit_tab_refuses_bad_inputs_with_a_warning(app_url: str, artifac
             expect(answer.locator("[data-testid='status-tracker'] .error")).to_have_count(0)
             toast.locator("..").locator(".toast-close").first.click()
 
+        # The tab mounts its inputs on first view: one filled before that is reset to its default (CI saw the run go
+        # out with 256), so wait for the rendered default, then for the filled value.
+        expect(new_tokens).to_have_value("256", timeout=20_000)
         new_tokens.fill("-5")
+        expect(new_tokens).to_have_value("-5")
         refused("Max new tokens must be from 1")
         new_tokens.fill("256")
         card.fill("abc")
         card.press("Enter")
+        expect(card).to_have_value("abc")
         refused("Card size 'abc' is not a size")
         expect(answer).not_to_contain_text("could not convert")
         card.fill("8")
