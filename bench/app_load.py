@@ -144,6 +144,8 @@ def run_round(url: str, messages: list[str], new_tokens: int, procs: int, first_
 
 
 def summarize(chats: list[dict[str, Any]], cpu_s: float, wall_s: float) -> dict[str, Any]:
+    from bench.harness import percentile  # the benches' nearest rank (imports torch: the server side only)
+
     ok = [c for c in chats if "error" not in c and c.get("first_s") is not None]
     tokens = [int(c["stats"]["new_tokens"] or 0) for c in ok]
     record: dict[str, Any] = {"chats": len(chats), "completed": len(ok),
@@ -161,18 +163,15 @@ def summarize(chats: list[dict[str, Any]], cpu_s: float, wall_s: float) -> dict[
         aggregate_tokens_per_s=round(sum(t - 1 for t in tokens) / span, 1) if span > 0 else None,
         engine_decode_tokens_per_s={"min": round(rates[0], 1), "median": round(statistics.median(rates), 1)}
         if rates else None,
-        ttft_p50_s=round(_rank(ttfts, 0.5), 3), ttft_p95_s=round(_rank(ttfts, 0.95), 3),
-        client_ttft_p50_s=round(_rank(client_ttfts, 0.5), 3), client_ttft_p95_s=round(_rank(client_ttfts, 0.95), 3),
+        ttft_p50_s=round(percentile(ttfts, 50) or 0, 3), ttft_p95_s=round(percentile(ttfts, 95) or 0, 3),
+        client_ttft_p50_s=round(percentile(client_ttfts, 50) or 0, 3),
+        client_ttft_p95_s=round(percentile(client_ttfts, 95) or 0, 3),
         updates_per_chat={"min": updates[0], "median": statistics.median(updates), "max": updates[-1]},
         server_cpu_ms_per_token=round(1e3 * cpu_s / max(1, sum(tokens)), 3),
         decode_paths=sorted({str(c["stats"]["decode_path"]) for c in ok}),
         prompt_tokens=sorted({int(c["stats"]["prompt_tokens"] or 0) for c in ok})[::max(1, len(ok) - 1)],
     )
     return record
-
-
-def _rank(values: list[float], q: float) -> float:
-    return values[min(len(values) - 1, max(0, int(round(q * len(values) + 0.5)) - 1))]
 
 
 def main(argv: list[str] | None = None) -> int:
