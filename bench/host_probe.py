@@ -28,6 +28,8 @@ Host variants (a context manager each; "default" changes nothing):
   whole-decode   the streamer decodes with transformers' TextStreamer (every id since the last newline decoded again
                  at each token, text held back to the next space; as before 2026-12-07's fourth session) instead of
                  the tokenizers library's incremental DecodeStream
+  read-every-token  the engine's stream_chat called without the page's `hold`: the reply's thread wakes for every
+                 token (as before 2026-12-07's sixth session) instead of sleeping until the page's next update is due
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 HOST_VARIANTS = ("default", "gc-freeze", "gc-off", "switch-0.5ms", "blocks-per-row", "no-overlap", "reply-worker",
-                 "whole-decode")
+                 "whole-decode", "read-every-token")
 
 
 @contextlib.contextmanager
@@ -111,6 +113,18 @@ def host_variant(name: str, runner: Any = None, engine: Any = None) -> Iterator[
         finally:
             gc.enable()
             gc.collect()
+    elif name == "read-every-token" and engine is not None:
+        stream_chat = engine.stream_chat
+
+        def unheld(*args: Any, **kwargs: Any) -> Any:
+            kwargs.pop("hold", None)
+            return stream_chat(*args, **kwargs)
+
+        engine.stream_chat = unheld
+        try:
+            yield
+        finally:
+            del engine.stream_chat
     elif name == "switch-0.5ms":
         before = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)

@@ -9,11 +9,13 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import GenerationError
+
+MAX_HOLD_S = 1.0  # a reader's longest sleep between reads (TokenStreams.token_batches' hold)
 
 
 class TokenTimeout(Exception):
@@ -50,6 +52,7 @@ class QueuedReply:
         self.counted_wait = False  # counted once in the scheduler's waiting statistics
         self.overtaken = 0  # admissions of later requests while this one waited (bounded: runner.max_overtakes)
         self.finished: Finished | None = None
+        self.ended = threading.Event()  # set with the Finished: wakes a reader that holds off between reads
         self.eos_token_ids: frozenset[int] | None = None  # the ids that end this reply (None: its scheduler's)
 
     @property
@@ -85,6 +88,9 @@ class TokenStreams:
             if error is not None:
                 self.stats.errors += 1
             request.items.put(request.finished)
+            ended = getattr(request, "ended", None)
+            if ended is not None:
+                ended.set()
 
     def _enqueue(self, request: Any, stopped: str) -> Any:
         """Queue a checked request for the loop thread (the scheduler's `_cond`, `_waiting` and `alive`); raise
@@ -96,11 +102,16 @@ class TokenStreams:
             self._cond.notify_all()
         return request
 
-    def token_batches(self, request: Any, timeout_s: float | None = None, poll_s: float = 0.25
-                      ) -> Iterator[list[int]]:
+    def token_batches(self, request: Any, timeout_s: float | None = None, poll_s: float = 0.25,
+                      hold: Callable[[], float] | None = None) -> Iterator[list[int]]:
         """Yield the request's token ids as the scheduler produces them, as lists: each read takes every id queued by
         then (a reader that fell behind catches up in one go); raise its error; end when it finishes. timeout_s:
-        raise TokenTimeout when no id came for that long (None: wait while the loop runs)."""
+        raise TokenTimeout when no id came for that long (None: wait while the loop runs).
+
+        hold: after each read, how many seconds the reader has no use for the next ids (a page that shows a reply
+        at most every so often: ui.common.UpdatePacer.remaining). The reader then sleeps that long, or until the
+        request ends, instead of waking for every token; the ids queued meanwhile come in one read, each still
+        stamped at its delivery (`delivered_s`). The end is read at once: a hold never delays the last ids."""
         last = time.perf_counter()
         while True:
             try:
@@ -126,6 +137,13 @@ class TokenStreams:
                 if item.error is not None:
                     raise item.error
                 return
+            wait = hold() if hold is not None else 0.0
+            if wait > 0:
+                ended = getattr(request, "ended", None)
+                if ended is not None:
+                    ended.wait(min(wait, MAX_HOLD_S))
+                else:
+                    time.sleep(min(wait, MAX_HOLD_S))
 
     def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
         """Yield the request's token ids one by one as the scheduler produces them; raise its error; end when it

@@ -122,6 +122,12 @@ def test_update_pacer_sends_the_first_and_last_at_once_and_the_rest_at_most_one_
         now[0] = step
         sent.append(pacer.due(last=step == 19))
     assert [i for i, due in enumerate(sent) if due] == [0, 5, 10, 15, 19]
+    held = UpdatePacer(5, clock=lambda: now[0])  # how long the reply's thread may sleep before its next read
+    assert held.remaining() == 0 and held.due()  # nothing sent yet: no hold; the first goes out (at 19)
+    now[0] = 22
+    assert held.remaining() == 2 and not held.due() and held.due(last=True)  # the last goes out whatever the hold
+    now[0] = 30
+    assert held.remaining() == 0
     every = UpdatePacer(0.0, clock=lambda: 1.0)  # UI_UPDATE_INTERVAL_S=0: every update, even at the same instant
     assert all(every.due() for _ in range(5))
 
@@ -164,7 +170,8 @@ def paced_client(engine: ChatEngine, interval_s: float) -> Iterator[Any]:
 def test_streamed_updates_are_paced_by_the_setting_and_the_reply_is_whole(nf4_engine: ChatEngine,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """UI_UPDATE_INTERVAL_S=0 sends every update the engine yields; a 1 s interval sends the first token's and the
-    end's at once and at most one a second between them. The reply and its numbers are the same (greedy)."""
+    end's at once and at most one a second between them, and the reply's thread reads the engine about as often
+    (hold: it sleeps between updates instead of waking for each token). The reply and its numbers are the same."""
     yielded = [0]
     stream_chat = nf4_engine.stream_chat
 
@@ -185,6 +192,7 @@ def test_streamed_updates_are_paced_by_the_setting_and_the_reply_is_whole(nf4_en
     assert len(each) == each_yielded  # interval 0: one page update per engine update
     decode_s = (few[-1][3]["new_tokens"] - 1) / few[-1][3]["decode_tokens_per_s"]
     assert 2 <= len(few) <= min(few_yielded, 3 + decode_s), (len(few), few_yielded, decode_s)
+    assert few_yielded <= 3 + decode_s < 24, (few_yielded, decode_s)  # not one engine update per token
 
 
 def test_a_reply_failing_mid_stream_keeps_every_token_read_even_those_not_yet_sent(
@@ -211,6 +219,7 @@ def test_a_reply_failing_mid_stream_keeps_every_token_read_even_those_not_yet_se
     monkeypatch.setattr(nf4_engine, "stream_chat", failing)
     # a clock that never moves: after the first token's update, nothing is due until the reply's end or failure
     monkeypatch.setattr(UpdatePacer, "for_page", classmethod(lambda cls, ctx: cls(1.0, clock=lambda: 0.0)))
+    monkeypatch.setattr(UpdatePacer, "remaining", lambda self: 0.0)  # every token read: six reads before the end
     handlers = ChatHandlers(PageContext.create(nf4_engine, nf4_engine.settings, None))
     request = SimpleNamespace(session_hash="held", client=SimpleNamespace(host="10.9.9.9"), username=None)
     shown = []

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core import streams
 from llm_core.engine.chat import ChatEngine
 from llm_core.fast.cpu import CPUDecoder, StepSpec, attention_dtype_is_cache, layer_forward, layer_groups
 from llm_core.fast.cpu_weights import quantize_int4
@@ -291,6 +292,25 @@ def test_a_reader_that_falls_behind_stamps_each_token_at_its_delivery(cpu_engine
     assert batches == [list(final.token_ids)]  # one read took them all
     assert stats.new_tokens == 8 and stats.ttft_s is not None and stats.ttft_s < 1.5
     assert stats.decode_tokens_per_s is not None and stats.decode_tokens_per_s > 0
+
+
+def test_a_held_reply_is_read_once_per_hold_and_its_end_at_once(cpu_engine: ChatEngine,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """stream_chat(hold=...): the reply's thread sleeps between reads instead of waking for every token (a page
+    that shows the reply every so often). A hold longer than the reply gives the first token's update, one with
+    the rest, and the end, which comes when the reply ends, not when the hold would; the reply and its timing
+    (each token stamped at its delivery) are the unheld reply's."""
+    monkeypatch.setattr(streams, "MAX_HOLD_S", 60.0)
+    gen = cpu_engine.request_options(max_new_tokens=24, min_new_tokens=24)
+    every = list(cpu_engine.stream_chat("Say something about rivers.", [], gen=gen))
+    t0 = time.perf_counter()
+    held = list(cpu_engine.stream_chat("Say something about rivers.", [], gen=gen, hold=lambda: 60.0))
+    assert time.perf_counter() - t0 < 30.0  # the end woke the reader
+    assert len(every) >= 20 and 2 <= len(held) <= 3, (len(every), len(held))
+    assert held[-1].done and held[-1].text == every[-1].text and held[-1].token_ids == every[-1].token_ids
+    stats = held[-1].stats
+    assert stats.new_tokens == 24 and stats.decode_tokens_per_s is not None and stats.decode_tokens_per_s > 0
+    assert stats.ttft_s is not None and stats.ttft_s < held[-1].stats.end_to_end_s
 
 
 def test_eos_ends_a_cpu_reply_and_min_new_tokens_holds_it_back(cpu_engine: ChatEngine) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from llm_core import streams
 from llm_core.engine.chat import _TimedStreamer, incremental_decoder
 from llm_core.errors import GenerationError
 from llm_core.metrics import TokenClock
@@ -173,3 +174,36 @@ def test_a_waiting_reader_gets_ids_queued_from_another_thread() -> None:
     request.items.put(Finished("length"))
     reader.join(2.0)
     assert not reader.is_alive()
+
+
+def test_a_holding_reader_sleeps_between_reads_and_wakes_at_once_when_the_reply_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """hold(): after each read the reader sleeps that long (a page that shows the reply every so often), so the ids
+    queued meanwhile come in one read; the reply's end wakes it at once, whatever the hold."""
+    monkeypatch.setattr(streams, "MAX_HOLD_S", 60.0)
+    loop, request = _Loop(), _request()
+    holds = [0.05, 60.0]
+    asked: list[float] = []
+
+    def hold() -> float:
+        asked.append(holds[len(asked)])
+        return asked[-1]
+
+    batches = loop.token_batches(request, timeout_s=5.0, poll_s=0.05, hold=hold)
+    request.items.put(1)
+    assert next(batches) == [1]
+    request.items.put(2)
+    request.items.put(3)
+    assert next(batches) == [2, 3]  # both after the first hold: one read, not two
+
+    def produce() -> None:
+        for token in (4, 5, 6):
+            request.items.put(token)
+            time.sleep(0.01)
+        loop._finish(request, "length")
+
+    threading.Thread(target=produce).start()
+    t0 = time.perf_counter()
+    assert list(batches) == [[4, 5, 6]]
+    assert time.perf_counter() - t0 < 30.0  # woken by the end, not after the 60 s hold
+    assert asked == [0.05, 60.0] and request.ended.is_set()

@@ -98,27 +98,28 @@ class ChatHandlers:
             # the cleaned text (a lone surrogate sent back would break this client's stream).
             chat_input = clean_chat_input(message, history, system_prompt, self.ctx.settings.chat)
             chat_engine = pool.primary()
+            pacer = UpdatePacer.for_page(self.ctx)
             gen = replace(gen_options(chat_engine, max_new_tokens, do_sample, temperature, top_p, top_k,
                                       repetition_penalty, kv_cache),
                           control=schema_control(json_schema, getattr(chat_engine, "loaded", None)))
             stream = chat_engine.stream_chat(chat_input.message, chat_input.turns, gen=gen,
                                              history_turns=whole(history_turns),
                                              system_prompt=chat_input.system_prompt, request_id=session(request),
-                                             person=person_of(request, self.ctx.settings.server), on_wait=waiting)
+                                             person=person_of(request, self.ctx.settings.server), on_wait=waiting,
+                                             hold=pacer.remaining)
             first = next(stream)  # admission, trimming, the fair turn and the first token happen here
         except LLMCoreError as exc:
             raise user_error(exc) from None  # nothing was yielded: textbox and chat are untouched
         shown: ChatHistory = [*chat_input.history, {"role": "user", "content": chat_input.message},
                               {"role": "assistant", "content": first.text}]
         update = first
-        pacer = UpdatePacer.for_page(self.ctx)
         try:
             # The raw stats JSON is {} while the reply streams and the reply's own at its end. An unchanged value
             # costs Gradio less than gr.skip(), which builds a new component for each update (~0.4 ms of CPU). The
             # textbox keeps gr.skip(): a value would wipe what the user is typing meanwhile.
             pacer.due()
             yield "", shown, format_stats(first.stats, live=True), {}, gr.skip()
-            for update in stream:  # every token's update is read; at most one per interval is sent (and the last)
+            for update in stream:  # read once per interval (hold), every token in it; at most one sent (and the last)
                 done = update.done
                 if not pacer.due(last=done):
                     continue

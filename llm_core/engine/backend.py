@@ -34,12 +34,15 @@ class ChatBackend(Protocol):
                     request_id: str | None = None, person: str | None = None,
                     on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
                     render_prompt: Callable[[list[dict[str, str]]], Any] | None = None,
-                    group: str | None = None) -> Iterator[ReplyUpdate]:
+                    group: str | None = None, hold: Callable[[], float] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply (raw_prompt: continue `message` as plain text, no chat template); the last update has
         done=True and the reply's final numbers. `on_wait(ahead)` is told how many requests go first while this one
         waits for its turn (engines that queue). Stop names `request_id`; limits and fair turns count `person`
         (llm_core.security.person_of), or `request_id` when unset. `render_prompt` (local engines) renders the
-        prompt instead of the chat template; replies of one `group` count as one request of the person."""
+        prompt instead of the chat template; replies of one `group` count as one request of the person.
+        `hold()` (engines that schedule rows): seconds the caller has no use for a next update, asked after each
+        one; the reply's thread sleeps meanwhile instead of waking for every token, and the next update carries
+        every token since (llm_core.streams.TokenStreams.token_batches)."""
 
     def wait_estimate_s(self, ahead: int) -> float | None:
         """About how many seconds a request with `ahead` requests before it waits; None when unknown."""

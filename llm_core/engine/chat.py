@@ -46,7 +46,7 @@ from ..memory.device import OOMInjector, PeakMeter, cached_free_bytes, free_memo
 from ..memory.kv_cache import cache_bytes, make_cache
 from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
-from ..streams import TokenTimeout
+from ..streams import MAX_HOLD_S, TokenTimeout
 from ..types import LoadedModel
 from .admission import ReplySlots
 from .runners import DecodeBackend, PreparedPrompt
@@ -107,13 +107,14 @@ class _TimedStreamer(TextIteratorStreamer):
     class's decoding, and `every_token` (structured output: JSON is mostly symbols, so a compact value would arrive
     in one piece at the end) passes on each token's text except an incomplete character (decoded as U+FFFD).
     `put_ids` and `texts` are for a reader that feeds the streamer on its own thread (ChatEngine's scheduled
-    replies)."""
+    replies); `held_texts` for one that reads a worker's text at most every so often."""
 
     def __init__(self, tokenizer: Any, clock: TokenClock, timeout_s: float, *, every_token: bool = False) -> None:
         super().__init__(tokenizer, skip_prompt=True, timeout=timeout_s, skip_special_tokens=True)
         self.clock = clock
         self.every_token = every_token
         self._decoder = incremental_decoder(tokenizer)
+        self._ended = threading.Event()  # set by end(): wakes a reader holding off between reads
 
     def put(self, value: torch.Tensor) -> None:
         if self.skip_prompt and self.next_tokens_are_prompt:
@@ -143,8 +144,30 @@ class _TimedStreamer(TextIteratorStreamer):
         if self._decoder is not None:  # nothing held back but an incomplete character, which never completes now
             self.next_tokens_are_prompt = True
             self.text_queue.put(self.stop_signal, timeout=self.timeout)
-            return
-        super().end()
+        else:
+            super().end()
+        self._ended.set()
+
+    def held_texts(self, hold: Callable[[], float]) -> Iterator[str]:
+        """The text as iterating gives it (raising queue.Empty after `timeout` without any), but read at most once
+        per hold: after each read the reader sleeps hold() seconds, or until end(), and the next read joins every
+        piece queued meanwhile (the same text in fewer pieces; each token was timed on the clock as it came)."""
+        while True:
+            item = self.text_queue.get(timeout=self.timeout)
+            pieces: list[str] = []
+            while item is not self.stop_signal:
+                pieces.append(item)
+                try:
+                    item = self.text_queue.get_nowait()
+                except queue.Empty:
+                    break
+            if any(pieces):
+                yield "".join(pieces)
+            if item is self.stop_signal:
+                return
+            wait = hold()
+            if wait > 0:
+                self._ended.wait(min(wait, MAX_HOLD_S))
 
     def texts(self) -> Iterator[str]:
         """The text passed on so far and not yet read, without waiting (the reader that feeds put_ids)."""
@@ -571,14 +594,18 @@ class ChatEngine:
                     history_turns: int | None = None, system_prompt: str | None = "",
                     request_id: str | None = None, person: str | None = None,
                     on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
-                    render_prompt: RenderPrompt | None = None, group: str | None = None) -> Iterator[ReplyUpdate]:
+                    render_prompt: RenderPrompt | None = None, group: str | None = None,
+                    hold: Callable[[], float] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply to `message` after `history` (raw_prompt: a continuation of `message` as plain text, no
         chat template, system prompt or history). Yields ReplyUpdate; the last one has done=True.
         `request_id` is what Stop names (a browser session); `person` is whom admission and fair turns count the
         request for (llm_core.security.person_of; unset: the request_id). `render_prompt` replaces the chat template
         for this request: it gets each message list the history fitting tries (system prompt, kept turns, newest
         message) and returns its encoding (input_ids, attention_mask), e.g. with tools. Replies of one `group` (the
-        n choices of one API request) count as one request of the person and may run at once.
+        n choices of one API request) count as one request of the person and may run at once. `hold()`: seconds the
+        caller has no use for a next update, asked after each (a page that shows a reply every so often: ui.common.
+        UpdatePacer.remaining); a scheduled reply's thread sleeps meanwhile instead of waking for every token, and the
+        next update carries every token since (each still timed at its delivery). The last update is never held.
 
         Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
         of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn
@@ -610,7 +637,7 @@ class ChatEngine:
                         raise
                     raise self._translate(exc) from exc
                 ticket.wait(on_wait)
-                yield from self._stream(prepared, stop_event, start_s)
+                yield from self._stream(prepared, stop_event, start_s, hold)
         finally:
             with self._stops_lock:
                 events = self._stops.get(request_id, [])
@@ -619,8 +646,8 @@ class ChatEngine:
                 if not events:
                     self._stops.pop(request_id, None)
 
-    def _stream(self, prepared: PreparedPrompt, stop_event: threading.Event, start_s: float
-                ) -> Iterator[ReplyUpdate]:
+    def _stream(self, prepared: PreparedPrompt, stop_event: threading.Event, start_s: float,
+                hold: Callable[[], float] | None = None) -> Iterator[ReplyUpdate]:
         loaded, gen = self.loaded, prepared.gen
         if gen.control is not None:  # grammar, penalties, logprobs: fresh for this reply's token budget
             gen.control.start(gen.max_new_tokens)
@@ -669,11 +696,11 @@ class ChatEngine:
         worker_done: threading.Event | None = None
         scheduled: Generator[str, None, None] | None = None
         if isinstance(backend, ScheduledBackend):  # a row of the scheduler: read on this thread, no worker between
-            scheduled = self._scheduled_texts(backend, prepared, streamer, stop_event, cache, cached)
+            scheduled = self._scheduled_texts(backend, prepared, streamer, stop_event, cache, cached, hold)
             chunks: Iterator[str] = scheduled
         else:
             worker_done = self._workers.submit(work)
-            chunks = iter(streamer)
+            chunks = iter(streamer) if hold is None else streamer.held_texts(hold)
         reply = ""
         try:
             try:
@@ -710,15 +737,17 @@ class ChatEngine:
                 scheduled.close()  # its reply counted out of `generating` now, not when it is collected
 
     def _scheduled_texts(self, backend: ScheduledBackend, prepared: PreparedPrompt, streamer: _TimedStreamer,
-                         stop_event: threading.Event, cache: Any, cached: list[int]) -> Generator[str, None, None]:
+                         stop_event: threading.Event, cache: Any, cached: list[int],
+                         hold: Callable[[], float] | None = None) -> Generator[str, None, None]:
         """A reply of a scheduled backend (the batched fast path, the eager batch, the CPU path) read on the reply's
         own thread: its token ids straight from the scheduler's queue (every id queued by then in one read), stamped
         at their delivery (a read that takes several does not bunch their times) and decoded by the streamer here.
         No worker thread in between: with one per reply, 32 replies woke 64 threads a step, and the scheduler's
         thread waited for the GIL behind them (bench/results/2026-12-07-s3-h100.md).
+        `hold`: the reader sleeps between reads while the caller has no use for the text (stream_chat).
         Raises the reply's error, or TokenTimeout after stream_timeout_s without a token."""
         with self._workers.occupied():
-            for _ in backend.feed(prepared, streamer, stop_event, cache, prepared.gen.stream_timeout_s):
+            for _ in backend.feed(prepared, streamer, stop_event, cache, prepared.gen.stream_timeout_s, hold):
                 yield from streamer.texts()
             streamer.end()
             yield from streamer.texts()

@@ -155,10 +155,11 @@ class RemoteEngine:
                     request_id: str | None = None, person: str | None = None,
                     on_wait: Callable[[int], None] | None = None, raw_prompt: bool = False,
                     render_prompt: Callable[[list[dict[str, str]]], Any] | None = None,
-                    group: str | None = None) -> Iterator[ReplyUpdate]:
+                    group: str | None = None, hold: Callable[[], float] | None = None) -> Iterator[ReplyUpdate]:
         """Stream a reply from the server. History is cut to `history_turns` whole turns here; the token budget is
         the engine's (a prompt it cannot fit comes back as ContextBudgetError with its message). One reply per
-        person at a time, `group` or not."""
+        person at a time, `group` or not. `hold` is accepted and unused: the server's chunks are read as they
+        come (its connection has no per-token thread hop to save)."""
         if raw_prompt or render_prompt is not None or (gen is not None and gen.control is not None):
             raise InputError("Text completions, structured output, logprobs and presence/frequency penalties run on "
                              "a local engine only, not on a remote one.")

@@ -7,7 +7,7 @@ path's, llm_core.engine.cpu_backend, is a ScheduledBackend too). Knows nothing a
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -155,15 +155,16 @@ class ScheduledBackend:
         """Called once a reply of this backend ended (the CPU path updates what its panel says)."""
 
     def feed(self, prepared: Any, streamer: Any, stop_event: threading.Event, cache: Any,
-             timeout_s: float | None = None) -> Iterator[None]:
+             timeout_s: float | None = None, hold: Callable[[], float] | None = None) -> Iterator[None]:
         """Queue the prepared reply as a row (submit) and feed `streamer` its token ids on the calling thread as the
         scheduler delivers them, each read's ids stamped at their delivery (the engine's streamer, put_ids; another
         streamer gets them as a tensor); yields after each read. Raises the reply's error, or streams.TokenTimeout
-        after timeout_s without a token; calls after_reply however it ends. The caller ends the streamer."""
+        after timeout_s without a token; calls after_reply however it ends. The caller ends the streamer. `hold`:
+        seconds to sleep after a read before the next (TokenStreams.token_batches)."""
         try:
             request = self.submit(prepared, streamer, stop_event, cache)
             read = 0
-            for ids in self.scheduler.token_batches(request, timeout_s):
+            for ids in self.scheduler.token_batches(request, timeout_s, hold=hold):
                 if hasattr(streamer, "put_ids"):
                     streamer.put_ids(ids, request.delivered_s[read:read + len(ids)])
                 elif streamer is not None:
