@@ -6,7 +6,8 @@
 #   app-load-<N>.json   PARTS=app: bench.app_load --chats $APP_CHATS (default 8,32) --intervals $INTERVALS (default
 #                       0,0.05; INTERVAL/CAP adds a UI_MAX_UPDATES_PER_S), $PAIRS pairs, each under the bench.host_probe
 #                       variants $HOST (default: default): the app's own server and engine in one process,
-#                       gradio_client sessions in $PROCS client processes
+#                       gradio_client sessions in $PROCS client processes; $TURNS turns a chat (default 1; each later
+#                       message $TURN_TOKENS tokens, default 64, sent with the history the page gave back)
 #   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
@@ -17,7 +18,7 @@ N=${N:-1}
 if [[ $PARTS == *" app "* ]]; then
   timeout -s INT -k 15 "${APP_S:-300}" python3 -m bench.app_load --random llama-2-7b --ckpt $CKPT \
     --chats "${APP_CHATS:-8,32}" --intervals "${INTERVALS:-0,0.05}" --pairs "${PAIRS:-2}" --new-tokens 128 \
-    --prompt-tokens 512 --client-procs "${PROCS:-8}" --host-variants "${HOST:-default}" --out "$OUT/app-load-$N.json" > "$OUT/app-load-$N.log" 2>&1
+    --prompt-tokens 512 --turns "${TURNS:-1}" --turn-tokens "${TURN_TOKENS:-64}" --client-procs "${PROCS:-8}" --host-variants "${HOST:-default}" --out "$OUT/app-load-$N.json" > "$OUT/app-load-$N.log" 2>&1
   echo "app rc=$?"; grep -E "^\{'|Traceback|Error" "$OUT/app-load-$N.log" | head -24 | cut -c1-400
 fi
 if [[ $PARTS == *" kv "* ]]; then

@@ -134,20 +134,25 @@ def test_cards_stops_a_chat_once_trimming_holds_its_context() -> None:
 
 
 def test_app_load_serves_concurrent_chats_through_the_app_at_each_update_interval(tmp_path: Path) -> None:
-    """bench.app_load on the embedded model: two chats at once through the app's own server, each interval on the
-    same engine; every chat completes with its numbers, and the 1 s interval sends one update a second at most."""
+    """bench.app_load on the embedded model: two chats of two turns at once through the app's own server, each
+    interval on the same engine; every reply completes with its numbers, the second turn's prompt holds the first
+    turn and its reply (the history the page gave back), and the 1 s interval sends one update a second at most."""
     out = tmp_path / "app-load.json"
     proc = subprocess.run([sys.executable, "-m", "bench.app_load", "--chats", "2", "--new-tokens", "16",
-                           "--prompt-tokens", "64", "--pairs", "1", "--intervals", "0,1", "--client-procs", "1",
+                           "--prompt-tokens", "64", "--turns", "2", "--turn-tokens", "16", "--pairs", "1",
+                           "--intervals", "0,1", "--client-procs", "1",
                            "--settings", "MAX_BATCH_SIZE=2", "--out", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rounds = {r["ui_update_interval_s"]: r for r in json.loads(out.read_text())["records"] if r.get("phase") == "round"}
     assert sorted(rounds) == [0.0, 1.0]
     for r in rounds.values():
-        assert r["completed"] == 2 and not r["errors"] and r["new_tokens"] == 32, r
+        assert r["chats"] == 2 and r["completed"] == 4 and not r["errors"] and r["new_tokens"] == 64, r
         assert r["aggregate_tokens_per_s"] > 0 and r["engine_decode_tokens_per_s"]["min"] > 0 and r["server_cpu_s"] > 0
-        assert r["prompt_tokens"] == [64] and r["ttft_p95_s"] <= r["client_ttft_p95_s"]
+        assert r["ttft_p95_s"] <= r["client_ttft_p95_s"]
+        first, second = r["per_turn"]
+        assert first["prompt_tokens"] == [64, 64] and first["completed"] == second["completed"] == 2
+        assert second["prompt_tokens"][0] >= 64 + 16 + 16, second  # turn 1, its 16-token reply, a 16-token message
     # 1 s: the first token's update, the end's, and one a second between them at most
     assert 2 <= rounds[1.0]["updates_per_chat"]["max"] <= 3 + rounds[1.0]["wall_s"]
 
