@@ -152,7 +152,7 @@ def make_random_checkpoint(arch: str | dict[str, Any], folder: Path, device: tor
 
 
 def _tokenizer(kind: str, vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if kind == "word":
@@ -175,5 +175,9 @@ def _tokenizer(kind: str, vocab_size: int) -> Any:
     bpe.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", bos_token="<|im_start|>",
                                   eos_token="<|im_end|>", pad_token="<|im_end|>")
+    # The extra ids as added tokens: a reply's text ("<extra_12><extra_7>...") then tokenizes back to its own ids, as
+    # a real model's reply mostly does, so the next turn's prompt holds it at its length and the prefix cache can
+    # reuse it (as BPE vocabulary entries without merges, each came back as ~13 byte tokens).
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens if t.startswith("<extra_")])
     tok.chat_template = CHATML_TEMPLATE
     return tok
