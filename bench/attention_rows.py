@@ -5,14 +5,17 @@ layout before 2026-12-05) and int4 rows, timed in CUDA graphs (llm_core.fast.tim
     python -m bench.attention_rows --out results.json [--tokens 9000] [--heads 32]
 
 With --sweep: the split kernel's launch (llm_core.fast.kernels.attention.AttentionLaunch: rows per inner step, warps,
-pipeline stages, programs per SM) per row format (bf16, int8 + 4, int4), 1 and 8 rows and each of --sweep-tokens, the
-paged form (16-token blocks) only. Every launch is timed at 1 row and 9,000 tokens (--probe-tokens), a short timing
+pipeline stages, programs per SM) per row format (bf16, int8 + 4, int4), 1 and 8 rows (--sweep-rows) and each of
+--sweep-tokens, the paged form (16-token blocks) only. Every launch is timed at 1 row (--probe-rows) and 9,000 tokens
+(--probe-tokens), a short timing
 each; the best few of each format, the default and the best kernel at every programs_per_sm are then timed at every
 length and row count. Kernels are compiled beforehand in --compile-workers processes (the Triton cache on disk keeps
 them for this one). The sweep stops at --budget-s and writes what it has; its JSON's `suggested` entries are what
 ATTENTION_LAUNCHES takes.
 
     python -m bench.attention_rows --sweep --out sweep.json [--sweep-tokens 2048,9000,14000,26000] [--budget-s 150]
+    python -m bench.attention_rows --sweep --sweep-rows 32 --probe-rows 32 --sweep-tokens 576,1024,2048,4096 \
+        --probe-tokens 1024 --out sweep-32.json      # the rows bucket above 8 (ATTENTION_LAUNCHES' 64): 32 chats
 """
 
 from __future__ import annotations
@@ -58,7 +61,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--sweep", action="store_true", help="sweep the split kernel's launch (the module's docstring)")
     ap.add_argument("--sweep-tokens", default="2048,9000,14000,26000", help="comma-separated cache lengths")
-    ap.add_argument("--probe-tokens", type=int, default=9000, help="the length every launch is timed at (1 row)")
+    ap.add_argument("--probe-tokens", type=int, default=9000, help="the length every launch is timed at")
+    ap.add_argument("--sweep-rows", default="1,8", help="comma-separated query row counts of the full timings")
+    ap.add_argument("--probe-rows", type=int, default=1, help="the row count every launch is timed at")
     ap.add_argument("--budget-s", type=float, default=150.0, help="the sweep stops here and writes what it has")
     ap.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes compiling the sweep's kernels ahead (0: each compiles when first launched)")
@@ -67,6 +72,12 @@ def main() -> int:
         sweep_tokens = sorted({int(t) for t in args.sweep_tokens.split(",") if t.strip()} | {args.probe_tokens})
     except ValueError:
         ap.error(f"--sweep-tokens takes comma-separated integers, not {args.sweep_tokens!r}")
+    try:
+        sweep_rows = sorted({int(r) for r in args.sweep_rows.split(",") if r.strip()})
+    except ValueError:
+        ap.error(f"--sweep-rows takes comma-separated integers, not {args.sweep_rows!r}")
+    if not sweep_rows or min(sweep_rows + [args.probe_rows]) < 1:
+        ap.error("row counts must be 1 or more")
     if min(sweep_tokens) < SWEEP_PAGE:
         ap.error(f"every length must be at least one {SWEEP_PAGE}-token block")
     if not torch.cuda.is_available():
@@ -74,7 +85,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     if args.sweep:
-        return sweep(args.out, args.heads, sweep_tokens, args.probe_tokens, args.budget_s, args.compile_workers)
+        return sweep(args.out, args.heads, sweep_tokens, args.probe_tokens, args.budget_s, args.compile_workers,
+                     rows=tuple(sweep_rows), probe_rows=args.probe_rows)
     from llm_core.fast import kvquant
     from llm_core.fast.kernels import attention  # noqa: F401 - registers the ops
     from llm_core.fast.timing import time_in_cuda_graph
@@ -243,8 +255,8 @@ def quantized_pool(pool: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget_s: float, workers: int,
-          dev: torch.device | None = None) -> int:
-    """The launch sweep (see the module's docstring): a pool of random bf16 K/V blocks for 8 rows of the longest
+          dev: torch.device | None = None, rows: tuple[int, ...] = SWEEP_ROWS, probe_rows: int = 1) -> int:
+    """The launch sweep (see the module's docstring): a pool of random bf16 K/V blocks for the most rows at the longest
     length, in each row format; per (rows, length) a block table of distinct shuffled blocks, every row at its last
     position. Each timing is a CUDA graph of calls (llm_core.fast.timing), short for the probe of every launch,
     longer for the candidates; each launch's output is checked once against the default launch's (max abs diff)."""
@@ -258,17 +270,17 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
     default = launches[0]
     by_name = {launch_name(launch): launch for launch in launches}
     width_max = max(tokens) // SWEEP_PAGE
-    num_blocks = max(SWEEP_ROWS) * width_max
+    num_blocks = max(*rows, probe_rows) * width_max
     k16 = torch.randn(num_blocks, SWEEP_PAGE, kv_heads, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
     v16 = torch.randn(num_blocks, SWEEP_PAGE, kv_heads, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
     pools = {fmt: (quantized_pool(k16, fmt), quantized_pool(v16, fmt)) for fmt in SWEEP_FORMATS}
     cases: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
-    for rows, t in itertools.product(SWEEP_ROWS, tokens):
+    for n, t in itertools.product(sorted({*rows, probe_rows}), tokens):
         width = t // SWEEP_PAGE
-        table = torch.randperm(num_blocks, device=dev, generator=g)[:rows * width].view(rows, width)
-        q = torch.randn(rows, QUERY_HEADS, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
-        cases[(rows, t)] = (q, table.to(torch.int32).contiguous(),
-                            torch.full((rows,), width * SWEEP_PAGE - 1, dtype=torch.long, device=dev))
+        table = torch.randperm(num_blocks, device=dev, generator=g)[:n * width].view(n, width)
+        q = torch.randn(n, QUERY_HEADS, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
+        cases[(n, t)] = (q, table.to(torch.int32).contiguous(),
+                         torch.full((n,), width * SWEEP_PAGE - 1, dtype=torch.long, device=dev))
     torch.cuda.synchronize()
     scale = HEAD_DIM ** -0.5
     records: list[dict[str, Any]] = []
@@ -319,11 +331,11 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
 
     candidates: dict[str, list[Any]] = {}
     try:
-        probe_jobs = [job for fmt in SWEEP_FORMATS for job in jobs_for(fmt, 1, probe_tokens, launches)]
+        probe_jobs = [job for fmt in SWEEP_FORMATS for job in jobs_for(fmt, probe_rows, probe_tokens, launches)]
         compiles.append({"phase": "probe", **compiler.run(probe_jobs, budget)})
         print(f"# {len(launches)} launches per format; compiled ahead in {compiles[-1]['s']} s", flush=True)
         for fmt in SWEEP_FORMATS:  # phase 1: every launch at 1 row and the probe length
-            probe = [measure(fmt, 1, probe_tokens, launch, "probe") for launch in launches]
+            probe = [measure(fmt, probe_rows, probe_tokens, launch, "probe") for launch in launches]
             timed = sorted((r for r in probe if "us" in r), key=lambda r: r["us"])
             chosen = [by_name[r["launch"]] for r in timed[:SWEEP_TOP]]
             if timed:  # the best kernel at every programs_per_sm: 8 rows share the SMs otherwise than 1
@@ -331,17 +343,17 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
                 chosen += [lau for lau in launches if kernel_of(lau) == kernel_of(best)]
             chosen.append(default)
             candidates[fmt] = list(dict.fromkeys(chosen))
-            print(f"# {fmt} probe ({probe_tokens} tokens, 1 row): " + ", ".join(
+            print(f"# {fmt} probe ({probe_tokens} tokens, {probe_rows} rows): " + ", ".join(
                 f"{r['launch']} {r['us']} µs" for r in timed[:SWEEP_TOP]), flush=True)
-        full_jobs = [job for rows, t in cases for fmt in SWEEP_FORMATS for job in jobs_for(fmt, rows, t,
-                                                                                          candidates[fmt])]
+        full = [(n, t) for n, t in cases if n in rows]
+        full_jobs = [job for n, t in full for fmt in SWEEP_FORMATS for job in jobs_for(fmt, n, t, candidates[fmt])]
         compiles.append({"phase": "candidates", **compiler.run(full_jobs, budget)})
         compiler.close()
-        # phase 2: the candidates at every length and row count, timed longer; 1 row (a lone chat) first
-        for rows, t in cases:
+        # phase 2: the candidates at every length and row count, timed longer; the fewest rows (a lone chat) first
+        for n, t in full:
             for fmt in SWEEP_FORMATS:
                 for launch in candidates[fmt]:
-                    measure(fmt, rows, t, launch, "full")
+                    measure(fmt, n, t, launch, "full")
     except BudgetReached:
         stopped = f"the budget of {budget_s} s was reached after {len(records)} timings"
         print(f"# {stopped}", flush=True)
