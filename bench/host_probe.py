@@ -70,14 +70,14 @@ def host_variant(name: str, runner: Any = None, engine: Any = None) -> Iterator[
         finally:
             del engine._scheduled_texts
     elif name == "whole-decode":
-        from llm_core.engine import chat
+        from llm_core.engine import streamer
 
-        real = chat.incremental_decoder
-        chat.incremental_decoder = lambda tokenizer: None  # type: ignore[assignment]
+        real = streamer.incremental_decoder
+        streamer.incremental_decoder = lambda tokenizer: None  # type: ignore[assignment]
         try:
             yield
         finally:
-            chat.incremental_decoder = real  # type: ignore[assignment]
+            streamer.incremental_decoder = real  # type: ignore[assignment]
     elif name == "no-overlap" and runner is not None:
         before = runner.overlap
         runner.overlap = False
@@ -140,8 +140,8 @@ def _via_worker(engine: Any) -> Any:
     """ChatEngine._scheduled_texts' stand-in for reply-worker: the backend's run() on one of the engine's worker
     threads feeds the streamer, and this thread iterates the streamer's text queue (its timeout raising queue.Empty)."""
 
-    def texts(backend: Any, prepared: Any, streamer: Any, stop_event: Any, cache: Any, cached: list[int]
-              ) -> Iterator[str]:
+    def texts(backend: Any, prepared: Any, streamer: Any, stop_event: Any, cache: Any, cached: list[int],
+              hold: Any = None) -> Iterator[str]:  # hold: not used (the worker feeds every token)
         errors: list[BaseException] = []
 
         def work() -> None:

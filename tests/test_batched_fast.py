@@ -530,9 +530,9 @@ def test_bench_host_variants_probe_each_phase_and_leave_the_process_as_it_was(tm
         assert host["decode_step"]["calls"] >= 7 and host["run_step"]["calls"] >= 7
         assert "gpu" not in r["host_probe"]  # CPU: no device events
     assert gc.isenabled() and gc.get_freeze_count() == 0 and sys.getswitchinterval() == interval
-    from llm_core.engine import chat
+    from llm_core.engine import streamer
 
-    assert chat.incremental_decoder.__module__ == "llm_core.engine.chat"  # whole-decode put it back
+    assert streamer.incremental_decoder.__module__ == "llm_core.engine.streamer"  # whole-decode put it back
     with pytest.raises(ValueError, match="host variant"):
         with host_probe.host_variant("fast"):
             pass

@@ -1,5 +1,5 @@
 """A reply's tokens on their way to text: llm_core.streams (the scheduler's queue, read in batches) and the engine's
-streamer (llm_core.engine.chat._TimedStreamer: each token stamped and decoded as it comes)."""
+streamer (llm_core.engine.streamer.TimedStreamer: each token stamped and decoded as it comes)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llm_core import streams
-from llm_core.engine.chat import _TimedStreamer, incremental_decoder
+from llm_core.engine.streamer import TimedStreamer, incremental_decoder
 from llm_core.errors import GenerationError
 from llm_core.metrics import TokenClock
 from llm_core.streams import Finished, QueuedReply, TokenStreams, TokenTimeout
@@ -35,7 +35,7 @@ def tokenizer() -> Any:
 
 def _streamed(tok: Any, ids: list[int], step: int) -> tuple[str, TokenClock]:
     clock = TokenClock()
-    streamer = _TimedStreamer(tok, clock, 1.0)
+    streamer = TimedStreamer(tok, clock, 1.0)
     streamer.put(torch.tensor([[1, 2, 3]]))  # the prompt: skipped
     out = []
     for i in range(0, len(ids), step):
@@ -60,7 +60,7 @@ def test_the_streamer_passes_on_the_text_decode_gives_one_or_several_tokens_at_a
         assert got == tokenizer.decode(ids, skip_special_tokens=True)
         assert clock.token_ids == ids
     clock = TokenClock()
-    streamer = _TimedStreamer(tokenizer, clock, 1.0)
+    streamer = TimedStreamer(tokenizer, clock, 1.0)
     streamer.put(torch.tensor([[1]]))
     streamer.put_ids(tokenizer("Hello")["input_ids"])
     assert "".join(streamer.texts()) == "Hello"  # TextStreamer would hold "Hello" back until the next space
@@ -70,7 +70,7 @@ def test_ids_read_together_keep_the_times_they_were_delivered(tokenizer: Any) ->
     """put_ids with the delivery times (what the engine passes for a read of several ids): the clock's first and last
     token are those times, so TTFT and decode tokens/s do not depend on when the reader woke."""
     clock = TokenClock(start_s=100.0)
-    streamer = _TimedStreamer(tokenizer, clock, 1.0)
+    streamer = TimedStreamer(tokenizer, clock, 1.0)
     streamer.put(torch.tensor([[1]]))
     streamer.put_ids(tokenizer("one two three four")["input_ids"][:4], [100.5, 100.6, 100.7, 100.8])
     snap = clock.snapshot()
@@ -84,7 +84,7 @@ def test_an_incomplete_character_waits_for_its_last_byte(tokenizer: Any) -> None
     if len(ids) < 2:
         pytest.skip("this tokenizer has the emoji as one token")
     clock = TokenClock()
-    streamer = _TimedStreamer(tokenizer, clock, 1.0)
+    streamer = TimedStreamer(tokenizer, clock, 1.0)
     streamer.put(torch.tensor([[1]]))
     streamer.put_ids(ids[:1])
     assert list(streamer.texts()) == []

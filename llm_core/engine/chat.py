@@ -7,7 +7,7 @@ path). The runners behind DecodeBackend are llm_core.engine.runners.
 
 A reply of the one scheduler (the batched fast path, the eager batch, the CPU path: serving.ScheduledBackend) is a
 row of its loop: the caller's own thread queues it and reads its token ids from the scheduler, and a streamer
-(`_TimedStreamer`, incremental decoding) stamps them and turns them into text. The single-reply backends (plain
+(`streamer.TimedStreamer`, incremental decoding) stamps them and turns them into text. The single-reply backends (plain
 `generate`, the fast path's single loop) run on one of the engine's long-lived worker threads feeding that streamer,
 with a timeout; the caller iterates text updates. Stop sets a per-request event (the scheduler drops the row; a
 stopping criterion halts `generate`). A reply's error is re-raised in the caller as a GenerationError
@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import TextIteratorStreamer
 
 from ..config import GenerationSettings, Settings, canonical_kv_cache
 from ..errors import (
@@ -46,7 +45,7 @@ from ..memory.device import OOMInjector, PeakMeter, cached_free_bytes, free_memo
 from ..memory.kv_cache import cache_bytes, make_cache
 from ..memory.model import ModelMemoryFacts, human_bytes, predict_peak_bytes
 from ..metrics import ReplyStats, TokenClock
-from ..streams import MAX_HOLD_S, TokenTimeout
+from ..streams import TokenTimeout
 from ..types import LoadedModel
 from .admission import ReplySlots
 from .runners import DecodeBackend, PreparedPrompt
@@ -60,6 +59,7 @@ from .startup import (
     select_decode_path,
     warm_decode_path,
 )
+from .streamer import TimedStreamer
 
 if TYPE_CHECKING:
     from .eager_runner import EagerRunner
@@ -81,103 +81,6 @@ class ReplyUpdate:
     stats: ReplyStats
     done: bool = False
     token_ids: tuple[int, ...] = ()  # the generated ids, on the final update only
-
-
-def incremental_decoder(tokenizer: Any) -> Any | None:
-    """A `tokenizers.decoders.DecodeStream` for `tokenizer` (each token's new text in O(1), incomplete UTF-8 held back
-    until its character is whole), or None where it would not give tokenizer.decode's text: a slow tokenizer, or one
-    that cleans up tokenization spaces (" ." -> "."), which only a decode of the whole text does."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if backend is None or not getattr(tokenizer, "is_fast", False) or getattr(
-            tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # pragma: no cover - tokenizers older than 0.21
-        return None
-    return DecodeStream(skip_special_tokens=True)
-
-
-class _TimedStreamer(TextIteratorStreamer):
-    """TextIteratorStreamer that also stamps every generated token id on a TokenClock as it arrives, and passes on each
-    token's text as it comes.
-
-    With a fast tokenizer the text comes from `incremental_decoder` (O(1) per token; the base class decodes every id
-    since the last newline again at each token, and holds symbols back until the next space). Otherwise the base
-    class's decoding, and `every_token` (structured output: JSON is mostly symbols, so a compact value would arrive
-    in one piece at the end) passes on each token's text except an incomplete character (decoded as U+FFFD).
-    `put_ids` and `texts` are for a reader that feeds the streamer on its own thread (ChatEngine's scheduled
-    replies); `held_texts` for one that reads a worker's text at most every so often."""
-
-    def __init__(self, tokenizer: Any, clock: TokenClock, timeout_s: float, *, every_token: bool = False) -> None:
-        super().__init__(tokenizer, skip_prompt=True, timeout=timeout_s, skip_special_tokens=True)
-        self.clock = clock
-        self.every_token = every_token
-        self._decoder = incremental_decoder(tokenizer)
-        self._ended = threading.Event()  # set by end(): wakes a reader holding off between reads
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.skip_prompt and self.next_tokens_are_prompt:
-            super().put(value)  # the prompt: skipped
-            return
-        self.put_ids(value.reshape(-1).tolist())
-
-    def put_ids(self, ids: list[int], times: list[float] | None = None) -> None:
-        """Generated token ids: stamped on the clock (at `times`, their delivery, where given), their text passed on."""
-        self.clock.on_tokens(ids, times)
-        if self._decoder is not None:
-            backend = self.tokenizer._tokenizer
-            text = "".join(chunk for chunk in (self._decoder.step(backend, i) for i in ids) if chunk)
-            if text:
-                self.on_finalized_text(text)
-            return
-        if not self.every_token:
-            super().put(torch.tensor(ids))
-            return
-        self.token_cache.extend(ids)  # one decode per token, as the base class does; end() flushes the rest
-        text = str(self.tokenizer.decode(self.token_cache, **self.decode_kwargs))
-        if len(text) > self.print_len and not text.endswith("\ufffd"):
-            self.on_finalized_text(text[self.print_len:])
-            self.print_len = len(text)
-
-    def end(self) -> None:
-        if self._decoder is not None:  # nothing held back but an incomplete character, which never completes now
-            self.next_tokens_are_prompt = True
-            self.text_queue.put(self.stop_signal, timeout=self.timeout)
-        else:
-            super().end()
-        self._ended.set()
-
-    def held_texts(self, hold: Callable[[], float]) -> Iterator[str]:
-        """The text as iterating gives it (raising queue.Empty after `timeout` without any), but read at most once
-        per hold: after each read the reader sleeps hold() seconds, or until end(), and the next read joins every
-        piece queued meanwhile (the same text in fewer pieces; each token was timed on the clock as it came)."""
-        while True:
-            item = self.text_queue.get(timeout=self.timeout)
-            pieces: list[str] = []
-            while item is not self.stop_signal:
-                pieces.append(item)
-                try:
-                    item = self.text_queue.get_nowait()
-                except queue.Empty:
-                    break
-            if any(pieces):
-                yield "".join(pieces)
-            if item is self.stop_signal:
-                return
-            wait = hold()
-            if wait > 0:
-                self._ended.wait(min(wait, MAX_HOLD_S))
-
-    def texts(self) -> Iterator[str]:
-        """The text passed on so far and not yet read, without waiting (the reader that feeds put_ids)."""
-        while True:
-            try:
-                text = self.text_queue.get_nowait()
-            except queue.Empty:
-                return
-            if text is not self.stop_signal and text:
-                yield text
 
 
 class WorkerThreads:
@@ -652,7 +555,7 @@ class ChatEngine:
         if gen.control is not None:  # grammar, penalties, logprobs: fresh for this reply's token budget
             gen.control.start(gen.max_new_tokens)
         clock = TokenClock(start_s)
-        streamer = _TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s,
+        streamer = TimedStreamer(loaded.tokenizer, clock, gen.stream_timeout_s,
                                   every_token=gen.control is not None and gen.control.spec.json)
         peak = PeakMeter(loaded.device)
         report = loaded.report
@@ -736,7 +639,7 @@ class ChatEngine:
             elif scheduled is not None:
                 scheduled.close()  # its reply counted out of `generating` now, not when it is collected
 
-    def _scheduled_texts(self, backend: ScheduledBackend, prepared: PreparedPrompt, streamer: _TimedStreamer,
+    def _scheduled_texts(self, backend: ScheduledBackend, prepared: PreparedPrompt, streamer: TimedStreamer,
                          stop_event: threading.Event, cache: Any, cached: list[int],
                          hold: Callable[[], float] | None = None) -> Generator[str, None, None]:
         """A reply of a scheduled backend (the batched fast path, the eager batch, the CPU path) read on the reply's
