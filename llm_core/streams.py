@@ -15,7 +15,15 @@ from typing import Any
 
 from .errors import GenerationError
 
-MAX_HOLD_S = 1.0  # a reader's longest sleep between reads (TokenStreams.token_batches' hold)
+MAX_HOLD_S = 1.0  # a reader's longest sleep between reads (hold_off)
+
+
+def hold_off(hold: Callable[[], float] | None, ended: threading.Event) -> None:
+    """A reader's pause between two reads of a reply: hold() seconds (at most MAX_HOLD_S; none when hold is None or
+    says 0), cut short when `ended` is set (the reply's last text must not wait)."""
+    wait = hold() if hold is not None else 0.0
+    if wait > 0:
+        ended.wait(min(wait, MAX_HOLD_S))
 
 
 class TokenTimeout(Exception):
@@ -88,9 +96,7 @@ class TokenStreams:
             if error is not None:
                 self.stats.errors += 1
             request.items.put(request.finished)
-            ended = getattr(request, "ended", None)
-            if ended is not None:
-                ended.set()
+            request.ended.set()
 
     def _enqueue(self, request: Any, stopped: str) -> Any:
         """Queue a checked request for the loop thread (the scheduler's `_cond`, `_waiting` and `alive`); raise
@@ -137,13 +143,7 @@ class TokenStreams:
                 if item.error is not None:
                     raise item.error
                 return
-            wait = hold() if hold is not None else 0.0
-            if wait > 0:
-                ended = getattr(request, "ended", None)
-                if ended is not None:
-                    ended.wait(min(wait, MAX_HOLD_S))
-                else:
-                    time.sleep(min(wait, MAX_HOLD_S))
+            hold_off(hold, request.ended)
 
     def stream(self, request: Any, poll_s: float = 0.25) -> Iterator[int]:
         """Yield the request's token ids one by one as the scheduler produces them; raise its error; end when it

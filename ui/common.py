@@ -88,7 +88,7 @@ class UpdatePacer:
         waited for the GIL behind), and the next update carries every token since."""
         if self._last_s is None:
             return 0.0
-        return max(0.0, self._last_s + max(self.interval_s, self.interval()) - self.clock())
+        return max(0.0, self._last_s + self.interval() - self.clock())  # interval() is never below interval_s
 
     def due(self, last: bool = False) -> bool:
         now = self.clock()

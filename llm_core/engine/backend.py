@@ -40,8 +40,8 @@ class ChatBackend(Protocol):
         waits for its turn (engines that queue). Stop names `request_id`; limits and fair turns count `person`
         (llm_core.security.person_of), or `request_id` when unset. `render_prompt` (local engines) renders the
         prompt instead of the chat template; replies of one `group` count as one request of the person.
-        `hold()` (engines that schedule rows): seconds the caller has no use for a next update, asked after each
-        one; the reply's thread sleeps meanwhile instead of waking for every token, and the next update carries
+        `hold()` (local engines): seconds the caller has no use for a next update, asked after each one; the
+        reply's thread sleeps meanwhile instead of waking for every token, and the next update carries
         every token since (llm_core.streams.TokenStreams.token_batches)."""
 
     def wait_estimate_s(self, ahead: int) -> float | None:

@@ -507,8 +507,9 @@ class ChatEngine:
         message) and returns its encoding (input_ids, attention_mask), e.g. with tools. Replies of one `group` (the
         n choices of one API request) count as one request of the person and may run at once. `hold()`: seconds the
         caller has no use for a next update, asked after each (a page that shows a reply every so often: ui.common.
-        UpdatePacer.remaining); a scheduled reply's thread sleeps meanwhile instead of waking for every token, and the
-        next update carries every token since (each still timed at its delivery). The last update is never held.
+        UpdatePacer.remaining); the reply's thread (a scheduled row's or a worker-fed one's) sleeps meanwhile instead of
+        waking for every token, and the next update carries every token since (each still timed at its delivery). The
+        last update is never held.
 
         Order: text cleaned and size-checked (nothing tokenized yet) -> the session admitted (or refused: too many
         of its requests already in) -> the prompt fitted and tokenized, outside the engine's slots -> a fair turn

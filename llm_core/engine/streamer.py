@@ -14,7 +14,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from ..metrics import TokenClock
-from ..streams import MAX_HOLD_S
+from ..streams import hold_off
 
 
 def incremental_decoder(tokenizer: Any) -> Any | None:
@@ -99,9 +99,7 @@ class TimedStreamer(TextIteratorStreamer):
                 yield "".join(pieces)
             if item is self.stop_signal:
                 return
-            wait = hold()
-            if wait > 0:
-                self._ended.wait(min(wait, MAX_HOLD_S))
+            hold_off(hold, self._ended)
 
     def texts(self) -> Iterator[str]:
         """The text passed on so far and not yet read, without waiting (the reader that feeds put_ids)."""
