@@ -163,10 +163,10 @@ def run_round(url: str, messages: list[list[str]], new_tokens: int, procs: int, 
     cpu_s, wall_s = time.process_time() - cpu0, time.monotonic() - wall0
     turns = [reply for chat in per_chat for reply in chat]
     record = summarize(turns, cpu_s, wall_s, chats=len(messages))
-    if max(len(m) for m in messages) > 1:  # each turn's replies apart: the history grows from one to the next
+    most = max(len(m) for m in messages)
+    if most > 1:  # each turn's replies apart: the history grows from one to the next
         record["per_turn"] = [{"turn": t, **summarize([r for r in turns if r["turn"] == t], cpu_s, wall_s,
-                                                      per_turn=True)}
-                              for t in range(1, max(len(m) for m in messages) + 1)]
+                                                      per_turn=True)} for t in range(1, most + 1)]
     return record
 
 
