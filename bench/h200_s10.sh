@@ -8,6 +8,8 @@
 #                       variants $HOST (default: default): the app's own server and engine in one process,
 #                       gradio_client sessions in $PROCS client processes; $TURNS turns a chat (default 1; each later
 #                       message $TURN_TOKENS tokens, default 64, sent with the history the page gave back)
+#   attn-<N>.json       PARTS=attn: bench.attention_rows --sweep at $ATTN_ROWS rows (default 8,16,32; every launch probed
+#                       at the last of them) over $ATTN_TOKENS tokens (default 576,1024,2048,4096), budget $ATTN_S s
 #   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
@@ -15,6 +17,13 @@ source bench/h200_env.sh || exit 1
 CKPT=${CKPT:-/tmp/l2-ckpt}
 PARTS=" ${PARTS:-app kv} "
 N=${N:-1}
+if [[ $PARTS == *" attn "* ]]; then
+  ROWS=${ATTN_ROWS:-8,16,32}
+  timeout -s INT -k 15 $(( ${ATTN_S:-170} + 60 )) python3 -m bench.attention_rows --sweep --sweep-rows "$ROWS" \
+    --probe-rows "${ROWS##*,}" --sweep-tokens "${ATTN_TOKENS:-576,1024,2048,4096}" --probe-tokens 1024 \
+    --budget-s "${ATTN_S:-170}" --out "$OUT/attn-$N.json" > "$OUT/attn-$N.log" 2>&1
+  echo "attn rc=$?"; tail -48 "$OUT/attn-$N.log" | cut -c1-300
+fi
 if [[ $PARTS == *" app "* ]]; then
   timeout -s INT -k 15 "${APP_S:-300}" python3 -m bench.app_load --random llama-2-7b --ckpt $CKPT \
     --chats "${APP_CHATS:-8,32}" --intervals "${INTERVALS:-0,0.05}" --pairs "${PAIRS:-2}" --new-tokens 128 \
