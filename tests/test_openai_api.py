@@ -15,6 +15,7 @@ from app import launch
 from llm_core.engine.chat import ChatEngine
 from llm_core.engine.compare import EnginePool
 from llm_core.history import build_messages
+from llm_core.streams import MAX_HOLD_S
 from llm_core.web.openai_api import served_model_id
 from tests.test_app import free_port
 from ui import build_demo
@@ -89,6 +90,30 @@ def test_streamed_chat_matches_the_plain_reply_and_ends_with_stats_and_usage(cli
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == stats["new_tokens"]
     assert usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_whole_reply_without_stop_sequences_is_read_at_its_end_not_once_a_token(
+        client: Any, api: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    engine: ChatEngine = api["engine"]
+    real, seen = engine.stream_chat, []
+
+    def counting(*args: Any, **kwargs: Any) -> Iterator[Any]:
+        updates = list(real(*args, **kwargs))
+        seen.append((kwargs.get("hold"), len(updates), updates[-1].stats))
+        yield from updates
+
+    monkeypatch.setattr(engine, "stream_chat", counting)
+    whole = ask(client, api, max_tokens=24)
+    streamed = list(ask(client, api, max_tokens=24, stream=True))
+    stopped = ask(client, api, max_tokens=24, stop=["no such words"])
+    (hold, reads, stats), (stream_hold, stream_reads, _), (stop_hold, stop_reads, _) = seen
+    assert hold is not None and hold() == MAX_HOLD_S  # the row sleeps between reads; the reply's end wakes it
+    assert reads <= 3 + stats.decode_s  # the first token, then about one read a MAX_HOLD_S, then the end
+    assert stats.new_tokens >= 8 and stream_reads >= stats.new_tokens - 1  # a stream reads (about) every token
+    assert stream_hold is None and stop_hold is None and stop_reads >= stats.new_tokens - 1  # stops are looked for
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert whole.choices[0].message.content == text == stopped.choices[0].message.content  # the same reply
+    assert whole.usage.completion_tokens == stats.new_tokens
 
 
 def test_max_tokens_caps_the_generated_ids(client: Any, api: dict[str, Any]) -> None:

@@ -48,7 +48,7 @@ from .openai_jobs import (
     usage,
     with_tool_prompt,
 )
-from .openai_reply import Reply, Rows, StopScanner, error_body, row_width
+from .openai_reply import Reply, Rows, StopScanner, error_body, row_hold, row_width
 from .openai_tools import OpenedPrompt, flatten_tool_messages, native_prompt
 
 # (HTTP status, OpenAI error type, OpenAI error code) for a library error.
@@ -388,13 +388,14 @@ def create_openai_app(get_engine: GetEngine, settings: Settings, describe_error:
             session = f"openai-api:{uuid.uuid4().hex}"
             engine, model_id, plan = await run_in_threadpool(server.plan_completion if text else server.plan_chat,
                                                              req)
-            rows = Rows(engine, plan.jobs, session, person, row_width(engine, len(plan.jobs)))
+            stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
+            rows = Rows(engine, plan.jobs, session, person, row_width(engine, len(plan.jobs)),
+                        hold=row_hold(bool(req.stream), stops))
             try:
                 first = await run_in_threadpool(rows.get)  # errors before the first token get their own status
             except BaseException:
                 rows.cancel()
                 raise
-            stops = StopScanner([req.stop] if isinstance(req.stop, str) else list(req.stop or []))
             reply = Reply(rows, plan, stops, describe_error, model_id, text,
                           f"{'cmpl' if text else 'chatcmpl'}-{first[1].stats.reply_id}", int(time.time()))
             if req.stream:

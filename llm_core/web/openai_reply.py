@@ -25,6 +25,7 @@ from ..config import HISTORY_TURNS_RANGE
 from ..engine.backend import ChatBackend
 from ..engine.chat import ReplyUpdate
 from ..errors import LLMCoreError
+from ..streams import MAX_HOLD_S
 from .openai_calls import ToolCallStream
 from .openai_jobs import Job, Plan, chat_choice, text_choice, usage
 from .openai_tools import chat_logprobs, completion_logprobs
@@ -63,11 +64,23 @@ def row_width(engine: ChatBackend, jobs: int) -> int:
     return max(1, min(jobs, int(engine.max_concurrent_replies)))
 
 
-class Rows:
-    """A request's replies running on `width` threads; their updates in arrival order through `get()`."""
+def row_hold(stream: bool, stops: StopScanner) -> Callable[[], float] | None:
+    """How long a row's thread may sleep between two reads of its reply (ChatEngine.stream_chat's `hold`). A whole
+    response without stop sequences has nothing to look at before the reply ends, so its row reads the reply at most
+    once a MAX_HOLD_S (the end wakes it at once) instead of once a token: fewer wakes taking the GIL from the
+    decoder's thread, the same response. A stream, or stop sequences to look for, read every token."""
+    if stream or stops.stops:
+        return None
+    return lambda: MAX_HOLD_S
 
-    def __init__(self, engine: ChatBackend, jobs: list[Job], session: str, person: str, width: int) -> None:
-        self.engine, self.session, self.person = engine, session, person
+
+class Rows:
+    """A request's replies running on `width` threads; their updates in arrival order through `get()`. `hold`: what
+    each row passes to stream_chat (row_hold)."""
+
+    def __init__(self, engine: ChatBackend, jobs: list[Job], session: str, person: str, width: int,
+                 hold: Callable[[], float] | None = None) -> None:
+        self.engine, self.session, self.person, self.hold = engine, session, person, hold
         self._jobs = jobs
         self._todo = collections.deque(jobs)
         self._events: queue.SimpleQueue[tuple[Job, ReplyUpdate | None, BaseException | None]] = queue.SimpleQueue()
@@ -91,7 +104,7 @@ class Rows:
                 stream = self.engine.stream_chat(job.message, job.turns, gen=job.gen,
                                                  history_turns=HISTORY_TURNS_RANGE[1], system_prompt=job.system_prompt,
                                                  request_id=self.row_id(job), person=self.person, raw_prompt=job.raw,
-                                                 render_prompt=job.render, group=self.session)
+                                                 render_prompt=job.render, group=self.session, hold=self.hold)
                 for update in stream:
                     self._events.put((job, update, None))
                     if self._cancelled.is_set():
