@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--probe-tokens", type=int, default=9000, help="the length every launch is timed at")
     ap.add_argument("--sweep-rows", default="1,8", help="comma-separated query row counts of the full timings")
     ap.add_argument("--probe-rows", type=int, default=1, help="the row count every launch is timed at")
+    ap.add_argument("--formats", default=",".join(SWEEP_FORMATS), help="comma-separated row formats the sweep times")
     ap.add_argument("--budget-s", type=float, default=150.0, help="the sweep stops here and writes what it has")
     ap.add_argument("--compile-workers", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes compiling the sweep's kernels ahead (0: each compiles when first launched)")
@@ -78,6 +79,9 @@ def main() -> int:
         ap.error(f"--sweep-rows takes comma-separated integers, not {args.sweep_rows!r}")
     if not sweep_rows or min(sweep_rows + [args.probe_rows]) < 1:
         ap.error("row counts must be 1 or more")
+    formats = tuple(f for f in args.formats.split(",") if f)
+    if not formats or set(formats) - set(SWEEP_FORMATS):
+        ap.error(f"--formats takes comma-separated names from {SWEEP_FORMATS}, not {args.formats!r}")
     if min(sweep_tokens) < SWEEP_PAGE:
         ap.error(f"every length must be at least one {SWEEP_PAGE}-token block")
     if not torch.cuda.is_available():
@@ -86,7 +90,7 @@ def main() -> int:
         return 2
     if args.sweep:
         return sweep(args.out, args.heads, sweep_tokens, args.probe_tokens, args.budget_s, args.compile_workers,
-                     rows=tuple(sweep_rows), probe_rows=args.probe_rows)
+                     rows=tuple(sweep_rows), probe_rows=args.probe_rows, formats=formats)
     from llm_core.fast import kvquant
     from llm_core.fast.kernels import attention  # noqa: F401 - registers the ops
     from llm_core.fast.timing import time_in_cuda_graph
@@ -255,7 +259,8 @@ def quantized_pool(pool: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget_s: float, workers: int,
-          dev: torch.device | None = None, rows: tuple[int, ...] = SWEEP_ROWS, probe_rows: int = 1) -> int:
+          dev: torch.device | None = None, rows: tuple[int, ...] = SWEEP_ROWS, probe_rows: int = 1,
+          formats: tuple[str, ...] = SWEEP_FORMATS) -> int:
     """The launch sweep (see the module's docstring): a pool of random bf16 K/V blocks for the most rows at the longest
     length, in each row format; per (rows, length) a block table of distinct shuffled blocks, every row at its last
     position. Each timing is a CUDA graph of calls (llm_core.fast.timing), short for the probe of every launch,
@@ -273,7 +278,7 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
     num_blocks = max(*rows, probe_rows) * width_max
     k16 = torch.randn(num_blocks, SWEEP_PAGE, kv_heads, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
     v16 = torch.randn(num_blocks, SWEEP_PAGE, kv_heads, HEAD_DIM, device=dev, generator=g, dtype=torch.bfloat16)
-    pools = {fmt: (quantized_pool(k16, fmt), quantized_pool(v16, fmt)) for fmt in SWEEP_FORMATS}
+    pools = {fmt: (quantized_pool(k16, fmt), quantized_pool(v16, fmt)) for fmt in formats}
     cases: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
     for n, t in itertools.product(sorted({*rows, probe_rows}), tokens):
         width = t // SWEEP_PAGE
@@ -331,10 +336,10 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
 
     candidates: dict[str, list[Any]] = {}
     try:
-        probe_jobs = [job for fmt in SWEEP_FORMATS for job in jobs_for(fmt, probe_rows, probe_tokens, launches)]
+        probe_jobs = [job for fmt in formats for job in jobs_for(fmt, probe_rows, probe_tokens, launches)]
         compiles.append({"phase": "probe", **compiler.run(probe_jobs, budget)})
         print(f"# {len(launches)} launches per format; compiled ahead in {compiles[-1]['s']} s", flush=True)
-        for fmt in SWEEP_FORMATS:  # phase 1: every launch at 1 row and the probe length
+        for fmt in formats:  # phase 1: every launch at 1 row and the probe length
             probe = [measure(fmt, probe_rows, probe_tokens, launch, "probe") for launch in launches]
             timed = sorted((r for r in probe if "us" in r), key=lambda r: r["us"])
             chosen = [by_name[r["launch"]] for r in timed[:SWEEP_TOP]]
@@ -346,12 +351,12 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
             print(f"# {fmt} probe ({probe_tokens} tokens, {probe_rows} rows): " + ", ".join(
                 f"{r['launch']} {r['us']} µs" for r in timed[:SWEEP_TOP]), flush=True)
         full = [(n, t) for n, t in cases if n in rows]
-        full_jobs = [job for n, t in full for fmt in SWEEP_FORMATS for job in jobs_for(fmt, n, t, candidates[fmt])]
+        full_jobs = [job for n, t in full for fmt in formats for job in jobs_for(fmt, n, t, candidates[fmt])]
         compiles.append({"phase": "candidates", **compiler.run(full_jobs, budget)})
         compiler.close()
         # phase 2: the candidates at every length and row count, timed longer; the fewest rows (a lone chat) first
         for n, t in full:
-            for fmt in SWEEP_FORMATS:
+            for fmt in formats:
                 for launch in candidates[fmt]:
                     measure(fmt, n, t, launch, "full")
     except BudgetReached:
@@ -360,13 +365,14 @@ def sweep(out: Path, kv_heads: int, tokens: list[int], probe_tokens: int, budget
     finally:
         compiler.close(abandon=True)
     best, suggested = best_tables(records, default)
+    buckets = bucket_suggestions(records, default, attention.LAUNCH_ROW_BUCKETS)
     result = {"bench": "attention_rows --sweep", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": attention.triton.__version__, "kv_heads": kv_heads, "query_heads": QUERY_HEADS,
               "head_dim": HEAD_DIM, "page": SWEEP_PAGE, "tokens": tokens, "probe_tokens": probe_tokens,
               "triton_default_num_stages": default_stages, "elapsed_s": round(budget.elapsed(), 1),
               "budget_s": budget_s, "stopped": stopped, "compiles": compiles,
               "candidates": {fmt: [launch_name(la) for la in c] for fmt, c in candidates.items()},
-              "best": best, "suggested": suggested, "records": records}
+              "best": best, "suggested": suggested, "buckets": buckets, "records": records}
     out.write_text(json.dumps(result, indent=1))
     print_summary(result)
     return 0
@@ -408,6 +414,32 @@ def best_tables(records: list[dict[str, Any]], default: Any) -> tuple[list[dict[
     return best, suggested
 
 
+def bucket_suggestions(records: list[dict[str, Any]], default: Any, buckets: tuple[int, ...]
+                       ) -> list[dict[str, Any]]:
+    """Per format and ATTENTION_LAUNCHES rows bucket (the smallest of `buckets` holding a row count), the launch
+    with the lowest geometric mean of its time over the default's across every (rows, tokens) case of that bucket
+    it was timed at all of (the longer timings only): the bucket's entry where several row counts share it (9-64
+    rows: 16 and 32 chats). `arg` is bench.batched's --attention-launch for it."""
+    default_name = launch_name(default)
+    full = [r for r in records if "us" in r and r["phase"] == "full"]
+    cases: dict[tuple[str, int], dict[tuple[int, int], dict[str, float]]] = {}
+    for r in full:
+        bucket = next((b for b in buckets if r["rows"] <= b), buckets[-1])
+        cases.setdefault((r["format"], bucket), {}).setdefault((r["rows"], r["tokens"]), {})[r["launch"]] = r["us"]
+    out = []
+    for (fmt, bucket), by_case in sorted(cases.items()):
+        by_case = {c: t for c, t in by_case.items() if default_name in t}
+        names = set.intersection(*(set(t) for t in by_case.values())) if by_case else set()
+        if not names:
+            continue
+        geo = {n: math.exp(sum(math.log(t[n] / t[default_name]) for t in by_case.values()) / len(by_case))
+               for n in names}
+        name = min(geo, key=lambda n: geo[n])
+        out.append({"format": fmt, "bucket": bucket, "launch": name, "cases": sorted(by_case),
+                    "time_vs_default_geomean": round(geo[name], 3), "arg": f"{fmt}:{bucket}={name}"})
+    return out
+
+
 def print_summary(result: dict[str, Any]) -> None:
     errors = [r for r in result["records"] if "error" in r]
     diffs = [r["max_abs_diff"] for r in result["records"] if "max_abs_diff" in r]
@@ -421,6 +453,9 @@ def print_summary(result: dict[str, Any]) -> None:
               f"{b['best_gbps']:>6} {b['speedup'] or '-':>6}  {b['best']}")
     for s in result["suggested"]:
         print(f"# suggested {s['entry']}  # {s['time_vs_default_geomean']}x the default's time over {s['lengths']}")
+    for b in result.get("buckets", []):
+        print(f"# bucket {b['arg']}  # {b['time_vs_default_geomean']}x the default's time over {len(b['cases'])} "
+              f"cases (rows, tokens)")
     if result["stopped"]:
         print(f"# stopped early: {result['stopped']}")
 

@@ -88,6 +88,30 @@ def set_mm_split_sum(which: str) -> None:
     nf4_mm.default_config = patched  # type: ignore[assignment]
 
 
+def set_attention_launches(items: list[str]) -> dict[str, str]:
+    """--attention-launch FORMAT:ROWS=NAME (repeatable): this process's decode attention takes the launch NAME
+    (bench.attention_rows' names, l<block_l>-w<warps>-s<stages or d>-p<programs per SM>) for that format and rows
+    bucket of ATTENTION_LAUNCHES, e.g. int8:64=l64-w4-s2-p4 (bench-only: for an A/B of a sweep's suggestion through
+    the engine in the sweep's own lease). Returns what was set, for the record."""
+    from llm_core.fast.kernels import attention
+
+    done = {}
+    for item in items:
+        key, _, name = item.partition("=")
+        fmt, _, rows = key.partition(":")
+        parts = dict((p[0], p[1:]) for p in name.split("-")) if name else {}
+        if (fmt not in attention.ROW_FORMATS or not rows.isdigit() or int(rows) not in attention.LAUNCH_ROW_BUCKETS
+                or set(parts) != set("lwsp")):
+            raise SystemExit(f"--attention-launch takes FORMAT:ROWS=l<n>-w<n>-s<n|d>-p<n> with FORMAT in "
+                             f"{attention.ROW_FORMATS} and ROWS in {attention.LAUNCH_ROW_BUCKETS}, not {item!r}")
+        launch = attention.AttentionLaunch(block_l=int(parts["l"]), num_warps=int(parts["w"]),
+                                           num_stages=None if parts["s"] == "d" else int(parts["s"]),
+                                           programs_per_sm=int(parts["p"]))
+        attention.ATTENTION_LAUNCHES[(fmt, int(rows))] = launch
+        done[key] = name
+    return done
+
+
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -288,7 +312,8 @@ class Bench:
             self.rec.set_summary(checkpoint_s=round(time.perf_counter() - t, 1))
         restrict_gemv_configs(a.gemv_configs)
         set_mm_split_sum(a.mm_split_sum)
-        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum)
+        launches = set_attention_launches(a.attention_launch)
+        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum, attention_launches=launches)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
         variants = [v for _ in range(a.host_repeats) for v in a.host_variants]
@@ -427,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated host settings each phase runs under, in turn, in this process "
                              f"(bench.host_probe: {', '.join(HOST_VARIANTS)}): an A/B of the host's part")
     parser.add_argument("--host-repeats", type=int, default=1, help="run the --host-variants list this many times")
+    parser.add_argument("--attention-launch", action="append", default=[], metavar="FORMAT:ROWS=NAME",
+                        help="the decode attention's launch for a format and rows bucket in this process "
+                             "(repeatable), e.g. int8:64=l64-w4-s2-p4: an A/B of bench.attention_rows' suggestion")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

@@ -10,7 +10,9 @@
 #                       message $TURN_TOKENS tokens, default 64, sent with the history the page gave back)
 #   attn-<N>.json       PARTS=attn: bench.attention_rows --sweep at $ATTN_ROWS rows (default 8,16,32; every launch probed
 #                       at the last of them) over $ATTN_TOKENS tokens (default 576,1024,2048,4096), budget $ATTN_S s
-#   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV
+#   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV;
+#                       with KV_TABLES="default sweep" also kv-<mode>-sweep-<N>.json, the attn part's suggestions
+#                       for the rows buckets $KV_BUCKETS (default 64) put in ATTENTION_LAUNCHES
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -21,7 +23,7 @@ if [[ $PARTS == *" attn "* ]]; then
   ROWS=${ATTN_ROWS:-8,16,32}
   timeout -s INT -k 15 $(( ${ATTN_S:-170} + 60 )) python3 -m bench.attention_rows --sweep --sweep-rows "$ROWS" \
     --probe-rows "${ROWS##*,}" --sweep-tokens "${ATTN_TOKENS:-576,1024,2048,4096}" --probe-tokens 1024 \
-    --budget-s "${ATTN_S:-170}" --out "$OUT/attn-$N.json" > "$OUT/attn-$N.log" 2>&1
+    --budget-s "${ATTN_S:-170}" --formats "${ATTN_FORMATS:-bf16,int8,int4}" --out "$OUT/attn-$N.json" > "$OUT/attn-$N.log" 2>&1
   echo "attn rc=$?"; tail -48 "$OUT/attn-$N.log" | cut -c1-300
 fi
 if [[ $PARTS == *" app "* ]]; then
@@ -32,10 +34,27 @@ if [[ $PARTS == *" app "* ]]; then
 fi
 if [[ $PARTS == *" kv "* ]]; then
   for mode in ${KV:-int8 bf16}; do
-    timeout -s INT -k 15 "${KV_S:-150}" python3 -m bench.batched --no-reference --chats "${KV_CHATS:-32}" \
-      --new-tokens 128 --ckpt $CKPT --set KV_CACHE=$mode --out "$OUT/kv-$mode-$N.json" > "$OUT/kv-$mode-$N.log" 2>&1
-    echo "kv $mode rc=$?"
-    python3 - "$OUT/kv-$mode-$N.json" <<'P'
+    for table in ${KV_TABLES:-default}; do
+      # KV_TABLES="default sweep": the second run takes the attn part's bucket suggestions (attn-$N.json) for the
+      # rows buckets of KV_BUCKETS (default 64) through bench.batched --attention-launch: an A/B in one lease
+      args=(); tag=$mode
+      if [[ $table == sweep ]]; then
+        tag=$mode-sweep
+        mapfile -t args < <(python3 - "$OUT/attn-$N.json" "${KV_BUCKETS:-64}" <<'P'
+import json, sys
+buckets = {int(b) for b in sys.argv[2].split(",")}
+for b in json.load(open(sys.argv[1])).get("buckets", []):
+    if b["bucket"] in buckets and b["time_vs_default_geomean"] < 1:
+        print(f"--attention-launch={b['arg']}")
+P
+)
+        echo "kv $tag: ${args[*]:-no suggestion beats the default}"
+      fi
+      timeout -s INT -k 15 "${KV_S:-150}" python3 -m bench.batched --no-reference --chats "${KV_CHATS:-32}" \
+        --new-tokens 128 --ckpt $CKPT --set KV_CACHE=$mode "${args[@]}" --out "$OUT/kv-$tag-$N.json" \
+        > "$OUT/kv-$tag-$N.log" 2>&1
+      echo "kv $tag rc=$?"
+      python3 - "$OUT/kv-$tag-$N.json" <<'P'
 import json, sys
 for r in json.load(open(sys.argv[1]))["records"]:
     sp = r.get("step_profile") or {}
@@ -43,6 +62,7 @@ for r in json.load(open(sys.argv[1]))["records"]:
                                  "ttft_p95_s", "kv_cache_bytes_per_chat", "warmup_s") if r.get(k) is not None},
           "step_ms", round(sp.get("mean_step_s", 0) * 1e3, 2))
 P
-    grep -iE "Traceback|Error" "$OUT/kv-$mode-$N.log" | head -4 | cut -c1-300
+      grep -iE "Traceback|Error" "$OUT/kv-$tag-$N.log" | head -4 | cut -c1-300
+    done
   done
 fi

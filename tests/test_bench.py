@@ -175,3 +175,41 @@ def test_slim_wheel_drops_the_named_members_and_their_record_lines(tmp_path: Pat
         assert z.read("pkg/lib_cuda130.so") == b"\1" * 100
         assert "lib_cuda118" not in z.read("pkg-1.0.dist-info/RECORD").decode()
     assert (kept, dropped) == (3, 1)
+
+
+def test_attention_bucket_choice_weighs_every_row_count_of_a_bucket_and_the_engine_takes_it() -> None:
+    """bench.attention_rows' bucket suggestion: per format and rows bucket, the launch with the lowest geometric mean
+    of its time over the default's across every (rows, tokens) case of the bucket that it was timed at all of; and
+    bench.batched --attention-launch puts such a choice into ATTENTION_LAUNCHES (and refuses a malformed one)."""
+    import pytest
+    import torch
+
+    from bench.attention_rows import bucket_suggestions, launch_name
+    from bench.batched import set_attention_launches
+    from llm_core.fast.kernels import attention
+
+    default = attention.AttentionLaunch()
+    d, a, b, c = launch_name(default), "l64-w2-s2-p8", "l32-w4-sd-p2", "l128-w8-s3-p16"
+    times = {  # (rows, tokens) -> launch -> µs; 16 and 32 rows share the 64 bucket, 8 rows has its own
+        (16, 576): {d: 100, a: 50, b: 90, c: 10}, (32, 576): {d: 100, a: 150, b: 60},
+        (32, 4096): {d: 100, a: 70, b: 80}, (8, 576): {d: 100, a: 120, b: 95},
+    }
+    records = [{"phase": "full", "format": "int8", "rows": rows, "tokens": t, "launch": name, "us": us}
+               for (rows, t), by in times.items() for name, us in by.items()]
+    records.append({"phase": "probe", "format": "int8", "rows": 32, "tokens": 576, "launch": a, "us": 1.0})
+    got = {(s["format"], s["bucket"]): s for s in bucket_suggestions(records, default, attention.LAUNCH_ROW_BUCKETS)}
+    # 64 bucket: a 0.5*1.5*0.7 = 0.525, b 0.9*0.6*0.8 = 0.432 (cube roots), c is not timed at every case: b wins
+    assert got[("int8", 64)]["launch"] == b
+    assert got[("int8", 64)]["time_vs_default_geomean"] == round(0.432 ** (1 / 3), 3)
+    assert got[("int8", 8)]["launch"] == b and got[("int8", 64)]["arg"] == f"int8:64={b}"
+    saved = dict(attention.ATTENTION_LAUNCHES)
+    try:
+        assert set_attention_launches([f"int8:64={b}"]) == {"int8:64": b}
+        assert attention.ATTENTION_LAUNCHES[("int8", 64)] == attention.AttentionLaunch(32, 4, None, 2)
+        assert attention.attention_launch("int8", 20, torch.device("cpu")) == attention.AttentionLaunch(32, 4, None, 2)
+        for bad in ("int8:32=" + b, "fp8:64=" + b, "int8:64=l64-w2-s2"):
+            with pytest.raises(SystemExit, match="attention-launch"):
+                set_attention_launches([bad])
+    finally:
+        attention.ATTENTION_LAUNCHES.clear()
+        attention.ATTENTION_LAUNCHES.update(saved)
