@@ -3,7 +3,11 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
 (nf4_gemv at M = 1, nf4_rows above), bitsandbytes' matmul_4bit, dequantize_4bit + matmul, and bf16 cuBLAS.
 
     python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
-                            [--forms all] [--refine 3] [--overlap | --fused]
+                            [--forms all] [--refine 3] [--overlap | --fused | --frag]
+
+--frag (M <= 8): llm_core.nf4_frag over the weights repacked into mma fragment order (its default_config and a
+grid of warps x splits x prefetch) beside the engine's calls of today: nf4_mm's launch rule (PDL, the weight's own
+counters) and, at M = 1, the one-token GEMV (PDL); the summary sums each per layer.
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
 without them (ours-default: the library's rule keeps them off until timed) and with them (ours-default-all,
@@ -109,6 +113,16 @@ class WeightSet:
         from llm_core.fast.kernels.nf4_mm import mm_counters
 
         self.counters = mm_counters(n, "cuda")
+        self._frag: torch.Tensor | None = None
+
+    @property
+    def frag(self) -> torch.Tensor:
+        """The codes in nf4_frag's fragment order (repacked on first use: --frag)."""
+        if self._frag is None:
+            from llm_core.fast.kernels.nf4_frag import repack
+
+            self._frag = repack(self.packed)
+        return self._frag
 
     def nested(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q8, self.absmax2, self.offsets, self.code2
@@ -197,6 +211,9 @@ def main() -> None:
                          "the launch (MMConfig.fuse_splits, a counters buffer per weight set), then the in-launch "
                          "sum over FUSED_TILES x FUSED_SPLITS, all as programmatic dependent launches (the engine's "
                          "LAUNCH_OVERLAP=auto on sm_90); no grid")
+    ap.add_argument("--frag", action="store_true",
+                    help="only M <= 8: nf4_frag (fragment-order weights) over a grid, beside nf4_mm's rule and the "
+                         "GEMV as the engine calls them; no nf4_mm grid")
     ap.add_argument("--overlap", action="store_true",
                     help="only the launch rule, one launch after the other and as programmatic dependent launches "
                          "(with and without the early weight prefetch): LAUNCH_OVERLAP per linear; no grid")
@@ -222,6 +239,8 @@ def main() -> None:
     doc["meta"]["copy_bytes_per_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
+    if args.frag:
+        ms = [m for m in ms if m <= 8]
 
     def save() -> None:
         args.out.write_text(json.dumps(doc, indent=1))
@@ -249,6 +268,14 @@ def main() -> None:
         def fused(cfg: MMConfig) -> Any:  # the engine's call: the weight's own counters, a PDL launch
             return lambda s, x: (lambda: nf4_mm(x, s.words, 64, s.code, nested=s.nested(), config=cfg,
                                                 decode="asm", levels=s.levels, pdl=True, counters=s.counters))
+
+        if args.frag:
+            frag_variants(timed, fused, m, n, k, sms)
+            doc["records"].append(rec)
+            save()
+            print(arch, lin, m, {key: v for key, v in sorted(rec["us"].items(), key=lambda kv: kv[1])[:4]},
+                  {key: rec["us"].get(key) for key in ("frag-default", "mm-rule-pdl", "gemv-pdl")}, flush=True)
+            continue
 
         if args.fused:
             rule = default_config(m, n, k, sms)
@@ -308,6 +335,11 @@ def main() -> None:
         print(f"{arch} {lin:8s} M={m:2d} best {rec.get('best_ours')} {rec.get('best_ours_us')} µs "
               f"({rec.get('best_ours_fraction_of_copy_bw')} of copy bw) err {rec['max_rel_err_ours']} "
               f"{others} errors={len(rec['errors'])}", flush=True)
+    if args.frag:
+        doc["summary"] = summarize_frag(doc)
+        save()
+        print(json.dumps(doc["summary"], indent=1))
+        return
     if args.fused:
         doc["summary"] = summarize_fused(doc)
         save()
@@ -316,6 +348,56 @@ def main() -> None:
     doc["summary"] = summarize(doc)
     save()
     print_table(doc)
+
+
+FRAG_GRID = [(w, sp, pre) for w in (2, 4, 8) for sp in (1, 2, 4, 8) for pre in (True, False)]
+
+
+def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> None:
+    """--frag's timings of one linear and M: nf4_frag (default_config, then FRAG_GRID), nf4_mm's rule as the engine
+    calls it, and the GEMV at M = 1, all as programmatic dependent launches."""
+    from llm_core.fast.kernels import nf4_gemv
+    from llm_core.fast.kernels.nf4_frag import FragConfig, nf4_frag
+    from llm_core.fast.kernels.nf4_frag import default_config as frag_default
+    from llm_core.fast.kernels.nf4_mm import default_config
+
+    def frag(cfg: FragConfig) -> Any:
+        return lambda s, x: (lambda: nf4_frag(x, s.frag, 64, s.levels, nested=s.nested(), config=cfg, pdl=True))
+
+    timed("mm-rule-pdl", fused(default_config(m, n, k, sms)))
+    if m == 1:
+        timed("gemv-pdl", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels, nested=s.nested(),
+                                                                   pdl=True)))
+    timed("frag-default", frag(frag_default(n, k, sms)))
+    for warps, split, prefetch in FRAG_GRID:
+        timed(f"frag-w{warps}-s{split}-p{int(prefetch)}", frag(FragConfig(warps, split, prefetch)))
+
+
+def summarize_frag(doc: dict[str, Any]) -> dict[str, Any]:
+    """Per arch and M, µs per layer (the four linears): nf4_frag's default, its best config per linear, nf4_mm's
+    rule and the GEMV (M = 1), with nf4_frag's largest error."""
+    out: dict[str, Any] = {}
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for r in doc["records"]:
+        groups.setdefault((r["arch"], r["m"]), []).append(r)
+    for (arch, m), recs in sorted(groups.items()):
+        def total(pick: Any, recs: list[dict[str, Any]] = recs) -> float | None:
+            vals = [pick(r) for r in recs]
+            return round(sum(vals), 2) if vals and all(v is not None for v in vals) else None
+
+        frags = [{key: v for key, v in r["us"].items() if key.startswith("frag")} for r in recs]
+        out[f"{arch} M={m}"] = {
+            "linears": len(recs),
+            "frag_default_us": total(lambda r: r["us"].get("frag-default")),
+            "frag_best_us": round(sum(min(f.values()) for f in frags), 2) if all(frags) else None,
+            "frag_best": [min(f, key=lambda key, f=f: f[key]) for f in frags if f],
+            "mm_rule_us": total(lambda r: r["us"].get("mm-rule-pdl")),
+            "gemv_us": total(lambda r: r["us"].get("gemv-pdl")),
+            "frag_max_rel_err": max((v for r in recs for key, v in r["rel_err"].items() if key.startswith("frag")),
+                                    default=None),
+            "errors": sorted({e for r in recs for e in r["errors"].values()})[:3],
+        }
+    return out
 
 
 def summarize_fused(doc: dict[str, Any]) -> dict[str, Any]:

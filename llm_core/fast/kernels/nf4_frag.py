@@ -1,0 +1,306 @@
+"""NF4 matmul for 1-8 activation rows over weights repacked once into the tensor cores' own fragment order.
+
+y (M, N) = x (M, K) @ dequantize(W).T, M <= 8, where W is bitsandbytes NF4 (blocksize a multiple of 64, fp32 or
+double-quantized absmax, read in place) and the 4-bit codes are repacked (`repack`: the same bytes' worth, the same
+codes bit for bit) so that each thread of a warp loads, with one 16-byte load, the codes of exactly the four
+`mma.sync.m16n8k16` A fragments it holds for one 64-wide quant block of a 16-row weight tile (Marlin's idea, for
+NF4's table instead of int4's arithmetic decode).
+
+Why (issue 24, docs/fast_decode.md): nf4_mm, the small-M kernel over bitsandbytes' own layout, spends ~6.8
+instructions a weight at 8 rows and reads the weights at ~0.4 of the copy bandwidth, most of it decoding into
+Triton's dot operand layout; the one-token GEMV spends ~5.6 on CUDA-core multiply-adds. Here a thread decodes a
+word straight into the four bf16x2 registers of an A fragment (the register-table `prmt` lookup of
+nf4_gemv.unpack8_asm), multiplies them by its two rows' block scales (one bf16x2 multiply each) and hands them to
+`mma.sync` with the activations as the B fragment (n = 8: up to 8 rows, no padding to 16): no shared memory, no
+layout conversion, ~3-4 instructions a weight. The arithmetic is nf4_mm's scale16 form (bf16 level times bf16
+absmax, rounded once, as bitsandbytes' own 4-bit kernels do), accumulated in fp32 by the tensor cores.
+
+Repacked layout, (N/16, K/64, 32, 4) int32: tile T (weight rows 16T..16T+15), 64-wide block b, lane l = 4g + t,
+k step s. An mma sums over its 16 k in any order, so the k of each step need not be consecutive: as long as the
+weights (A) and the activations (B) take the same order, lane (g, t) may hold the 8 activation pairs 8t..8t+7 of the
+block (k = 64b + 16t + 2u + e, u = 2s + h), contiguous in x: two 16-byte loads. The PTX ISA's fragments
+("Matrix fragments for mma.m16n8k16") then ask of word (T, b, l, s) four bytes, byte p = 2h + r holding rows
+g + 8r at k = 64b + 16t + 4s + 2h and the next k, the even k in the high nibble (bitsandbytes' order, what
+unpack8_asm decodes into one bf16x2 register, even k in the low half):
+  p = 0: row g,     k 16t + 4s + 0, + 1   (A fragment register a0: the step's k 2t, 2t+1)
+  p = 1: row g + 8, k 16t + 4s + 0, + 1   (a1)
+  p = 2: row g,     k 16t + 4s + 2, + 3   (a2: the step's k 2t+8, 2t+9)
+  p = 3: row g + 8, k 16t + 4s + 2, + 3   (a3)
+and of the activations b0 = x row g at k 16t + 4s + 0, + 1 and b1 = at + 2, + 3. Lane (g, t)'s accumulators c0,
+c1, c2, c3 are y rows 2t, 2t + 1 at weight rows g (c0, c1) and g + 8 (c2, c3).
+
+Program (16-row tile, K split): WARPS warps, warp w taking every WARPS-th 64-block of the split's range; the warps'
+sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm's _sum_splits.
+
+Status: built and checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX
+emulator of tests/test_nf4_gemv.py, the kernel compiled for sm_90); not yet run on a GPU, and not used by the engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .nf4_gemv import sm_count, triton, unpack8_asm
+from .pdl import pdl_meta, release_dependents, wait_for_inputs
+
+if triton is not None:
+    import triton.language as tl
+
+    from .nf4_gemv import block_scale
+
+FRAG_MAX_ROWS = 8  # one n8 tile of activation rows
+QBLOCK = 64  # k per repacked block: 4 mma k steps of 16
+
+
+@dataclass(frozen=True)
+class FragConfig:
+    """A launch: warps per program (each walks every warps-th 64-block of its split), K splits across programs,
+    and whether each warp loads the next block's words before decoding the current one (prefetch)."""
+
+    warps: int = 4
+    split: int = 1
+    prefetch: bool = True
+
+
+def default_config(n: int, k: int, sms: int = 132) -> FragConfig:
+    """Enough warps in flight to cover the load latency: 4 warps per program, and K split while the grid holds
+    under 4 programs per SM and each warp keeps at least 4 blocks to walk. Not yet fit to a sweep (no GPU run)."""
+    tiles = n // 16
+    blocks = k // QBLOCK
+    split = 1
+    while split < 16 and tiles * split < 4 * sms and blocks // (split * 2 * 4) >= 4:
+        split *= 2
+    return FragConfig(warps=4, split=split, prefetch=True)
+
+
+def repack(packed: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' NF4 codes, packed (N, K/2) uint8 with the even k in the high nibble -> (N/16, K/64, 32, 4) int32
+    in fragment order (the module's docstring): the same codes, moved. N a multiple of 16, K of 64."""
+    n, k2 = packed.shape
+    k = 2 * k2
+    if packed.dtype != torch.uint8 or n % 16 or k % QBLOCK:
+        raise ValueError(f"repack takes (N, K/2) uint8 codes with N a multiple of 16 and K of {QBLOCK}, "
+                         f"not {tuple(packed.shape)} {packed.dtype}")
+    # byte (row, k/2) -> its dimensions: row = 16 T + 8 r + g, k = 64 b + 16 t + 4 s + 2 h + e (e: the nibble)
+    v = packed.reshape(n // 16, 2, 8, k // QBLOCK, 4, 4, 2)  # T, r, g, b, t, s, h (one byte holds e = 0, 1)
+    v = v.permute(0, 3, 2, 4, 5, 6, 1)  # T, b, g, t, s, h, r: byte p = 2 h + r of word (T, b, lane 4g + t, s)
+    return v.contiguous().view(n // 16, k // QBLOCK, 32, 16).view(torch.int32)
+
+
+def unpack(frag: torch.Tensor) -> torch.Tensor:
+    """repack's inverse: (N/16, K/64, 32, 4) int32 -> bitsandbytes' (N, K/2) uint8."""
+    tiles, blocks = frag.shape[:2]
+    v = frag.contiguous().view(torch.uint8).view(tiles, blocks, 8, 4, 4, 2, 2)  # T, b, g, t, s, h, r
+    return v.permute(0, 6, 2, 1, 3, 4, 5).contiguous().view(tiles * 16, blocks * QBLOCK // 2)  # T, r, g, b, t, s, h
+
+
+@functools.lru_cache(maxsize=8)
+def frag_asm(code: tuple[float, ...]) -> str:
+    """PTX for one thread's part of a 64-block: words $4..$7 (k steps 0-3), its rows' fp32 block scales $8 (row g)
+    and $9 (row g + 8), the activations $10..$17 (b0, b1 of each step) and the accumulators in $18..$21 -> out in
+    $0..$3. Each word: unpack8_asm's lookup into a0..a3, the scale rounded to bf16 multiplied in (fma with -0.0: the
+    exact product rounded once), one mma.sync per step."""
+    decode = unpack8_asm(list(code)).replace("$4", "%WORD%")
+    for p in range(4):
+        decode = decode.replace(f"${p}", f"a{p}")
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, sg, sh, nz;",
+             "cvt.rn.bf16x2.f32 sg, $8, $8;", "cvt.rn.bf16x2.f32 sh, $9, $9;", "mov.b32 nz, 0x80008000;"]
+    for s in range(4):
+        lines.append(decode.replace("%WORD%", f"${4 + s}"))
+        lines += [f"fma.rn.bf16x2 a{p}, a{p}, {'sg' if p % 2 == 0 else 'sh'}, nz;" for p in range(4)]
+        acc_in = "$18, $19, $20, $21" if s == 0 else "$0, $1, $2, $3"
+        lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$0, $1, $2, $3}}, {{a0, a1, a2, a3}}, "
+                     f"{{${10 + 2 * s}, ${11 + 2 * s}}}, {{{acc_in}}};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+FRAG_CONSTRAINTS = "=f,=f,=f,=f," + ",".join(["r"] * 4 + ["f"] * 2 + ["r"] * 8 + ["f"] * 4)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _split4(v):
+        """(T, 4) -> its 4 columns as (T,) (split takes the last dim: columns 0, 2 and 1, 3 first)."""
+        even, odd = tl.split(tl.reshape(v, (v.shape[0], 2, 2)))
+        v0, v2 = tl.split(even)
+        v1, v3 = tl.split(odd)
+        return v0, v1, v2, v3
+
+    @triton.jit
+    def _frag_words(w_ptr, tile, kb, lane, valid, NB64):
+        """The thread's 4 words of block kb (T,) of its tile: one 16-byte load (masked to zero past K)."""
+        q = tl.arange(0, 4)
+        offs = ((tile * NB64 + kb) * 32 + lane) * 4
+        return _split4(tl.load(w_ptr + offs[:, None] + q[None, :], mask=valid[:, None], other=0))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _nf4_frag_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr,
+                         part_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
+                         STEPS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks; x_ptr is x (M, K) bf16 seen
+        as int32 pairs. Thread i of the program is lane i % 32 of warp i // 32 (one element per thread)."""
+        T: tl.constexpr = 32 * WARPS
+        tile = tl.program_id(0)
+        sid = tl.program_id(1)
+        tid = tl.arange(0, T)
+        lane = tid % 32
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        NB64 = K // 64
+        per = tl.cdiv(NB64, SPLIT)
+        kb_lo = sid * per
+        kb_hi = tl.minimum(kb_lo + per, NB64)
+        row_g = tile * 16 + g
+        xmask_row = g < M
+        xrow = tl.where(xmask_row, g, 0) * (K // 2)
+        c0 = tl.zeros((T,), tl.float32)
+        c1 = tl.zeros((T,), tl.float32)
+        c2 = tl.zeros((T,), tl.float32)
+        c3 = tl.zeros((T,), tl.float32)
+        kb = kb_lo + warp
+        valid = kb < kb_hi
+        w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
+        wait_for_inputs(PDL)
+        q = tl.arange(0, 4)
+        for i in range(STEPS):
+            kb = kb_lo + warp + i * WARPS
+            valid = kb < kb_hi
+            kbc = tl.where(valid, kb, 0)
+            if PREFETCH:
+                nkb = kb + WARPS
+                nvalid = nkb < kb_hi
+                n0, n1, n2, n3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
+            blk = (kbc * 64) // BS
+            sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                             NESTED)
+            sh = block_scale((row_g + 8) * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr,
+                             code2_ptr, NESTED)
+            sg = tl.where(valid, sg, 0.0)
+            sh = tl.where(valid, sh, 0.0)
+            # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 (h = 0) and b1 (h = 1) of step s; two
+            # 16-byte loads of 4 pairs (one of 8 would be split over two threads by the load's layout)
+            xo = xrow + kbc * 32 + 8 * t
+            xm = (valid & xmask_row)[:, None]
+            b00, b01, b10, b11 = _split4(tl.load(x_ptr + xo[:, None] + q[None, :], mask=xm, other=0))
+            b20, b21, b30, b31 = _split4(tl.load(x_ptr + xo[:, None] + 4 + q[None, :], mask=xm, other=0))
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            if PREFETCH:
+                w0, w1, w2, w3 = n0, n1, n2, n3
+            else:
+                nkb = kb + WARPS
+                nvalid = nkb < kb_hi
+                w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
+        release_dependents(PDL)
+        # the warps' sums, then lane (g, t): y rows 2t, 2t + 1 at weight rows 16 tile + g (c0, c1) and + 8 (c2, c3)
+        s0 = tl.sum(tl.reshape(c0, (WARPS, 32)), axis=0)
+        s1 = tl.sum(tl.reshape(c1, (WARPS, 32)), axis=0)
+        s2 = tl.sum(tl.reshape(c2, (WARPS, 32)), axis=0)
+        s3 = tl.sum(tl.reshape(c3, (WARPS, 32)), axis=0)
+        ln = tl.arange(0, 32)
+        n_lo = tile * 16 + ln // 4
+        m0 = 2 * (ln % 4)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                s0 += tl.load(bias_ptr + n_lo).to(tl.float32)
+                s1 += tl.load(bias_ptr + n_lo).to(tl.float32)
+                s2 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
+                s3 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
+            tl.store(y_ptr + m0 * N + n_lo, s0.to(tl.bfloat16), mask=m0 < M)
+            tl.store(y_ptr + (m0 + 1) * N + n_lo, s1.to(tl.bfloat16), mask=m0 + 1 < M)
+            tl.store(y_ptr + m0 * N + n_lo + 8, s2.to(tl.bfloat16), mask=m0 < M)
+            tl.store(y_ptr + (m0 + 1) * N + n_lo + 8, s3.to(tl.bfloat16), mask=m0 + 1 < M)
+        else:
+            base = part_ptr + sid * M * N
+            tl.store(base + m0 * N + n_lo, s0, mask=m0 < M)
+            tl.store(base + (m0 + 1) * N + n_lo, s1, mask=m0 + 1 < M)
+            tl.store(base + m0 * N + n_lo + 8, s2, mask=m0 < M)
+            tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
+
+
+def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: Sequence[float], nested: bool,
+                      has_bias: bool) -> dict[str, Any]:
+    """The kernel's constexpr arguments for a launch (nf4_frag passes them; the compile test uses the same)."""
+    blocks = k // QBLOCK
+    split = max(1, min(cfg.split, blocks))
+    per = -(-blocks // split)
+    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, ASM=frag_asm(tuple(float(v) for v in levels)),
+                CONSTRAINTS=FRAG_CONSTRAINTS, WARPS=cfg.warps, SPLIT=split, STEPS=-(-per // cfg.warps),
+                PREFETCH=cfg.prefetch)
+
+
+def check_shapes(n: int, k: int, blocksize: int) -> None:
+    if n % 16 or k % QBLOCK or blocksize % QBLOCK:
+        raise ValueError(f"the fragment-order NF4 kernel needs N a multiple of 16 and K and the blocksize of "
+                         f"{QBLOCK}, not N {n}, K {k}, blocksize {blocksize}")
+
+
+def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequence[float], *,
+             absmax: torch.Tensor | None = None,
+             nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+             bias: torch.Tensor | None = None, config: FragConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """x (M, K) bf16, 1 <= M <= 8 -> (M, N) bf16 = x @ W.T with W's codes in `frag` (repack) and its absmax as
+    nf4_mm takes them (fp32 `absmax`, or `nested` = (q8, absmax2, offset per 256-block, code2)); `levels` the 16
+    NF4 levels as host floats (the PTX's register table)."""
+    from .nf4_mm import _sum_splits
+
+    if triton is None:
+        raise RuntimeError("nf4_frag needs Triton")
+    m, k = x.shape
+    n = frag.shape[0] * 16
+    check_shapes(n, k, blocksize)
+    if frag.shape != (n // 16, k // QBLOCK, 32, 4) or frag.dtype != torch.int32:
+        raise ValueError(f"frag must be repack()'s (N/16, K/64, 32, 4) int32 for K {k}, not {tuple(frag.shape)}")
+    if x.dtype != torch.bfloat16 or not 1 <= m <= FRAG_MAX_ROWS:
+        raise ValueError(f"nf4_frag reads 1-{FRAG_MAX_ROWS} bf16 rows, not {m} of {x.dtype}")
+    cfg = config or default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132)
+    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested is not None, bias is not None)
+    split = meta["SPLIT"]
+    x = x.contiguous()
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
+    _nf4_frag_kernel[(n // 16, split)](
+        x.view(torch.int32), frag, absmax if absmax is not None else y, q8, absmax2, offsets, code2,
+        bias if bias is not None else y, y, part, m, n, k, k // blocksize, num_warps=cfg.warps, **meta,
+        **pdl_meta(pdl))
+    if split > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m * n, n, SPLIT=split,
+                                                  HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+                                                  **pdl_meta(pdl))
+    return y
+
+
+def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: FragConfig, levels: Sequence[float],
+                           nested: bool, has_bias: bool = False, arch: int = 90, pdl: bool = False) -> Any:
+    """Compile (not run) the kernel for sm_`arch` on any machine, with nf4_frag's argument types and the launcher's
+    16-divisibility (for the compile test and the SASS count)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    check_shapes(n, k, blocksize)
+    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested, has_bias)
+    meta["PDL"] = pdl
+    out = "*bf16"
+    ints = {"M": m, "N": n, "K": k, "NBLK": k // blocksize}
+    signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
+                 "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32",
+                 "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out,
+                 "part_ptr": "*fp32" if meta["SPLIT"] > 1 else out, **{name: "i32" for name in ints}}
+    names = list(_nf4_frag_kernel.arg_names)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
+    attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in ints.items() if a != "M" and v % 16 == 0})
+    signature.update({name: "constexpr" for name in meta})
+    return triton.compile(ASTSource(fn=_nf4_frag_kernel, signature=signature, constexprs=meta, attrs=attrs),
+                          target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.warps})

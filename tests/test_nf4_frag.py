@@ -1,0 +1,264 @@
+"""llm_core.fast.kernels.nf4_frag: NF4 weights repacked into mma.sync fragment order, and the kernel over them.
+
+On CPU: the repack moves every code to the slot the module's docstring names and back; the PTX a thread runs for
+one 64-wide block (the register-table decode, the block scales, four mma.sync) runs under a warp-wide emulator (the
+32 lanes in lock step, mma.sync computed from the PTX ISA's fragment layout) on lane inputs gathered as the kernel
+gathers them, and must give x @ W.T over the block; the kernel compiles for sm_90 with no shared memory in its
+loop. On a GPU (marked): the kernel against the reference form at every M, shape, split and form.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+from llm_core.fast.kernels import nf4_frag
+from tests.test_nf4_gemv import NF4, _b2f, _f2b, _fma_bf16x2, _lop3, _prmt, _round_bf16
+
+MASK = 0xFFFFFFFF
+
+
+def _codes_to_packed(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0-15 -> bitsandbytes' (N, K/2) uint8, the even k in the high nibble."""
+    return (codes[:, 0::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+
+
+def test_repack_puts_each_code_in_its_fragment_slot_and_unpack_gives_the_bytes_back() -> None:
+    g = torch.Generator().manual_seed(0)
+    n, k = 32, 192
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    packed = _codes_to_packed(codes)
+    frag = nf4_frag.repack(packed)
+    assert frag.shape == (n // 16, k // 64, 32, 4) and frag.dtype == torch.int32
+    assert torch.equal(nf4_frag.unpack(frag), packed)
+    words = frag.view(torch.uint8).view(n // 16, k // 64, 32, 4, 4)  # byte p of word s of lane l
+    for tile, b, lane, s, p in itertools.product(range(n // 16), range(k // 64), range(32), range(4), range(4)):
+        gg, t, r, h = lane // 4, lane % 4, p % 2, p // 2
+        row, kk = 16 * tile + gg + 8 * r, 64 * b + 16 * t + 4 * s + 2 * h
+        assert int(words[tile, b, lane, s, p]) == int(codes[row, kk]) << 4 | int(codes[row, kk + 1])
+
+
+def test_repack_refuses_shapes_without_whole_tiles() -> None:
+    for shape in ((24, 64), (32, 48)):
+        with pytest.raises(ValueError, match="multiple of 16"):
+            nf4_frag.repack(torch.zeros(shape, dtype=torch.uint8))
+
+
+# --- the PTX of one block under a warp-wide emulator --------------------------------------------------------------
+
+
+def _bf16_of(bits16: int) -> float:
+    return _b2f((bits16 & 0xFFFF) << 16)
+
+
+def _bits_bf16(v: float) -> int:
+    return _f2b(_round_bf16(v)) >> 16
+
+
+def _fp32(v: float) -> int:
+    return int(struct.unpack("<I", struct.pack("<f", v))[0])
+
+
+def _mma(lanes: list[dict[str, int]], d: list[str], a: list[str], b: list[str], c: list[str]) -> None:
+    """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 over the 32 lanes, by the PTX ISA's fragments: lane
+    4g + t holds A[g][2t, 2t+1], A[g+8][...], A[g][2t+8, 2t+9], A[g+8][...] in a0..a3 (low half the even
+    column), B[2t, 2t+1][g] and B[2t+8, 2t+9][g] in b0, b1, C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1]."""
+    am = [[0.0] * 16 for _ in range(16)]
+    bm = [[0.0] * 8 for _ in range(16)]
+    cm = [[0.0] * 8 for _ in range(16)]
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for i, (row, col) in enumerate(((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+            am[row][col], am[row][col + 1] = _bf16_of(regs[a[i]]), _bf16_of(regs[a[i]] >> 16)
+        for i, k0 in enumerate((2 * t, 2 * t + 8)):
+            bm[k0][g], bm[k0 + 1][g] = _bf16_of(regs[b[i]]), _bf16_of(regs[b[i]] >> 16)
+        for i, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+            cm[row][col] = _b2f(regs[c[i]])
+    for lane, regs in enumerate(lanes):
+        g, t = lane // 4, lane % 4
+        for i, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
+            regs[d[i]] = _fp32(sum(am[row][k] * bm[k][col] for k in range(16)) + cm[row][col])
+
+
+def run_warp(asm: str, lanes: list[dict[str, int]]) -> None:
+    """Execute nf4_frag.frag_asm's straight-line PTX on 32 lanes in lock step (register files in `lanes`)."""
+    for stmt in (s.strip() for line in asm.splitlines() for s in line.split(";")):
+        if not stmt or stmt in ("{", "}") or stmt.startswith(".reg"):
+            continue
+        op, rest = stmt.split(None, 1)
+        if op.startswith("mma.sync"):
+            groups = [[r.strip() for r in grp.split(",")] for grp in re.findall(r"\{([^}]*)\}", rest)]
+            _mma(lanes, *groups)
+            continue
+        dst, *srcs = [o.strip() for o in rest.split(",")]
+        for regs in lanes:
+            a = [int(s, 16) if s.startswith("0x") else regs[s] if s in regs else int(s) for s in srcs]
+            if op.startswith("mov."):
+                r = a[0]
+            elif op == "and.b32":
+                r = a[0] & a[1]
+            elif op == "shl.b32":
+                r = a[0] << a[1]
+            elif op == "shr.u32":
+                r = a[0] >> a[1]
+            elif op == "prmt.b32":
+                r = _prmt(*a)
+            elif op == "lop3.b32":
+                r = _lop3(*a)
+            elif op == "fma.rn.bf16x2":
+                r = _fma_bf16x2(*a)
+            elif op == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high half, cvt(b) low half}
+                r = _bits_bf16(_b2f(a[0])) << 16 | _bits_bf16(_b2f(a[1]))
+            else:
+                raise AssertionError(f"unexpected instruction {op}")
+            regs[dst] = r & MASK
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulators(seed: int) -> None:
+    """One 16-row tile and one 64-wide block: each lane's words from repack, its rows' scales, its activation
+    pairs as the kernel loads them (8t + u of row g, u = 2s + h -> b0 / b1 of step s) and accumulators already
+    holding something; the warp's outputs must be C + x @ W.T with W = bf16(bf16 level x bf16 scale), the
+    scale16 arithmetic of nf4_mm (nf4_mm_reference(..., scale16=True))."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (16, 64), generator=g)
+    codes[0, :16] = torch.arange(16)  # every level at least once
+    scale = torch.rand(16, generator=g) * 0.1 + 0.01
+    x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+    c0 = torch.randn(8, 16, generator=g).float()  # y rows x weight rows, as the accumulators hold them
+    words = nf4_frag.repack(_codes_to_packed(codes))[0, 0]  # (32 lanes, 4 words)
+    xp = (x.view(torch.int16).to(torch.int32) & 0xFFFF).view(8, 32, 2)
+    x32 = (xp[..., 0] | xp[..., 1] << 16).tolist()  # row g's int32 pairs, as the kernel reads x
+    lanes = []
+    for lane in range(32):
+        gg, t = lane // 4, lane % 4
+        regs = {f"${4 + s}": int(words[lane, s]) & MASK for s in range(4)}
+        regs["$8"], regs["$9"] = _fp32(float(scale[gg])), _fp32(float(scale[gg + 8]))
+        for u in range(8):  # $10 + 2s + h holds pair 8t + u of row g, u = 2s + h
+            regs[f"${10 + u}"] = x32[gg][8 * t + u] & MASK
+        for i, (row, col) in enumerate(((2 * t, gg), (2 * t + 1, gg), (2 * t, gg + 8), (2 * t + 1, gg + 8))):
+            regs[f"${18 + i}"] = _fp32(float(c0[row, col]))
+        lanes.append(regs)
+    run_warp(nf4_frag.frag_asm(tuple(NF4)), lanes)
+    got = torch.zeros(8, 16)
+    for lane, regs in enumerate(lanes):
+        gg, t = lane // 4, lane % 4
+        for i, (row, col) in enumerate(((2 * t, gg), (2 * t + 1, gg), (2 * t, gg + 8), (2 * t + 1, gg + 8))):
+            got[row, col] = _b2f(regs[f"${i}"])
+    levels = torch.tensor(NF4).to(torch.bfloat16).float()
+    w = (levels[codes] * scale.to(torch.bfloat16).float()[:, None]).to(torch.bfloat16).double()
+    want = c0.double() + x.double() @ w.T
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got.double(), c0.double(), atol=1e-3)  # the block added something
+
+
+def test_the_block_ptx_reads_each_operand_it_names() -> None:
+    asm = nf4_frag.frag_asm(tuple(NF4))
+    used = sorted({int(m) for m in re.findall(r"\$(\d+)", asm)})
+    assert used == list(range(22)) and nf4_frag.FRAG_CONSTRAINTS.count(",") == 21
+    assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4
+
+
+# --- compiled for Hopper on this machine --------------------------------------------------------------------------
+
+needs_triton = pytest.mark.skipif(nf4_frag.triton is None, reason="needs Triton")
+
+
+def _loop(sass: str) -> list[str]:
+    from bench.nf4_mm_sass import _BRANCH, _LABEL
+
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := _LABEL.match(line))}
+    spans = [(labels[m.group(1)], i) for i, line in enumerate(lines)
+             if (m := _BRANCH.search(line)) and m.group(1) in labels and labels[m.group(1)] < i]
+    start, end = max(spans, key=lambda s: s[1] - s[0])
+    return lines[start:end + 1]
+
+
+@needs_triton
+@pytest.mark.parametrize("nested,bias,cfg,pdl", [
+    (True, False, nf4_frag.FragConfig(4, 4, True), False), (False, True, nf4_frag.FragConfig(8, 1, False), True),
+    (True, True, nf4_frag.FragConfig(2, 2, True), True)])
+def test_the_kernel_compiles_for_hopper_with_four_mma_and_no_shared_memory_in_its_loop(
+        nested: bool, bias: bool, cfg: nf4_frag.FragConfig, pdl: bool) -> None:
+    kern = nf4_frag.compile_without_device(8, 4096, 11008, 64, cfg, NF4, nested, bias, pdl=pdl)
+    loop = "\n".join(_loop(kern.asm["sass"]))
+    assert loop.count("HMMA.16816.F32.BF16") == 4
+    assert not re.search(r"\b(BAR|LDS|STS|STL|LDL)\b", loop)  # registers only: no layout trip through shared memory
+    assert "LDG.E.128" in loop  # the words (and the activations) in 16-byte loads
+
+
+def test_default_config_splits_k_only_where_the_grid_is_small() -> None:
+    assert nf4_frag.default_config(4096, 4096).split == 4  # 256 tiles: 1,024 programs
+    assert nf4_frag.default_config(12288, 4096).split == 1  # 768 tiles already
+    assert nf4_frag.default_config(4096, 11008).split == 4
+    with pytest.raises(ValueError, match="multiple of 16"):
+        nf4_frag.check_shapes(4100, 4096, 64)
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and nf4_frag.triton is not None),
+                               reason="needs a CUDA GPU with Triton")
+
+
+def _gpu_case(n: int, k: int, nested: bool) -> tuple[Any, ...]:
+    import bitsandbytes.functional as bf
+
+    from llm_core.fast.kernels.nf4_mm import nf4_mm_reference
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    packed, qs = bf.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type="nf4")
+    packed = packed.view(n, k // 2)
+    absmax = bf.dequantize_blockwise(qs.absmax, qs.state2).float() + qs.offset if nested else qs.absmax.float()
+    scales: dict[str, Any] = ({"nested": (qs.absmax.view(-1), qs.state2.absmax.float(),
+                                          qs.offset.float().reshape(()).repeat(qs.state2.absmax.numel()),
+                                          qs.state2.code.float())} if nested else {"absmax": qs.absmax.float()})
+    ref_w = bf.dequantize_4bit(packed.view(-1, 1), qs).float()
+
+    def reference(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return nf4_mm_reference(x, packed, absmax.view(-1), torch.tensor(NF4, device="cuda"), 64, bias,
+                                scale16=True)
+
+    return nf4_frag.repack(packed), scales, reference, ref_w
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("nested", [True, False])
+@pytest.mark.parametrize("shape", [(4096, 4096), (12288, 4096), (4096, 11008), (1040, 704)])
+def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(nested: bool, shape: tuple[int, int]
+                                                                            ) -> None:
+    n, k = shape
+    frag, scales, reference, ref_w = _gpu_case(n, k, nested)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    configs = [None, nf4_frag.FragConfig(4, 1, False), nf4_frag.FragConfig(8, 3, True),
+               nf4_frag.FragConfig(2, 16, True), nf4_frag.FragConfig(1, 5, False)]
+    for m, cfg, with_bias in itertools.product(range(1, 9), configs, (False, True)):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = bias if with_bias else None
+        got = nf4_frag.nf4_frag(x, frag, 64, NF4, bias=b, config=cfg, **scales)
+        want = reference(x, b)
+        close = ((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-3).all()
+        assert close, (m, cfg, with_bias, float((got.float() - want.float()).abs().max()))
+        plain = x.float() @ ref_w.T + (b.float() if b is not None else 0)
+        assert float((got.float() - plain).norm() / plain.norm()) < 1e-2, (m, cfg)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_kernel_in_a_cuda_graph_with_pdl_matches_eager() -> None:
+    frag, scales, _, _ = _gpu_case(4096, 4096, True)
+    x = torch.randn(8, 4096, device="cuda", dtype=torch.bfloat16)
+    eager = nf4_frag.nf4_frag(x, frag, 64, NF4, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = nf4_frag.nf4_frag(x, frag, 64, NF4, pdl=True, **scales)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
