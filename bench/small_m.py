@@ -28,6 +28,7 @@ same run. Each variant's output on the first weight set is checked against x @ d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -117,11 +118,16 @@ class WeightSet:
 
     @property
     def frag(self) -> torch.Tensor:
-        """The codes in nf4_frag's fragment order (repacked on first use: --frag)."""
+        """The codes in nf4_frag's fragment order (repacked on first use: --frag), with frag_table and scale_pairs
+        beside them."""
         if self._frag is None:
-            from llm_core.fast.kernels.nf4_frag import repack
+            from llm_core.fast.kernels import nf4_frag
 
-            self._frag = repack(self.packed)
+            self._frag = nf4_frag.repack(self.packed)
+            self.frag_table = nf4_frag.frag_table(self.levels, "cuda")
+            blk = torch.arange(self.q8.numel(), device="cuda")
+            absmax = self.code2[self.q8.long()] * self.absmax2[blk // 256] + self.offsets[blk // 256]
+            self.scale_pairs = nf4_frag.scale_pairs(absmax, self.packed.shape[0], 2 * self.packed.shape[1], 64)
         return self._frag
 
     def nested(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -350,27 +356,47 @@ def main() -> None:
     print_table(doc)
 
 
-FRAG_GRID = [(w, sp, pre) for w in (2, 4, 8) for sp in (1, 2, 4, 8) for pre in (True, False)]
+FRAG_FORMS = ((False, False), (True, False), (True, True))  # FragConfig (table_regs, scale_pairs)
+
+
+def frag_grid(n: int, k: int, sms: int) -> list[Any]:
+    """--frag's configs of one shape: its default_config, that without prefetch, and 4 or 8 warps x the default's
+    K split halved, kept and doubled x FRAG_FORMS."""
+    from llm_core.fast.kernels.nf4_frag import FragConfig
+    from llm_core.fast.kernels.nf4_frag import default_config as frag_default
+
+    base = frag_default(n, k, sms)
+    grid = [base, dataclasses.replace(base, prefetch=False)]
+    for warps in (4, 8):
+        for split in sorted({max(1, base.split // 2), base.split, base.split * 2}):
+            for table, pairs in FRAG_FORMS:
+                grid.append(FragConfig(warps, split, True, table, pairs))
+    return list(dict.fromkeys(grid))
 
 
 def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> None:
-    """--frag's timings of one linear and M: nf4_frag (default_config, then FRAG_GRID), nf4_mm's rule as the engine
-    calls it, and the GEMV at M = 1, all as programmatic dependent launches."""
+    """--frag's timings of one linear and M: nf4_frag over frag_grid (the default first), nf4_mm's rule as the
+    engine calls it, and the GEMV at M = 1, all as programmatic dependent launches."""
     from llm_core.fast.kernels import nf4_gemv
     from llm_core.fast.kernels.nf4_frag import FragConfig, nf4_frag
-    from llm_core.fast.kernels.nf4_frag import default_config as frag_default
     from llm_core.fast.kernels.nf4_mm import default_config
 
     def frag(cfg: FragConfig) -> Any:
-        return lambda s, x: (lambda: nf4_frag(x, s.frag, 64, s.levels, nested=s.nested(), config=cfg, pdl=True))
+        def make(s: WeightSet, x: torch.Tensor) -> Any:
+            w, table, pairs = s.frag, s.frag_table, s.scale_pairs  # repacked here, before any graph capture
+            return lambda: nf4_frag(x, w, 64, s.levels, nested=s.nested(), config=cfg, pdl=True, table=table,
+                                    pairs=pairs)
+
+        return make
 
     timed("mm-rule-pdl", fused(default_config(m, n, k, sms)))
     if m == 1:
         timed("gemv-pdl", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels, nested=s.nested(),
                                                                    pdl=True)))
-    timed("frag-default", frag(frag_default(n, k, sms)))
-    for warps, split, prefetch in FRAG_GRID:
-        timed(f"frag-w{warps}-s{split}-p{int(prefetch)}", frag(FragConfig(warps, split, prefetch)))
+    for i, cfg in enumerate(frag_grid(n, k, sms)):
+        name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
+                f"-sp{int(cfg.scale_pairs)}")
+        timed("frag-default" if i == 0 else name, frag(cfg))
 
 
 def summarize_frag(doc: dict[str, Any]) -> dict[str, Any]:

@@ -119,12 +119,16 @@ def run_warp(asm: str, lanes: list[dict[str, int]]) -> None:
             regs[dst] = r & MASK
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulators(seed: int) -> None:
+@pytest.mark.parametrize("seed,table_in,pairs", [(0, False, False), (1, False, False), (2, True, False),
+                                                 (3, False, True), (4, True, True)])
+def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulators(seed: int, table_in: bool,
+                                                                                    pairs: bool) -> None:
     """One 16-row tile and one 64-wide block: each lane's words from repack, its rows' scales, its activation
     pairs as the kernel loads them (8t + u of row g, u = 2s + h -> b0 / b1 of step s) and accumulators already
     holding something; the warp's outputs must be C + x @ W.T with W = bf16(bf16 level x bf16 scale), the
-    scale16 arithmetic of nf4_mm (nf4_mm_reference(..., scale16=True))."""
+    scale16 arithmetic of nf4_mm (nf4_mm_reference(..., scale16=True)). table_in: the level table's words come as
+    operands $22..$29, as FragConfig.table_regs loads them from frag_table; pairs: the scales come as
+    scale_pairs' bf16 pair in $8 (and $9)."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (16, 64), generator=g)
     codes[0, :16] = torch.arange(16)  # every level at least once
@@ -138,13 +142,18 @@ def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulato
     for lane in range(32):
         gg, t = lane // 4, lane % 4
         regs = {f"${4 + s}": int(words[lane, s]) & MASK for s in range(4)}
-        regs["$8"], regs["$9"] = _fp32(float(scale[gg])), _fp32(float(scale[gg + 8]))
+        if pairs:
+            regs["$8"] = regs["$9"] = int(nf4_frag.scale_pairs(scale, 16, 64, 64)[0, 0, gg]) & MASK
+        else:
+            regs["$8"], regs["$9"] = _fp32(float(scale[gg])), _fp32(float(scale[gg + 8]))
         for u in range(8):  # $10 + 2s + h holds pair 8t + u of row g, u = 2s + h
             regs[f"${10 + u}"] = x32[gg][8 * t + u] & MASK
         for i, (row, col) in enumerate(((2 * t, gg), (2 * t + 1, gg), (2 * t, gg + 8), (2 * t + 1, gg + 8))):
             regs[f"${18 + i}"] = _fp32(float(c0[row, col]))
+        if table_in:
+            regs.update({f"${22 + i}": v & MASK for i, v in enumerate(nf4_frag.frag_table(NF4, "cpu")[:8].tolist())})
         lanes.append(regs)
-    run_warp(nf4_frag.frag_asm(tuple(NF4)), lanes)
+    run_warp(nf4_frag.frag_asm(tuple(NF4), table_in, pairs), lanes)
     got = torch.zeros(8, 16)
     for lane, regs in enumerate(lanes):
         gg, t = lane // 4, lane % 4
@@ -158,10 +167,27 @@ def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulato
 
 
 def test_the_block_ptx_reads_each_operand_it_names() -> None:
-    asm = nf4_frag.frag_asm(tuple(NF4))
-    used = sorted({int(m) for m in re.findall(r"\$(\d+)", asm)})
-    assert used == list(range(22)) and nf4_frag.FRAG_CONSTRAINTS.count(",") == 21
-    assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4
+    for table_in, pairs in itertools.product((False, True), (False, True)):
+        asm = nf4_frag.frag_asm(tuple(NF4), table_in, pairs)
+        used = {int(m) for m in re.findall(r"\$(\d+)", asm)}
+        operands = nf4_frag.frag_constraints(table_in, pairs).count(",") + 1
+        assert operands == (30 if table_in else 22)
+        assert used == set(range(operands)) - ({9} if pairs else set())  # pairs: $9 repeats $8, unread
+        assert ("0x" + format(nf4_frag.table_bytes(NF4)[0][0], "08x") in asm) is not table_in
+        assert asm.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 4
+
+
+def test_scale_pairs_hold_the_bf16_scales_of_rows_g_and_g_plus_8() -> None:
+    g = torch.Generator().manual_seed(3)
+    n, k, bs = 32, 256, 128
+    absmax = torch.rand(n * k // bs, generator=g)
+    pairs = nf4_frag.scale_pairs(absmax, n, k, bs)
+    assert pairs.shape == (n // 16, k // bs, 8) and pairs.dtype == torch.int32
+    want = absmax.view(n, k // bs).to(torch.bfloat16)
+    for tile, blk, gg in itertools.product(range(n // 16), range(k // bs), range(8)):
+        word = int(pairs[tile, blk, gg]) & MASK
+        assert _bf16_of(word) == float(want[16 * tile + gg, blk])
+        assert _bf16_of(word >> 16) == float(want[16 * tile + gg + 8, blk])
 
 
 # --- compiled for Hopper on this machine --------------------------------------------------------------------------
@@ -183,7 +209,8 @@ def _loop(sass: str) -> list[str]:
 @needs_triton
 @pytest.mark.parametrize("nested,bias,cfg,pdl", [
     (True, False, nf4_frag.FragConfig(4, 4, True), False), (False, True, nf4_frag.FragConfig(8, 1, False), True),
-    (True, True, nf4_frag.FragConfig(2, 2, True), True)])
+    (True, True, nf4_frag.FragConfig(2, 2, True, True), True),
+    (True, False, nf4_frag.FragConfig(4, 4, True, True, True), False)])
 def test_the_kernel_compiles_for_hopper_with_four_mma_and_no_shared_memory_in_its_loop(
         nested: bool, bias: bool, cfg: nf4_frag.FragConfig, pdl: bool) -> None:
     kern = nf4_frag.compile_without_device(8, 4096, 11008, 64, cfg, NF4, nested, bias, pdl=pdl)
@@ -228,6 +255,15 @@ def _gpu_case(n: int, k: int, nested: bool) -> tuple[Any, ...]:
     return nf4_frag.repack(packed), scales, reference, ref_w
 
 
+def absmax_of(scales: dict[str, Any]) -> torch.Tensor:
+    """The fp32 absmax per block from nf4_frag's scale arguments (decoded where double-quantized)."""
+    if "absmax" in scales:
+        return scales["absmax"]
+    q8, absmax2, offsets, code2 = scales["nested"]
+    blk = torch.arange(q8.numel(), device=q8.device)
+    return code2[q8.long()] * absmax2[blk // 256] + offsets[blk // 256]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("nested", [True, False])
@@ -238,11 +274,14 @@ def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(nest
     frag, scales, reference, ref_w = _gpu_case(n, k, nested)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     configs = [None, nf4_frag.FragConfig(4, 1, False), nf4_frag.FragConfig(8, 3, True),
-               nf4_frag.FragConfig(2, 16, True), nf4_frag.FragConfig(1, 5, False)]
+               nf4_frag.FragConfig(2, 16, True, True), nf4_frag.FragConfig(1, 5, False),
+               nf4_frag.FragConfig(4, 2, True, True, True), nf4_frag.FragConfig(8, 1, True, False, True)]
+    table = nf4_frag.frag_table(NF4, "cuda")
+    pairs = nf4_frag.scale_pairs(absmax_of(scales), n, k, 64)
     for m, cfg, with_bias in itertools.product(range(1, 9), configs, (False, True)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = bias if with_bias else None
-        got = nf4_frag.nf4_frag(x, frag, 64, NF4, bias=b, config=cfg, **scales)
+        got = nf4_frag.nf4_frag(x, frag, 64, NF4, bias=b, config=cfg, table=table, pairs=pairs, **scales)
         want = reference(x, b)
         close = ((got.float() - want.float()).abs() <= want.float().abs() * 2.0**-7 + 1e-3).all()
         assert close, (m, cfg, with_bias, float((got.float() - want.float()).abs().max()))

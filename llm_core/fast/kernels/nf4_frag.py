@@ -39,13 +39,14 @@ emulator of tests/test_nf4_gemv.py, the kernel compiled for sm_90); not yet run 
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .nf4_gemv import sm_count, triton, unpack8_asm
+from .nf4_gemv import sm_count, table_bytes, triton, unpack8_asm
 from .pdl import pdl_meta, release_dependents, wait_for_inputs
 
 if triton is not None:
@@ -60,11 +61,21 @@ QBLOCK = 64  # k per repacked block: 4 mma k steps of 16
 @dataclass(frozen=True)
 class FragConfig:
     """A launch: warps per program (each walks every warps-th 64-block of its split), K splits across programs,
-    and whether each warp loads the next block's words before decoding the current one (prefetch)."""
+    whether each warp loads the next block's words before decoding the current one (prefetch), and table_regs:
+    the decode's 8 table words come from memory (frag_table) into ordinary registers once, at an address ptxas
+    cannot prove uniform, instead of immediates that ptxas keeps in uniform registers and copies before every
+    `prmt` (8 IMAD.U32 a word in the SASS; the same trick cut the one-token GEMV's instructions by 17% on
+    2026-12-06 without changing its time, which was bound by stalls). scale_pairs: each block's scales read as one
+    bf16 pair per (tile, block, g) made at load time (scale_pairs(): rows g and g + 8, exactly the bf16 the scale16
+    arithmetic rounds the absmax to, so the same result bits) instead of decoding the double-quantized absmax twice
+    a block (~40 instructions of ~190 a block in the sm_90 SASS), for 2 bytes a 64-block more than double quant's
+    1 (+1.6% of the bytes read, +~100 MB for a 7B model)."""
 
     warps: int = 4
     split: int = 1
     prefetch: bool = True
+    table_regs: bool = False  # the level table read into registers once (frag_table) instead of immediates
+    scale_pairs: bool = False  # the block scales read as bf16 pairs made once (scale_pairs) instead of decoded
 
 
 def default_config(n: int, k: int, sms: int = 132) -> FragConfig:
@@ -99,17 +110,43 @@ def unpack(frag: torch.Tensor) -> torch.Tensor:
     return v.permute(0, 6, 2, 1, 3, 4, 5).contiguous().view(tiles * 16, blocks * QBLOCK // 2)  # T, r, g, b, t, s, h
 
 
-@functools.lru_cache(maxsize=8)
-def frag_asm(code: tuple[float, ...]) -> str:
+def frag_table(levels: Sequence[float], device: torch.device | str) -> torch.Tensor:
+    """What FragConfig.table_regs reads: the register table's low words, its high words (nf4_gemv.table_bytes), a
+    0 that hides the address from ptxas, as int32 (16 words: one 64-byte line). Made once per weight's owner."""
+    lo, hi = table_bytes(list(levels))
+    words = [v - (1 << 32) if v >= 1 << 31 else v for v in (*lo, *hi)] + [0] * 8
+    return torch.tensor(words, dtype=torch.int32, device=device)
+
+
+def scale_pairs(absmax: torch.Tensor, n: int, k: int, blocksize: int) -> torch.Tensor:
+    """Per-block fp32 absmax (N * K / blocksize, decoded where double-quantized) -> (N/16, K/blocksize, 8) int32:
+    word (tile, block, g) = bf16 scale of row 16 tile + g in its low half, of row + 8 in its high half
+    (FragConfig.scale_pairs)."""
+    check_shapes(n, k, blocksize)
+    b16 = absmax.float().reshape(n // 16, 2, 8, k // blocksize).to(torch.bfloat16).view(torch.int16)
+    lo, hi = (b16[:, r].to(torch.int32) & 0xFFFF for r in (0, 1))
+    return (lo | hi << 16).transpose(1, 2).contiguous()
+
+
+@functools.lru_cache(maxsize=16)
+def frag_asm(code: tuple[float, ...], table_in: bool = False, pairs: bool = False) -> str:
     """PTX for one thread's part of a 64-block: words $4..$7 (k steps 0-3), its rows' fp32 block scales $8 (row g)
     and $9 (row g + 8), the activations $10..$17 (b0, b1 of each step) and the accumulators in $18..$21 -> out in
-    $0..$3. Each word: unpack8_asm's lookup into a0..a3, the scale rounded to bf16 multiplied in (fma with -0.0: the
-    exact product rounded once), one mma.sync per step."""
+    $0..$3; table_in: the table's words in $22..$29 (frag_table's order) instead of immediates; pairs: $8 the two
+    scales as a bf16 pair (scale_pairs: row g low, row g + 8 high; $9 unused). Each word:
+    unpack8_asm's lookup into a0..a3, the scale rounded to bf16 multiplied in (fma with -0.0: the exact product
+    rounded once), one mma.sync per step."""
     decode = unpack8_asm(list(code)).replace("$4", "%WORD%")
     for p in range(4):
         decode = decode.replace(f"${p}", f"a{p}")
-    lines = ["{", ".reg .b32 a0, a1, a2, a3, sg, sh, nz;",
-             "cvt.rn.bf16x2.f32 sg, $8, $8;", "cvt.rn.bf16x2.f32 sh, $9, $9;", "mov.b32 nz, 0x80008000;"]
+    if table_in:
+        def operand(mt: re.Match[str]) -> str:
+            return f"mov.b32 {mt.group(1)}{mt.group(2)}, ${22 + int(mt.group(2)) + 4 * (mt.group(1) == 'H')};"
+
+        decode = re.sub(r"mov\.b32 ([LH])(\d), 0x[0-9a-f]+;", operand, decode)
+    scales = (["prmt.b32 sg, $8, 0, 0x1010;", "prmt.b32 sh, $8, 0, 0x3232;"] if pairs else
+              ["cvt.rn.bf16x2.f32 sg, $8, $8;", "cvt.rn.bf16x2.f32 sh, $9, $9;"])
+    lines = ["{", ".reg .b32 a0, a1, a2, a3, sg, sh, nz;", *scales, "mov.b32 nz, 0x80008000;"]
     for s in range(4):
         lines.append(decode.replace("%WORD%", f"${4 + s}"))
         lines += [f"fma.rn.bf16x2 a{p}, a{p}, {'sg' if p % 2 == 0 else 'sh'}, nz;" for p in range(4)]
@@ -120,10 +157,26 @@ def frag_asm(code: tuple[float, ...]) -> str:
     return "\n".join(lines)
 
 
-FRAG_CONSTRAINTS = "=f,=f,=f,=f," + ",".join(["r"] * 4 + ["f"] * 2 + ["r"] * 8 + ["f"] * 4)
+def frag_constraints(table_in: bool = False, pairs: bool = False) -> str:
+    """frag_asm's operand constraints: 4 fp32 out; 4 words, 2 scales (fp32, or the pair twice as b32), 8 activation
+    pairs, 4 fp32 accumulators in; table_in: 8 table words."""
+    ins = ["r"] * 4 + (["r"] * 2 if pairs else ["f"] * 2) + ["r"] * 8 + ["f"] * 4 + (["r"] * 8 if table_in else [])
+    return "=f,=f,=f,=f," + ",".join(ins)
 
 
 if triton is not None:
+
+    @triton.jit
+    def _load_table_regs(table_ptr):
+        """frag_table's 8 words, one register each, loaded at table + 4 * (thread index AND the 0 after them): an
+        address ptxas cannot prove uniform, so it keeps them in ordinary registers."""
+        zero = tl.load(table_ptr + 8)
+        addr = table_ptr.to(tl.int64, bitcast=True)
+        return tl.inline_asm_elementwise(
+            "{\n.reg .u32 t;\n.reg .u64 o, a;\nmov.u32 t, %tid.x;\nand.b32 t, t, $9;\nmul.wide.u32 o, t, 4;\n"
+            "add.u64 a, $8, o;\nld.global.nc.v4.u32 {$0, $1, $2, $3}, [a];\n"
+            "ld.global.nc.v4.u32 {$4, $5, $6, $7}, [a+16];\n}",
+            "=r,=r,=r,=r,=r,=r,=r,=r,l,r", [addr, zero], dtype=(tl.int32,) * 8, is_pure=True, pack=1)
 
     @triton.jit
     def _split4(v):
@@ -142,9 +195,10 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _nf4_frag_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr,
-                         part_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr, SPLIT: tl.constexpr,
-                         STEPS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr = False):
+                         part_ptr, table_ptr, spair_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
+                         SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
+                         PAIRS: tl.constexpr, PDL: tl.constexpr = False):
         """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks; x_ptr is x (M, K) bf16 seen
         as int32 pairs. Thread i of the program is lane i % 32 of warp i // 32 (one element per thread)."""
         T: tl.constexpr = 32 * WARPS
@@ -169,6 +223,10 @@ if triton is not None:
         kb = kb_lo + warp
         valid = kb < kb_hi
         w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
+        if TABLE:
+            t0, t1, t2, t3, t4, t5, t6, t7 = _load_table_regs(table_ptr)
+            z = tl.zeros((T,), tl.int32)  # the table words as tensors of the accumulators' shape
+            t0, t1, t2, t3, t4, t5, t6, t7 = t0 + z, t1 + z, t2 + z, t3 + z, t4 + z, t5 + z, t6 + z, t7 + z
         wait_for_inputs(PDL)
         q = tl.arange(0, 4)
         for i in range(STEPS):
@@ -180,21 +238,32 @@ if triton is not None:
                 nvalid = nkb < kb_hi
                 n0, n1, n2, n3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
             blk = (kbc * 64) // BS
-            sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
-                             NESTED)
-            sh = block_scale((row_g + 8) * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr,
-                             code2_ptr, NESTED)
-            sg = tl.where(valid, sg, 0.0)
-            sh = tl.where(valid, sh, 0.0)
+            if PAIRS:  # both rows' bf16 scales in one word (the group's 4 lanes read the same one)
+                sg = tl.load(spair_ptr + (tile * NBLK + blk) * 8 + g, mask=valid, other=0)
+                sh = sg
+            else:
+                sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                                 NESTED)
+                sh = block_scale((row_g + 8) * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr,
+                                 code2_ptr, NESTED)
+                sg = tl.where(valid, sg, 0.0)
+                sh = tl.where(valid, sh, 0.0)
             # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 (h = 0) and b1 (h = 1) of step s; two
             # 16-byte loads of 4 pairs (one of 8 would be split over two threads by the load's layout)
             xo = xrow + kbc * 32 + 8 * t
             xm = (valid & xmask_row)[:, None]
             b00, b01, b10, b11 = _split4(tl.load(x_ptr + xo[:, None] + q[None, :], mask=xm, other=0))
             b20, b21, b30, b31 = _split4(tl.load(x_ptr + xo[:, None] + 4 + q[None, :], mask=xm, other=0))
-            c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            if TABLE:
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                    ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3,
+                                       t0, t1, t2, t3, t4, t5, t6, t7],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            else:
+                c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                    ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2,
+                                       c3],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
             if PREFETCH:
                 w0, w1, w2, w3 = n0, n1, n2, n3
             else:
@@ -234,9 +303,11 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
     blocks = k // QBLOCK
     split = max(1, min(cfg.split, blocks))
     per = -(-blocks // split)
-    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias, ASM=frag_asm(tuple(float(v) for v in levels)),
-                CONSTRAINTS=FRAG_CONSTRAINTS, WARPS=cfg.warps, SPLIT=split, STEPS=-(-per // cfg.warps),
-                PREFETCH=cfg.prefetch)
+    return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias,
+                ASM=frag_asm(tuple(float(v) for v in levels), cfg.table_regs, cfg.scale_pairs),
+                CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
+                SPLIT=split, STEPS=-(-per // cfg.warps), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
+                PAIRS=cfg.scale_pairs)
 
 
 def check_shapes(n: int, k: int, blocksize: int) -> None:
@@ -248,10 +319,12 @@ def check_shapes(n: int, k: int, blocksize: int) -> None:
 def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequence[float], *,
              absmax: torch.Tensor | None = None,
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-             bias: torch.Tensor | None = None, config: FragConfig | None = None, pdl: bool = False) -> torch.Tensor:
+             bias: torch.Tensor | None = None, config: FragConfig | None = None, pdl: bool = False,
+             table: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
     """x (M, K) bf16, 1 <= M <= 8 -> (M, N) bf16 = x @ W.T with W's codes in `frag` (repack) and its absmax as
     nf4_mm takes them (fp32 `absmax`, or `nested` = (q8, absmax2, offset per 256-block, code2)); `levels` the 16
-    NF4 levels as host floats (the PTX's register table)."""
+    NF4 levels as host floats (the PTX's register table); `table`: frag_table(levels) on x's device, for a config
+    with table_regs; `pairs`: scale_pairs(absmax) for a config with scale_pairs (absmax / nested then unused)."""
     from .nf4_mm import _sum_splits
 
     if triton is None:
@@ -264,6 +337,12 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     if x.dtype != torch.bfloat16 or not 1 <= m <= FRAG_MAX_ROWS:
         raise ValueError(f"nf4_frag reads 1-{FRAG_MAX_ROWS} bf16 rows, not {m} of {x.dtype}")
     cfg = config or default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132)
+    if cfg.table_regs and (table is None or table.dtype != torch.int32 or table.numel() < 16
+                           or table.device != x.device):
+        raise ValueError("a table_regs config needs table=frag_table(levels, device) on x's device")
+    if cfg.scale_pairs and (pairs is None or pairs.shape != (n // 16, k // blocksize, 8)
+                            or pairs.dtype != torch.int32 or pairs.device != x.device):
+        raise ValueError("a scale_pairs config needs pairs=scale_pairs(absmax, N, K, blocksize) on x's device")
     meta = launch_constexprs(n, k, blocksize, cfg, levels, nested is not None, bias is not None)
     split = meta["SPLIT"]
     x = x.contiguous()
@@ -272,7 +351,9 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
     _nf4_frag_kernel[(n // 16, split)](
         x.view(torch.int32), frag, absmax if absmax is not None else y, q8, absmax2, offsets, code2,
-        bias if bias is not None else y, y, part, m, n, k, k // blocksize, num_warps=cfg.warps, **meta,
+        bias if bias is not None else y, y, part, table if table is not None else y,
+        pairs if pairs is not None else y, m, n, k, k // blocksize,
+        num_warps=cfg.warps, **meta,
         **pdl_meta(pdl))
     if split > 1:
         block = 1024
@@ -297,7 +378,9 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: FragConf
     signature = {"x_ptr": "*i32", "w_ptr": "*i32", "absmax_ptr": out if nested else "*fp32", "q8_ptr": "*u8",
                  "absmax2_ptr": "*fp32", "offsets_ptr": "*fp32", "code2_ptr": "*fp32",
                  "bias_ptr": "*bf16" if has_bias else out, "y_ptr": out,
-                 "part_ptr": "*fp32" if meta["SPLIT"] > 1 else out, **{name: "i32" for name in ints}}
+                 "part_ptr": "*fp32" if meta["SPLIT"] > 1 else out, "table_ptr": "*i32" if cfg.table_regs else out,
+                 "spair_ptr": "*i32" if cfg.scale_pairs else out,
+                 **{name: "i32" for name in ints}}
     names = list(_nf4_frag_kernel.arg_names)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a, t in signature.items() if t.startswith("*")}
     attrs.update({(names.index(a),): [["tt.divisibility", 16]] for a, v in ints.items() if a != "M" and v % 16 == 0})
