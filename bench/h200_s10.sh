@@ -14,7 +14,8 @@
 #                       with KV_TABLES="default sweep" also kv-<mode>-sweep-<N>.json, the attn part's suggestions
 #                       for the rows buckets $KV_BUCKETS (default 64) put in ATTENTION_LAUNCHES
 #   frag-*.txt/json     PARTS=frag: the GPU tests of llm_core.fast.kernels.nf4_frag (-gpu-tests.txt), then bench.small_m
-#                       --frag for $FRAG_ARCHS (default llama-2-7b) at M = 1,2,4,8 (-sweep.json, budget $FRAG_S s)
+#                       --frag for $FRAG_ARCHS (default llama-2-7b) at M = $FRAG_MS (default 1,2,4,8,16,32;
+#                       -sweep.json, budget $FRAG_S s, default 300)
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -32,8 +33,8 @@ if [[ $PARTS == *" frag "* ]]; then
   timeout -s INT -k 15 "${FRAG_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_nf4_frag.py -x \
     > "$OUT/frag-gpu-tests-$N.txt" 2>&1
   echo "frag tests rc=$?"; tail -15 "$OUT/frag-gpu-tests-$N.txt" | cut -c1-300
-  timeout -s INT -k 15 $(( ${FRAG_S:-200} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
-    --ms 1,2,4,8 --budget-s "${FRAG_S:-200}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
+  timeout -s INT -k 15 $(( ${FRAG_S:-300} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
+    --ms "${FRAG_MS:-1,2,4,8,16,32}" --budget-s "${FRAG_S:-300}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
   echo "frag sweep rc=$?"; tail -60 "$OUT/frag-sweep-$N.log" | cut -c1-300
 fi
 if [[ $PARTS == *" app "* ]]; then

@@ -5,9 +5,9 @@ time and achieved bandwidth of llm_core.nf4_mm (each launch config and decode), 
     python -m bench.small_m --out results.json [--archs llama-2-7b,llama-3-8b] [--ms 1,2,4,8,16,32] [--budget-s 420]
                             [--forms all] [--refine 3] [--overlap | --fused | --frag]
 
---frag (M <= 8): llm_core.nf4_frag over the weights repacked into mma fragment order (its default_config and a
-grid of warps x splits x prefetch) beside the engine's calls of today: nf4_mm's launch rule (PDL, the weight's own
-counters) and, at M = 1, the one-token GEMV (PDL); the summary sums each per layer.
+--frag (M <= 32): llm_core.nf4_frag over the weights repacked into mma fragment order (its default_config and, up
+to 8 rows, a grid of warps x splits x forms) beside the engine's calls of today: nf4_mm's launch rule (PDL, the
+weight's own counters) and, at M = 1, the one-token GEMV (PDL); the summary sums each per layer.
 
 Loop forms (MMConfig.even / xvec / scale16): the grid runs with --forms (default all three), the library's rule
 without them (ours-default: the library's rule keeps them off until timed) and with them (ours-default-all,
@@ -218,7 +218,7 @@ def main() -> None:
                          "sum over FUSED_TILES x FUSED_SPLITS, all as programmatic dependent launches (the engine's "
                          "LAUNCH_OVERLAP=auto on sm_90); no grid")
     ap.add_argument("--frag", action="store_true",
-                    help="only M <= 8: nf4_frag (fragment-order weights) over a grid, beside nf4_mm's rule and the "
+                    help="only M <= 32: nf4_frag (fragment-order weights) over a grid, beside nf4_mm's rule and the "
                          "GEMV as the engine calls them; no nf4_mm grid")
     ap.add_argument("--overlap", action="store_true",
                     help="only the launch rule, one launch after the other and as programmatic dependent launches "
@@ -246,7 +246,7 @@ def main() -> None:
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     ms = [int(v) for v in args.ms.split(",")]
     if args.frag:
-        ms = [m for m in ms if m <= 8]
+        ms = [m for m in ms if m <= 32]
 
     def save() -> None:
         args.out.write_text(json.dumps(doc, indent=1))
@@ -359,13 +359,16 @@ def main() -> None:
 FRAG_FORMS = ((False, False), (True, False), (True, True))  # FragConfig (table_regs, scale_pairs)
 
 
-def frag_grid(n: int, k: int, sms: int) -> list[Any]:
+def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     """--frag's configs of one shape: its default_config, that without prefetch, and 4 or 8 warps x the default's
-    K split halved, kept and doubled x FRAG_FORMS."""
+    K split halved, kept and doubled x FRAG_FORMS; above 8 rows (other compiles: more row tiles) only the default
+    in each of FRAG_FORMS."""
     from llm_core.fast.kernels.nf4_frag import FragConfig
     from llm_core.fast.kernels.nf4_frag import default_config as frag_default
 
     base = frag_default(n, k, sms)
+    if m > 8:
+        return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS]
     grid = [base, dataclasses.replace(base, prefetch=False)]
     for warps in (4, 8):
         for split in sorted({max(1, base.split // 2), base.split, base.split * 2}):
@@ -393,7 +396,7 @@ def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> N
     if m == 1:
         timed("gemv-pdl", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels, nested=s.nested(),
                                                                    pdl=True)))
-    for i, cfg in enumerate(frag_grid(n, k, sms)):
+    for i, cfg in enumerate(frag_grid(n, k, sms, m)):
         name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
                 f"-sp{int(cfg.scale_pairs)}")
         timed("frag-default" if i == 0 else name, frag(cfg))

@@ -54,7 +54,7 @@ if triton is not None:
 
     from .nf4_gemv import block_scale
 
-FRAG_MAX_ROWS = 8  # one n8 tile of activation rows
+FRAG_MAX_ROWS = 32  # up to 4 n8 tiles of activation rows
 QBLOCK = 64  # k per repacked block: 4 mma k steps of 16
 
 
@@ -193,14 +193,65 @@ if triton is not None:
         offs = ((tile * NB64 + kb) * 32 + lane) * 4
         return _split4(tl.load(w_ptr + offs[:, None] + q[None, :], mask=valid[:, None], other=0))
 
+    @triton.jit
+    def _tile_mma(ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, TABLE: tl.constexpr, w0, w1, w2, w3, sg, sh, x_ptr,
+                  xo, xm, c0, c1, c2, c3, t0, t1, t2, t3, t4, t5, t6, t7):
+        """One n8 tile of activation rows through one 64-block: its 8 pairs a thread (xo: offsets of pair 8t of the
+        thread's row, xm its mask; two 16-byte loads: one of 8 would be split over two threads by the load's
+        layout), then frag_asm. The word decode is the same for every tile of a step: ptxas computes it once
+        (sm_90 SASS: a second tile adds ~17 instructions, not ~110)."""
+        q = tl.arange(0, 4)
+        b00, b01, b10, b11 = _split4(tl.load(x_ptr + xo[:, None] + q[None, :], mask=xm[:, None], other=0))
+        b20, b21, b30, b31 = _split4(tl.load(x_ptr + xo[:, None] + 4 + q[None, :], mask=xm[:, None], other=0))
+        if TABLE:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3,
+                                   t0, t1, t2, t3, t4, t5, t6, t7],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+        return c0, c1, c2, c3
+
+    @triton.jit
+    def _store_tile(c0, c1, c2, c3, j: tl.constexpr, WARPS: tl.constexpr, tile, sid, M, N, y_ptr, part_ptr,
+                    bias_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """The warps' sums of n8 tile j, then lane (g, t) stores y rows 8j + 2t, + 1 at weight rows 16 tile + g
+        (c0, c1) and + 8 (c2, c3): bf16 with the bias, or fp32 partial sums of split sid."""
+        s0 = tl.sum(tl.reshape(c0, (WARPS, 32)), axis=0)
+        s1 = tl.sum(tl.reshape(c1, (WARPS, 32)), axis=0)
+        s2 = tl.sum(tl.reshape(c2, (WARPS, 32)), axis=0)
+        s3 = tl.sum(tl.reshape(c3, (WARPS, 32)), axis=0)
+        ln = tl.arange(0, 32)
+        n_lo = tile * 16 + ln // 4
+        m0 = 8 * j + 2 * (ln % 4)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                s0 += tl.load(bias_ptr + n_lo).to(tl.float32)
+                s1 += tl.load(bias_ptr + n_lo).to(tl.float32)
+                s2 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
+                s3 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
+            tl.store(y_ptr + m0 * N + n_lo, s0.to(tl.bfloat16), mask=m0 < M)
+            tl.store(y_ptr + (m0 + 1) * N + n_lo, s1.to(tl.bfloat16), mask=m0 + 1 < M)
+            tl.store(y_ptr + m0 * N + n_lo + 8, s2.to(tl.bfloat16), mask=m0 < M)
+            tl.store(y_ptr + (m0 + 1) * N + n_lo + 8, s3.to(tl.bfloat16), mask=m0 + 1 < M)
+        else:
+            base = part_ptr + sid * M * N
+            tl.store(base + m0 * N + n_lo, s0, mask=m0 < M)
+            tl.store(base + (m0 + 1) * N + n_lo, s1, mask=m0 + 1 < M)
+            tl.store(base + m0 * N + n_lo + 8, s2, mask=m0 < M)
+            tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
+
     @triton.jit(do_not_specialize=["M"])
     def _nf4_frag_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr,
                          part_ptr, table_ptr, spair_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
-                         PAIRS: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks; x_ptr is x (M, K) bf16 seen
-        as int32 pairs. Thread i of the program is lane i % 32 of warp i // 32 (one element per thread)."""
+                         PAIRS: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks, for NT (1, 2 or 4) n8
+        tiles of activation rows (M <= 8 NT); x_ptr is x (M, K) bf16 seen as int32 pairs. Thread i of the program
+        is lane i % 32 of warp i // 32 (one element per thread)."""
         T: tl.constexpr = 32 * WARPS
         tile = tl.program_id(0)
         sid = tl.program_id(1)
@@ -214,21 +265,26 @@ if triton is not None:
         kb_lo = sid * per
         kb_hi = tl.minimum(kb_lo + per, NB64)
         row_g = tile * 16 + g
-        xmask_row = g < M
-        xrow = tl.where(xmask_row, g, 0) * (K // 2)
-        c0 = tl.zeros((T,), tl.float32)
-        c1 = tl.zeros((T,), tl.float32)
-        c2 = tl.zeros((T,), tl.float32)
-        c3 = tl.zeros((T,), tl.float32)
+        # activation row 8j + g of tile j: its offset (clamped to row 0 past M) and its mask
+        xrow0 = tl.where(g < M, g, 0) * (K // 2)
+        xrow1 = tl.where(g + 8 < M, g + 8, 0) * (K // 2)
+        xrow2 = tl.where(g + 16 < M, g + 16, 0) * (K // 2)
+        xrow3 = tl.where(g + 24 < M, g + 24, 0) * (K // 2)
+        zf = tl.zeros((T,), tl.float32)
+        c00, c01, c02, c03 = zf, zf, zf, zf
+        c10, c11, c12, c13 = zf, zf, zf, zf
+        c20, c21, c22, c23 = zf, zf, zf, zf
+        c30, c31, c32, c33 = zf, zf, zf, zf
         kb = kb_lo + warp
         valid = kb < kb_hi
         w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
+        z = tl.zeros((T,), tl.int32)
+        t0, t1, t2, t3, t4, t5, t6, t7 = z, z, z, z, z, z, z, z
         if TABLE:
             t0, t1, t2, t3, t4, t5, t6, t7 = _load_table_regs(table_ptr)
-            z = tl.zeros((T,), tl.int32)  # the table words as tensors of the accumulators' shape
+            # the table words as tensors of the accumulators' shape
             t0, t1, t2, t3, t4, t5, t6, t7 = t0 + z, t1 + z, t2 + z, t3 + z, t4 + z, t5 + z, t6 + z, t7 + z
         wait_for_inputs(PDL)
-        q = tl.arange(0, 4)
         for i in range(STEPS):
             kb = kb_lo + warp + i * WARPS
             valid = kb < kb_hi
@@ -248,22 +304,20 @@ if triton is not None:
                                  code2_ptr, NESTED)
                 sg = tl.where(valid, sg, 0.0)
                 sh = tl.where(valid, sh, 0.0)
-            # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 (h = 0) and b1 (h = 1) of step s; two
-            # 16-byte loads of 4 pairs (one of 8 would be split over two threads by the load's layout)
-            xo = xrow + kbc * 32 + 8 * t
-            xm = (valid & xmask_row)[:, None]
-            b00, b01, b10, b11 = _split4(tl.load(x_ptr + xo[:, None] + q[None, :], mask=xm, other=0))
-            b20, b21, b30, b31 = _split4(tl.load(x_ptr + xo[:, None] + 4 + q[None, :], mask=xm, other=0))
-            if TABLE:
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                    ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3,
-                                       t0, t1, t2, t3, t4, t5, t6, t7],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-            else:
-                c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                    ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2,
-                                       c3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+            xo = kbc * 32 + 8 * t  # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 / b1 of step s
+            c00, c01, c02, c03 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow0 + xo,
+                                           valid & (g < M), c00, c01, c02, c03, t0, t1, t2, t3, t4, t5, t6, t7)
+            if NT >= 2:
+                c10, c11, c12, c13 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow1 + xo,
+                                               valid & (g + 8 < M), c10, c11, c12, c13, t0, t1, t2, t3, t4, t5, t6,
+                                               t7)
+            if NT >= 4:
+                c20, c21, c22, c23 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow2 + xo,
+                                               valid & (g + 16 < M), c20, c21, c22, c23, t0, t1, t2, t3, t4, t5, t6,
+                                               t7)
+                c30, c31, c32, c33 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow3 + xo,
+                                               valid & (g + 24 < M), c30, c31, c32, c33, t0, t1, t2, t3, t4, t5, t6,
+                                               t7)
             if PREFETCH:
                 w0, w1, w2, w3 = n0, n1, n2, n3
             else:
@@ -271,34 +325,21 @@ if triton is not None:
                 nvalid = nkb < kb_hi
                 w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
         release_dependents(PDL)
-        # the warps' sums, then lane (g, t): y rows 2t, 2t + 1 at weight rows 16 tile + g (c0, c1) and + 8 (c2, c3)
-        s0 = tl.sum(tl.reshape(c0, (WARPS, 32)), axis=0)
-        s1 = tl.sum(tl.reshape(c1, (WARPS, 32)), axis=0)
-        s2 = tl.sum(tl.reshape(c2, (WARPS, 32)), axis=0)
-        s3 = tl.sum(tl.reshape(c3, (WARPS, 32)), axis=0)
-        ln = tl.arange(0, 32)
-        n_lo = tile * 16 + ln // 4
-        m0 = 2 * (ln % 4)
-        if SPLIT == 1:
-            if HAS_BIAS:
-                s0 += tl.load(bias_ptr + n_lo).to(tl.float32)
-                s1 += tl.load(bias_ptr + n_lo).to(tl.float32)
-                s2 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
-                s3 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
-            tl.store(y_ptr + m0 * N + n_lo, s0.to(tl.bfloat16), mask=m0 < M)
-            tl.store(y_ptr + (m0 + 1) * N + n_lo, s1.to(tl.bfloat16), mask=m0 + 1 < M)
-            tl.store(y_ptr + m0 * N + n_lo + 8, s2.to(tl.bfloat16), mask=m0 < M)
-            tl.store(y_ptr + (m0 + 1) * N + n_lo + 8, s3.to(tl.bfloat16), mask=m0 + 1 < M)
-        else:
-            base = part_ptr + sid * M * N
-            tl.store(base + m0 * N + n_lo, s0, mask=m0 < M)
-            tl.store(base + (m0 + 1) * N + n_lo, s1, mask=m0 + 1 < M)
-            tl.store(base + m0 * N + n_lo + 8, s2, mask=m0 < M)
-            tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
+        _store_tile(c00, c01, c02, c03, 0, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+        if NT >= 2:
+            _store_tile(c10, c11, c12, c13, 1, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+        if NT >= 4:
+            _store_tile(c20, c21, c22, c23, 2, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+            _store_tile(c30, c31, c32, c33, 3, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+
+
+def row_tiles(m: int) -> int:
+    """The kernel's n8 tiles of activation rows for m rows: 1, 2 or 4."""
+    return 1 if m <= 8 else 2 if m <= 16 else 4
 
 
 def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: Sequence[float], nested: bool,
-                      has_bias: bool) -> dict[str, Any]:
+                      has_bias: bool, m: int = 8) -> dict[str, Any]:
     """The kernel's constexpr arguments for a launch (nf4_frag passes them; the compile test uses the same)."""
     blocks = k // QBLOCK
     split = max(1, min(cfg.split, blocks))
@@ -307,7 +348,7 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
                 ASM=frag_asm(tuple(float(v) for v in levels), cfg.table_regs, cfg.scale_pairs),
                 CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
                 SPLIT=split, STEPS=-(-per // cfg.warps), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
-                PAIRS=cfg.scale_pairs)
+                PAIRS=cfg.scale_pairs, NT=row_tiles(m))
 
 
 def check_shapes(n: int, k: int, blocksize: int) -> None:
@@ -343,7 +384,7 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     if cfg.scale_pairs and (pairs is None or pairs.shape != (n // 16, k // blocksize, 8)
                             or pairs.dtype != torch.int32 or pairs.device != x.device):
         raise ValueError("a scale_pairs config needs pairs=scale_pairs(absmax, N, K, blocksize) on x's device")
-    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested is not None, bias is not None)
+    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested is not None, bias is not None, m)
     split = meta["SPLIT"]
     x = x.contiguous()
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
@@ -371,7 +412,7 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: FragConf
     from triton.compiler import ASTSource
 
     check_shapes(n, k, blocksize)
-    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested, has_bias)
+    meta = launch_constexprs(n, k, blocksize, cfg, levels, nested, has_bias, m)
     meta["PDL"] = pdl
     out = "*bf16"
     ints = {"M": m, "N": n, "K": k, "NBLK": k // blocksize}
