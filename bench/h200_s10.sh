@@ -16,6 +16,9 @@
 #   frag-*.txt/json     PARTS=frag: the GPU tests of llm_core.fast.kernels.nf4_frag (-gpu-tests.txt), then bench.small_m
 #                       --frag for $FRAG_ARCHS (default llama-2-7b) at M = $FRAG_MS (default 1,2,4,8,16,32;
 #                       -sweep.json, budget $FRAG_S s, default 300)
+#   fragab-<i>-<mode>-<N>.json  PARTS=fragab: the batched engine's GPU test (NF4_FRAG off and on: rows equal the batch of
+#                       one; -gpu-tests.txt), then bench.batched --chats $FRAG_CHATS (default 8,32) with NF4_FRAG off
+#                       and on in the order $FRAG_AB (default "off on on off"), all logs in fragab-<N>.log
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -36,6 +39,29 @@ if [[ $PARTS == *" frag "* ]]; then
   timeout -s INT -k 15 $(( ${FRAG_S:-300} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
     --ms "${FRAG_MS:-1,2,4,8,16,32}" --budget-s "${FRAG_S:-300}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
   echo "frag sweep rc=$?"; tail -60 "$OUT/frag-sweep-$N.log" | cut -c1-300
+fi
+if [[ $PARTS == *" fragab "* ]]; then
+  timeout -s INT -k 15 "${FRAGAB_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_batched_fast.py \
+    -k "batched_rows_equal" > "$OUT/fragab-gpu-tests-$N.txt" 2>&1
+  echo "fragab tests rc=$?"; tail -6 "$OUT/fragab-gpu-tests-$N.txt" | cut -c1-300
+  i=0
+  for mode in ${FRAG_AB:-off on on off}; do
+    i=$((i + 1))
+    timeout -s INT -k 15 "${FRAGAB_S:-150}" python3 -m bench.batched --no-reference --chats "${FRAG_CHATS:-8,32}" \
+      --new-tokens 128 --ckpt $CKPT --set NF4_FRAG=$mode --out "$OUT/fragab-$i-$mode-$N.json" >> "$OUT/fragab-$N.log" 2>&1
+    echo "fragab $i $mode rc=$?"
+    python3 - "$OUT/fragab-$i-$mode-$N.json" <<'P'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for r in doc["records"]:
+    sp = r.get("step_profile") or {}
+    notes = [n for n in r.get("slot_notes") or [] if n.startswith("NF4 rows kernels")]
+    print({k: r.get(k) for k in ("phase", "concurrent_chats", "aggregate_decode_tokens_per_s", "ttft_p95_s",
+                                 "weights_bytes") if r.get(k) is not None}, "step_ms", round(sp.get("mean_step_s", 0) * 1e3, 2),
+          notes[0][:400] if notes else "")
+P
+  done
+  grep -iE "Traceback|Error" "$OUT/fragab-$N.log" | head -6 | cut -c1-300
 fi
 if [[ $PARTS == *" app "* ]]; then
   timeout -s INT -k 15 "${APP_S:-300}" python3 -m bench.app_load --random llama-2-7b --ckpt $CKPT \
@@ -77,3 +103,11 @@ P
     done
   done
 fi
+# the device returns at most 8 files: past that, the logs travel as one archive
+if [[ $(find "$OUT" -maxdepth 1 -type f | wc -l) -gt 8 ]]; then
+  (cd "$OUT" && tar czf logs.tgz --remove-files ./*.log ./*.txt 2>/dev/null)
+fi
+if [[ $(find "$OUT" -maxdepth 1 -type f | wc -l) -gt 8 ]]; then
+  (cd "$OUT" && tar czf results.tgz --remove-files ./*.json)
+fi
+ls "$OUT"

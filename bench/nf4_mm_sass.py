@@ -84,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="count opcodes with their modifiers (IMAD.MOV, ...)")
     ap.add_argument("--sass-dir", type=Path, help="write each variant's whole SASS here")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--frag", action="store_true",
+                    help="llm_core.nf4_frag instead: its forms plain, table, table+pairs (FragConfig.table_regs, "
+                         "scale_pairs) at --frag-ms rows, one K split, 4 warps; loop instructions a 64-block "
+                         "(32 weights a thread) and the registers cuobjdump reports")
+    ap.add_argument("--frag-ms", default="8,16,32")
     args = ap.parse_args(argv)
+    if args.frag:
+        return frag_counts(args)
 
     from llm_core.fast.kernels.nf4_mm import compile_without_device
 
@@ -109,6 +116,49 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "m": args.m, "n": args.n, "k": args.k,
                                          "tile": args.tile, "decode": args.decode, "records": records}, indent=1))
+    return 0
+
+
+def cubin_registers(cubin: bytes) -> int | None:
+    """Registers a thread, from `cuobjdump -res-usage` (Triton's bundled copy), or None where it is missing."""
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    return int(m.group(1)) if m else None
+
+
+def frag_counts(args: argparse.Namespace) -> int:
+    """--frag: nf4_frag's main loop per form and row count."""
+    from llm_core.fast.kernels.nf4_frag import FragConfig, compile_without_device
+
+    forms = {"plain": (False, False), "table": (True, False), "table+pairs": (True, True)}
+    records = []
+    for m in (int(v) for v in args.frag_ms.split(",")):
+        for name, (table, pairs) in forms.items():
+            cfg = FragConfig(4, 1, True, table, pairs)
+            kern = compile_without_device(m, args.n, args.k, 64, cfg, NF4, not args.fp32_absmax)
+            ops = loop_ops(kern.asm["sass"])
+            shown = ops if args.full else by_base(ops)
+            total = sum(ops.values())
+            rec = {"m": m, "form": name, "loop_instructions": total, "per_weight": round(total / 32, 2),
+                   "registers": cubin_registers(kern.asm["cubin"]), "ops": dict(shown.most_common())}
+            records.append(rec)
+            top = " ".join(f"{op} {c}" for op, c in shown.most_common(args.top))
+            print(f"M={m:2d} {name:12s} {total:4d} ({rec['per_weight']} a weight, {rec['registers']} registers)  "
+                  f"{top}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(sys.argv), "n": args.n, "k": args.k,
+                                         "kernel": "nf4_frag", "records": records}, indent=1))
     return 0
 
 

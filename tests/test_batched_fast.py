@@ -553,24 +553,27 @@ def test_the_mixed_load_spans_short_and_long_prompts_in_a_fixed_interleave() -> 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("quantization", ["nf4", "none"])
-def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path: Any, quantization: str) -> None:
+@pytest.mark.parametrize("quantization,frag", [("nf4", "off"), ("nf4", "on"), ("none", "off")])
+def test_gpu_batched_rows_equal_the_batch_of_one_and_the_kernels_are_on(tmp_path: Any, quantization: str,
+                                                                         frag: str) -> None:
     """On CUDA (compiled step, one graph per batch bucket), a random llama with head_dim 64: 4 greedy replies
     together equal each reply served alone by the same engine (a batch of 1), token for token, for their first 8
     tokens (the rows kernels sum in another order than the one-row kernels, so later tokens may part where two
-    logits tie within bf16 rounding); the NF4 rows kernel passed its warm-up check."""
+    logits tie within bf16 rounding); the NF4 rows kernel passed its warm-up check. NF4_FRAG=on: nf4_frag is a
+    candidate too, checked and timed at each bucket."""
     from bench.harness import make_random_checkpoint
 
     shape = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
                  num_key_value_heads=4, vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-5)
     ckpt = make_random_checkpoint(shape, tmp_path / "ckpt", torch.device("cuda"), 2048, tokenizer="chatml")
     engine = ChatEngine.load(make_settings(MODEL_ID=str(ckpt), DEVICE="cuda", DECODE_PATH="fast",
-                                           MAX_BATCH_SIZE="4", QUANTIZATION=quantization))
+                                           MAX_BATCH_SIZE="4", QUANTIZATION=quantization, NF4_FRAG=frag))
     slots = engine.fast_scheduler.runner.decoder
     assert slots.use_graphs and sorted(slots._graphs) == [1, 2, 4], slots.notes
     if quantization == "nf4":  # nf4_mm checked, then every candidate timed at each bucket: each takes its fastest
         note = next(n for n in slots.notes if n.startswith("NF4 rows kernels per batch"))
         assert "2 rows mm" in note and sorted(slots.rows_timings_us) == [2, 4], slots.notes
+        assert ("frag" in slots.rows_timings_us[2]) == (frag == "on"), slots.notes
         assert all(t[k] == min(t.values()) for t, (_, k) in zip(slots.rows_timings_us.values(),
                                                                  slots.rows_max.kernels, strict=True))
     else:

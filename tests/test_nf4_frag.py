@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import re
 import struct
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -233,6 +234,61 @@ def test_default_config_splits_k_only_where_the_grid_is_small() -> None:
         nf4_frag.check_shapes(4100, 4096, 64)
 
 
+# --- in the engine: NF4_FRAG ---------------------------------------------------------------------------------------
+
+
+def test_nf4_frag_setting_adds_the_fragment_order_copy_to_each_packed_nf4_linear_and_the_rows_dispatch_uses_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """NF4_FRAG: off by default, on parsed, unknown refused, resolved off where there is no CUDA. With it on,
+    pack_linears gives an NF4 linear (fused q/k/v too) its codes in fragment order, the level table and the scale
+    pairs before the bias, counted in its bytes, in LinSpec's order (tensor_count, frag_of, bias_of); the rows
+    dispatch hands exactly those to the nf4_frag op, and a linear without them takes nf4_mm."""
+    from llm_core.config import Settings
+    from llm_core.errors import GenerationError, SettingsError
+    from llm_core.fast import rows
+    from llm_core.fast.layer import tensor_count
+    from llm_core.fast.options import FastDecodeOptions
+    from llm_core.fast.pack import absmax_2d, bias_of, code_of, counters_of, frag_of, pack_linears
+    from tests.test_fast_decode import nf4_linear
+
+    assert Settings.from_env(environ={}, env_file=None).model.nf4_frag == "off"
+    assert Settings.from_env(environ={"NF4_FRAG": "on"}, env_file=None).model.nf4_frag == "on"
+    with pytest.raises(SettingsError, match="NF4_FRAG"):
+        Settings.from_env(environ={"NF4_FRAG": "maybe"}, env_file=None)
+    with pytest.raises(GenerationError, match="NF4_FRAG"):
+        FastDecodeOptions(nf4_frag="maybe").resolved(torch.device("cpu"), 64)
+    assert FastDecodeOptions(nf4_frag="on").resolved(torch.device("cpu"), 64).nf4_frag == "off"
+
+    on = FastDecodeOptions(nf4_frag="on")
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(torch.ops.llm_core, "nf4_frag", lambda *a: calls.append(a) or "frag-out", raising=False)
+    monkeypatch.setattr(torch.ops.llm_core, "nf4_mm", lambda *a: calls.append(a) or "mm-out", raising=False)
+    for mods in ([nf4_linear(48, 128, 0, bias=True)], [nf4_linear(64, 256, 1), nf4_linear(32, 256, 2)]):
+        plain, frag = pack_linears(mods, FastDecodeOptions(), "nf4"), pack_linears(mods, on, "nf4")
+        s, ts = frag.spec, frag.tensors
+        assert s.frag and not plain.spec.frag and tensor_count(s) == len(ts) == len(plain.tensors) + 3
+        codes, table, pairs = frag_of(s, ts)
+        assert torch.equal(codes, nf4_frag.repack(ts[0])) and torch.equal(nf4_frag.unpack(codes), ts[0])
+        assert torch.equal(table, nf4_frag.frag_table(s.levels, "cpu"))
+        assert torch.equal(pairs, nf4_frag.scale_pairs(absmax_2d(s, ts), s.n, s.k, s.blocksize))
+        assert torch.equal(code_of(s, ts), code_of(plain.spec, plain.tensors))
+        assert counters_of(s, ts).dtype == torch.int32
+        assert (bias_of(s, ts) is None) == (bias_of(plain.spec, plain.tensors) is None)
+        if s.bias:
+            assert torch.equal(bias_of(s, ts), bias_of(plain.spec, plain.tensors))
+        assert frag.nbytes == plain.nbytes + sum(t.numel() * t.element_size() for t in (codes, table, pairs))
+        with pytest.raises(ValueError, match="fragment-order"):
+            frag_of(plain.spec, plain.tensors)
+
+        x = torch.randn(3, s.k).bfloat16()
+        assert rows.nf4_rows_linear("frag", s, x, ts) == "frag-out"
+        got = calls[-1]
+        assert got[0] is x and got[1] is codes and got[2] is table and got[3] is pairs and got[5] == s.blocksize
+        assert rows.nf4_rows_linear("frag", plain.spec, x, plain.tensors) == "mm-out"  # no copy: nf4_mm
+    assert rows.pick_rows_plan({8: {"mm": 90.0, "frag": 45.0, "dequant": 400.0}}).kernel_for(5) == "frag"
+    assert rows.pick_rows_plan({8: {"mm": 45.0, "frag": 45.0}}).kernel_for(8) == "mm"  # a tie keeps nf4_mm
+
+
 # --- GPU ----------------------------------------------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and nf4_frag.triton is not None),
@@ -270,18 +326,23 @@ def absmax_of(scales: dict[str, Any]) -> torch.Tensor:
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("nested", [True, False])
-@pytest.mark.parametrize("shape", [(4096, 4096), (12288, 4096), (4096, 11008), (1040, 704)])
-def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(nested: bool, shape: tuple[int, int]
-                                                                            ) -> None:
+@pytest.mark.parametrize("shape,every_config", [((4096, 4096), True), ((1040, 704), True), ((12288, 4096), False),
+                                                ((4096, 11008), False)])
+def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(
+        nested: bool, shape: tuple[int, int], every_config: bool) -> None:
+    """Two shapes (one ragged in splits and warps) through every config, two Llama shapes through the default and
+    the engine's form (each config is a compile per row tiles: a few seconds)."""
     n, k = shape
     frag, scales, w16, ref_w = _gpu_case(n, k, nested)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     configs = [None, nf4_frag.FragConfig(4, 1, False), nf4_frag.FragConfig(8, 3, True),
                nf4_frag.FragConfig(2, 16, True, True), nf4_frag.FragConfig(1, 5, False),
                nf4_frag.FragConfig(4, 2, True, True, True), nf4_frag.FragConfig(8, 1, True, False, True)]
+    if not every_config:
+        configs = [None, replace(nf4_frag.default_config(n, k), table_regs=True, scale_pairs=True)]
     table = nf4_frag.frag_table(NF4, "cuda")
     pairs = nf4_frag.scale_pairs(absmax_of(scales), n, k, 64)
-    for m, cfg, with_bias in itertools.product((1, 2, 3, 5, 8, 9, 16, 17, 24, 32), configs, (False, True)):
+    for m, cfg, with_bias in itertools.product((1, 3, 8, 9, 16, 17, 32), configs, (False, True)):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = bias.float() if with_bias else 0
         got = nf4_frag.nf4_frag(x, frag, 64, NF4, bias=bias if with_bias else None, config=cfg, table=table,

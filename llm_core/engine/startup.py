@@ -345,7 +345,8 @@ class PathBuilder:
                                          kv_cache=self.fast_kv_cache,
                                          prefix_attention=self.settings.memory.prefix_attention,
                                          launch_overlap=self.settings.model.launch_overlap,
-                                         gemv_input=self.settings.model.gemv_input)
+                                         gemv_input=self.settings.model.gemv_input,
+                                         nf4_frag=self.settings.model.nf4_frag)
         plain_facts = self.facts
         try:
             cache_tokens = self.fast_cache_tokens()

@@ -199,7 +199,7 @@ def _split_linears(spec: LayerSpec, w: Sequence[torch.Tensor]) -> list[list[torc
 
 def tensor_count(lin: LinSpec) -> int:
     base = {"dense": 1, "int8": 2}.get(lin.fmt) or (4 if lin.absmax == "fp32" else 8)  # nf4: pack.LinSpec's order
-    return base + int(lin.bias)
+    return base + 3 * int(lin.frag) + int(lin.bias)
 
 
 Linear = Callable[[LinSpec, torch.Tensor, Sequence[torch.Tensor]], torch.Tensor]

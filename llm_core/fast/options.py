@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, GEMV_INPUTS, LAUNCH_OVERLAPS, PREFIX_ATTENTIONS
+from ..config import DEFAULT_PREFILL_GRAPH_TOKENS, GEMV_INPUTS, LAUNCH_OVERLAPS, NF4_FRAGS, PREFIX_ATTENTIONS
 from ..errors import GenerationError
 from .kernels.attention import triton
 from .kernels.dense_gemv import AVAILABLE as _DENSE_KERNEL_AVAILABLE  # registers torch.ops.llm_core.dense_gemv
@@ -80,6 +80,9 @@ class FastDecodeOptions:
     # The one-token NF4 kernel's activations: plain | planar (GEMV_INPUT: permuted into planes by the op before it,
     # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form); planar since timed (docs/fast_decode.md)
     gemv_input: str = "planar"
+    # The batched step's NF4 rows over a second copy of the codes in mma fragment order (NF4_FRAG, nf4_frag): off | on
+    # (CUDA with Triton; resolved to off elsewhere). Off until timed on a GPU.
+    nf4_frag: str = "off"
 
     @property
     def overlaps(self) -> bool:
@@ -110,6 +113,8 @@ class FastDecodeOptions:
             raise GenerationError(f"Unknown launch overlap {self.launch_overlap!r}; choose auto, early or off.")
         if self.gemv_input not in GEMV_INPUTS:
             raise GenerationError(f"Unknown GEMV input {self.gemv_input!r}; choose plain or planar.")
+        if self.nf4_frag not in NF4_FRAGS:
+            raise GenerationError(f"Unknown NF4_FRAG {self.nf4_frag!r}; choose off or on.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
@@ -130,7 +135,8 @@ class FastDecodeOptions:
         overlap = "off"
         if self.launch_overlap != "off" and (pdl if pdl is not None else pdl_support(device))[0]:
             overlap = "early" if self.launch_overlap == "early" else "on"
-        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap)
+        frag = self.nf4_frag if device.type == "cuda" and triton is not None else "off"  # PTX inside: CUDA only
+        return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap, nf4_frag=frag)
 
 
 def _triton_interpreter() -> bool:

@@ -20,8 +20,9 @@ log = logging.getLogger(__name__)
 class LinSpec:
     """Static description of one (possibly fused) linear; its tensors travel separately, in this order:
     dense: (w,) | nf4 absmax=fp32: (packed, absmax) | nf4 absmax=nested: (packed, q8, absmax2, offsets, code2,
-    offset_scalar); then code and the small-M kernel's split counters (nf4: nf4_mm.mm_counters), then bias if
-    any."""
+    offset_scalar); then code and the small-M kernel's split counters (nf4: nf4_mm.mm_counters), then with `frag`
+    the fragment-order codes, their level table and scale pairs (nf4_frag.repack, frag_table, scale_pairs), then bias
+    if any."""
 
     fmt: str  # dense | nf4 | int8 (tensors: (w int8, row scale fp32 = SCB / 127))
     absmax: str  # none | fp32 | nested
@@ -43,6 +44,9 @@ class LinSpec:
     early: bool = False
     # gemv nf4: the decode step hands its kernel the activations in planes (GEMV_INPUT=planar; nf4_gemv.planar_pairs)
     planar: bool = False
+    # nf4: its codes also in mma fragment order, with the level table and the bf16 scale pairs, after the counters
+    # (NF4_FRAG=on; llm_core.nf4_frag: the batched step's rows kernel "frag")
+    frag: bool = False
 
 
 @dataclass
@@ -117,7 +121,25 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str, pla
     if planar_input and opts.gemv_input == "planar" and packed.spec.gemv == "nf4":
         packed.spec = replace(packed.spec, planar=True)
         packed.note = packed.note or "NF4 one-token kernel reads its activations in planes (GEMV_INPUT=planar)"
+    if opts.nf4_frag == "on" and packed.spec.fmt == "nf4" and packed.spec.levels:
+        _add_fragment_order(packed)
     return packed
+
+
+def _add_fragment_order(packed: PackedLinear) -> None:
+    """NF4_FRAG=on: the linear's codes repacked into mma fragment order, the level table and the bf16 scale pairs
+    (llm_core.nf4_frag), inserted before the bias; counted with the weights (PackedLinear.nbytes). Shapes the
+    kernel cannot tile (N not a multiple of 16, K or the blocksize not of 64) keep nf4_mm."""
+    from .kernels import nf4_frag
+
+    s, ts = packed.spec, packed.tensors
+    if s.n % 16 or s.k % nf4_frag.QBLOCK or s.blocksize % nf4_frag.QBLOCK:
+        return
+    extra = [nf4_frag.repack(ts[0]), nf4_frag.frag_table(s.levels, ts[0].device),
+             nf4_frag.scale_pairs(absmax_2d(s, ts), s.n, s.k, s.blocksize)]
+    at = len(ts) - int(s.bias)
+    packed.tensors = [*ts[:at], *extra, *ts[at:]]
+    packed.spec = replace(s, frag=True)
 
 
 def _pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str) -> PackedLinear:
@@ -263,6 +285,14 @@ def code_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
 def counters_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor:
     """An NF4 linear's split counters for nf4_mm (LinSpec's tensor order)."""
     return ts[3] if spec.absmax == "fp32" else ts[7]
+
+
+def frag_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An NF4 linear's fragment-order codes, level table and scale pairs (LinSpec.frag; LinSpec's tensor order)."""
+    if not spec.frag:
+        raise ValueError("this linear has no fragment-order codes (NF4_FRAG=off or a shape nf4_frag cannot tile)")
+    at = 4 if spec.absmax == "fp32" else 8
+    return ts[at], ts[at + 1], ts[at + 2]
 
 
 def bias_of(spec: LinSpec, ts: Sequence[torch.Tensor]) -> torch.Tensor | None:

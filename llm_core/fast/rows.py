@@ -2,8 +2,9 @@
 pick (SlotDecoder._pick_rows_kernel) times the candidates and fills a RowsPlan. Knows nothing of slots or scheduling.
 
 Kernels: "mm" llm_core.nf4_mm (each 4-bit weight read once for all rows, launch shape nf4_mm.default_config),
-"bnb" bitsandbytes' gemm_4bit op (its own small-M kernel or dequantize + cuBLAS, by its own dispatch), "dequant"
-dequantize_4bit + matmul (correct on every device; fused q/k/v and gate/up one part at a time)."""
+"frag" llm_core.nf4_frag over the codes' fragment-order copy (NF4_FRAG=on, LinSpec.frag; a linear without it takes
+"mm"), "bnb" bitsandbytes' gemm_4bit op (its own small-M kernel or dequantize + cuBLAS, by its own dispatch),
+"dequant" dequantize_4bit + matmul (correct on every device; fused q/k/v and gate/up one part at a time)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ import torch.nn.functional as F
 
 from .kernels.nf4_mm import MM_MAX
 from .layer import linear_decode, linear_prefill, linear_prefill_parts
-from .pack import LinSpec, absmax_2d, bias_of, code_of, counters_of
+from .pack import LinSpec, absmax_2d, bias_of, code_of, counters_of, frag_of
 
-ROWS_KERNELS = ("mm", "bnb", "dequant")
+ROWS_KERNELS = ("mm", "bnb", "dequant")  # the pick's candidates; "frag" too where a linear has LinSpec.frag
 
 
 @dataclass(frozen=True)
@@ -49,15 +50,19 @@ def kernel_for(plan: RowsPlan | int, rows: int) -> str:
 def pick_rows_plan(timings: dict[int, dict[str, float]]) -> RowsPlan:
     """From {bucket: {kernel: µs}}: the fastest kernel at each bucket (ties go to dequantize + matmul, which every
     device runs, then to bitsandbytes)."""
-    order = {"dequant": 0, "bnb": 1, "mm": 2}
+    order = {"dequant": 0, "bnb": 1, "mm": 2, "frag": 3}
     return RowsPlan(tuple((bucket, min(t, key=lambda k: (t[k], order.get(k, 3))))
                           for bucket, t in sorted(timings.items()) if t))
 
 
 def nf4_rows_linear(kernel: str, spec: LinSpec, x: torch.Tensor, ts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """x (B, K) bf16 -> (B, N) through llm_core.nf4_mm ("mm") or bitsandbytes' gemm_4bit ("bnb")."""
+    """x (B, K) bf16 -> (B, N) through llm_core.nf4_frag ("frag", where the linear has the fragment-order codes; else
+    as "mm"), llm_core.nf4_mm ("mm") or bitsandbytes' gemm_4bit ("bnb")."""
     bias = bias_of(spec, ts)
-    if kernel == "mm":
+    if kernel == "frag" and spec.frag:
+        frag, table, pairs = frag_of(spec, ts)
+        return torch.ops.llm_core.nf4_frag(x, frag, table, pairs, bias, spec.blocksize, list(spec.levels), spec.pdl)
+    if kernel in ("mm", "frag"):
         counters = counters_of(spec, ts)
         if spec.absmax == "fp32":
             return torch.ops.llm_core.nf4_mm(x, ts[0], ts[1], ts[1], ts[1], ts[1], ts[1], code_of(spec, ts), bias,

@@ -69,23 +69,28 @@ class SlotWarmup:
 
         lins = _split_linears(spec, self.fast._layer_weights[0])
         candidates = list(ROWS_KERNELS)
+        if any(spec.linears[i].frag for i in nf4):  # NF4_FRAG=on: the fragment-order copy's kernel too
+            candidates.append("frag")
         worst = 0.0
-        try:
-            if triton is None:
-                raise RuntimeError("Triton is not installed")
-            for i in nf4:
-                s = spec.linears[i]
-                x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
-                got = nf4_rows_linear("mm", s, x, lins[i]).float()
-                ref = linear_prefill(s, x, lins[i], gemm=False).float()
-                worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
-            if worst >= 0.02:
-                self.notes.append(f"NF4 small-M kernel off: relative error {worst:.3f} vs dequantize + matmul")
-                candidates.remove("mm")
-        except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
-            log.warning("NF4 small-M kernel unavailable: %s: %s", type(exc).__name__, exc)
-            self.notes.append(f"NF4 small-M kernel off ({type(exc).__name__}: {str(exc)[:120]})")
-            candidates.remove("mm")
+        for kernel in [k for k in candidates if k in ("mm", "frag")]:
+            try:
+                if triton is None:
+                    raise RuntimeError("Triton is not installed")
+                err = 0.0
+                for i in nf4:
+                    s = spec.linears[i]
+                    x = torch.randn(8, s.k, dtype=torch.bfloat16, device=self.device)
+                    got = nf4_rows_linear(kernel, s, x, lins[i]).float()
+                    ref = linear_prefill(s, x, lins[i], gemm=False).float()
+                    err = max(err, float((got - ref).norm() / ref.norm().clamp_min(1e-6)))
+                worst = max(worst, err)
+                if err >= 0.02:
+                    self.notes.append(f"NF4 rows kernel {kernel} off: relative error {err:.3f} vs dequantize + matmul")
+                    candidates.remove(kernel)
+            except Exception as exc:  # noqa: BLE001 - dequantize + matmul always works; say why it is used
+                log.warning("NF4 rows kernel %s unavailable: %s: %s", kernel, type(exc).__name__, exc)
+                self.notes.append(f"NF4 rows kernel {kernel} off ({type(exc).__name__}: {str(exc)[:120]})")
+                candidates.remove(kernel)
         timings: dict[int, dict[str, float]] = {}
         for m in (b for b in self.buckets() if b > 1):
             xs = {i: torch.randn(m, spec.linears[i].k, dtype=torch.bfloat16, device=self.device) for i in nf4}
@@ -109,7 +114,7 @@ class SlotWarmup:
         shown = "; ".join(f"{m} rows " + ", ".join(f"{k} {v:.0f}" for k, v in t.items()) + " µs"
                           for m, t in sorted(timings.items()))
         chosen = ", ".join(f"{b}: {k}" for b, k in self.rows_max.kernels)
-        self.notes.append(f"NF4 rows kernels per batch ({chosen}); nf4_mm relative error {worst:.4f}"
+        self.notes.append(f"NF4 rows kernels per batch ({chosen}); largest relative error {worst:.4f}"
                           + (f"; first layer's NF4 linears: {shown}" if shown else ""))
         self.rows_timings_us = timings
         self._make_functions(compiled=False)

@@ -1,6 +1,6 @@
-"""NF4 matmul for 1-8 activation rows over weights repacked once into the tensor cores' own fragment order.
+"""NF4 matmul for 1-32 activation rows over weights repacked once into the tensor cores' own fragment order.
 
-y (M, N) = x (M, K) @ dequantize(W).T, M <= 8, where W is bitsandbytes NF4 (blocksize a multiple of 64, fp32 or
+y (M, N) = x (M, K) @ dequantize(W).T, M <= 32, where W is bitsandbytes NF4 (blocksize a multiple of 64, fp32 or
 double-quantized absmax, read in place) and the 4-bit codes are repacked (`repack`: the same bytes' worth, the same
 codes bit for bit) so that each thread of a warp loads, with one 16-byte load, the codes of exactly the four
 `mma.sync.m16n8k16` A fragments it holds for one 64-wide quant block of a 16-row weight tile (Marlin's idea, for
@@ -11,9 +11,10 @@ instructions a weight at 8 rows and reads the weights at ~0.4 of the copy bandwi
 Triton's dot operand layout; the one-token GEMV spends ~5.6 on CUDA-core multiply-adds. Here a thread decodes a
 word straight into the four bf16x2 registers of an A fragment (the register-table `prmt` lookup of
 nf4_gemv.unpack8_asm), multiplies them by its two rows' block scales (one bf16x2 multiply each) and hands them to
-`mma.sync` with the activations as the B fragment (n = 8: up to 8 rows, no padding to 16): no shared memory, no
-layout conversion, ~3-4 instructions a weight. The arithmetic is nf4_mm's scale16 form (bf16 level times bf16
-absmax, rounded once, as bitsandbytes' own 4-bit kernels do), accumulated in fp32 by the tensor cores.
+`mma.sync` with the activations as the B fragment (n = 8: 8 rows a tile, 1-4 tiles, no padding to 16; the tiles
+share the decode): no shared memory, no layout conversion, 4.4-6.2 instructions a weight. The arithmetic is
+nf4_mm's scale16 form (bf16 level times bf16 absmax, rounded once, as bitsandbytes' own 4-bit kernels do),
+accumulated in fp32 by the tensor cores.
 
 Repacked layout, (N/16, K/64, 32, 4) int32: tile T (weight rows 16T..16T+15), 64-wide block b, lane l = 4g + t,
 k step s. An mma sums over its 16 k in any order, so the k of each step need not be consecutive: as long as the
@@ -33,7 +34,8 @@ Program (16-row tile, K split): WARPS warps, warp w taking every WARPS-th 64-blo
 sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm's _sum_splits.
 
 Status: built and checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX
-emulator of tests/test_nf4_gemv.py, the kernel compiled for sm_90); not yet run on a GPU, and not used by the engine.
+emulator of tests/test_nf4_frag.py, the kernel compiled for sm_90); not yet run on a GPU. The engine uses it only
+with NF4_FRAG=on (off by default until timed).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -362,7 +364,7 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
              nested: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              bias: torch.Tensor | None = None, config: FragConfig | None = None, pdl: bool = False,
              table: torch.Tensor | None = None, pairs: torch.Tensor | None = None) -> torch.Tensor:
-    """x (M, K) bf16, 1 <= M <= 8 -> (M, N) bf16 = x @ W.T with W's codes in `frag` (repack) and its absmax as
+    """x (M, K) bf16, 1 <= M <= 32 -> (M, N) bf16 = x @ W.T with W's codes in `frag` (repack) and its absmax as
     nf4_mm takes them (fp32 `absmax`, or `nested` = (q8, absmax2, offset per 256-block, code2)); `levels` the 16
     NF4 levels as host floats (the PTX's register table); `table`: frag_table(levels) on x's device, for a config
     with table_regs; `pairs`: scale_pairs(absmax) for a config with scale_pairs (absmax / nested then unused)."""
@@ -428,3 +430,24 @@ def compile_without_device(m: int, n: int, k: int, blocksize: int, cfg: FragConf
     signature.update({name: "constexpr" for name in meta})
     return triton.compile(ASTSource(fn=_nf4_frag_kernel, signature=signature, constexprs=meta, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32), options={"num_warps": cfg.warps})
+
+
+if triton is not None:
+
+    @torch.library.custom_op(
+        "llm_core::nf4_frag", mutates_args=(),
+        schema="(Tensor x, Tensor frag, Tensor table, Tensor pairs, Tensor? bias, int blocksize, float[] levels, "
+               "bool pdl=False) -> Tensor")
+    def _nf4_frag_op(x: torch.Tensor, frag: torch.Tensor, table: torch.Tensor, pairs: torch.Tensor,
+                     bias: torch.Tensor | None, blocksize: int, levels: Sequence[float], pdl: bool = False
+                     ) -> torch.Tensor:
+        """The kernel as one opaque op for torch.compile and CUDA graphs, as the engine holds a linear with
+        NF4_FRAG=on (pack.frag_of): its default_config with the table in registers and the scale pairs."""
+        n, k = frag.shape[0] * 16, x.shape[-1]
+        cfg = replace(default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132), table_regs=True,
+                      scale_pairs=True)
+        return nf4_frag(x, frag, blocksize, levels, bias=bias, config=cfg, pdl=pdl, table=table, pairs=pairs)
+
+    @_nf4_frag_op.register_fake
+    def _(x: torch.Tensor, frag: torch.Tensor, *args: Any) -> torch.Tensor:
+        return x.new_empty(x.shape[0], frag.shape[0] * 16)
