@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import struct
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 import torch
 
 from llm_core.fast.kernels import nf4_frag
-from tests.test_nf4_gemv import NF4, _b2f, _f2b, _fma_bf16x2, _lop3, _prmt, _round_bf16
+from tests.test_nf4_gemv import NF4, _b2f, _f2b, ptx_op, ptx_value
 
 MASK = 0xFFFFFFFF
 
@@ -59,14 +58,6 @@ def _bf16_of(bits16: int) -> float:
     return _b2f((bits16 & 0xFFFF) << 16)
 
 
-def _bits_bf16(v: float) -> int:
-    return _f2b(_round_bf16(v)) >> 16
-
-
-def _fp32(v: float) -> int:
-    return int(struct.unpack("<I", struct.pack("<f", v))[0])
-
-
 def _mma(lanes: list[dict[str, int]], d: list[str], a: list[str], b: list[str], c: list[str]) -> None:
     """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 over the 32 lanes, by the PTX ISA's fragments: lane
     4g + t holds A[g][2t, 2t+1], A[g+8][...], A[g][2t+8, 2t+9], A[g+8][...] in a0..a3 (low half the even
@@ -85,7 +76,7 @@ def _mma(lanes: list[dict[str, int]], d: list[str], a: list[str], b: list[str], 
     for lane, regs in enumerate(lanes):
         g, t = lane // 4, lane % 4
         for i, (row, col) in enumerate(((g, 2 * t), (g, 2 * t + 1), (g + 8, 2 * t), (g + 8, 2 * t + 1))):
-            regs[d[i]] = _fp32(sum(am[row][k] * bm[k][col] for k in range(16)) + cm[row][col])
+            regs[d[i]] = _f2b(sum(am[row][k] * bm[k][col] for k in range(16)) + cm[row][col])
 
 
 def run_warp(asm: str, lanes: list[dict[str, int]]) -> None:
@@ -100,26 +91,7 @@ def run_warp(asm: str, lanes: list[dict[str, int]]) -> None:
             continue
         dst, *srcs = [o.strip() for o in rest.split(",")]
         for regs in lanes:
-            a = [int(s, 16) if s.startswith("0x") else regs[s] if s in regs else int(s) for s in srcs]
-            if op.startswith("mov."):
-                r = a[0]
-            elif op == "and.b32":
-                r = a[0] & a[1]
-            elif op == "shl.b32":
-                r = a[0] << a[1]
-            elif op == "shr.u32":
-                r = a[0] >> a[1]
-            elif op == "prmt.b32":
-                r = _prmt(*a)
-            elif op == "lop3.b32":
-                r = _lop3(*a)
-            elif op == "fma.rn.bf16x2":
-                r = _fma_bf16x2(*a)
-            elif op == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high half, cvt(b) low half}
-                r = _bits_bf16(_b2f(a[0])) << 16 | _bits_bf16(_b2f(a[1]))
-            else:
-                raise AssertionError(f"unexpected instruction {op}")
-            regs[dst] = r & MASK
+            regs[dst] = ptx_op(op, [ptx_value(s, regs) for s in srcs]) & MASK
 
 
 @pytest.mark.parametrize("seed,table_in,pairs", [(0, False, False), (1, False, False), (2, True, False),
@@ -148,11 +120,11 @@ def test_a_blocks_ptx_on_a_warp_adds_x_times_the_scaled_levels_to_the_accumulato
         if pairs:
             regs["$8"] = regs["$9"] = int(nf4_frag.scale_pairs(scale, 16, 64, 64)[0, 0, gg]) & MASK
         else:
-            regs["$8"], regs["$9"] = _fp32(float(scale[gg])), _fp32(float(scale[gg + 8]))
+            regs["$8"], regs["$9"] = _f2b(float(scale[gg])), _f2b(float(scale[gg + 8]))
         for u in range(8):  # $10 + 2s + h holds pair 8t + u of row g, u = 2s + h
             regs[f"${10 + u}"] = x32[gg][8 * t + u] & MASK
         for i, (row, col) in enumerate(((2 * t, gg), (2 * t + 1, gg), (2 * t, gg + 8), (2 * t + 1, gg + 8))):
-            regs[f"${18 + i}"] = _fp32(float(c0[row, col]))
+            regs[f"${18 + i}"] = _f2b(float(c0[row, col]))
         if table_in:
             regs.update({f"${22 + i}": v & MASK for i, v in enumerate(nf4_frag.frag_table(NF4, "cpu")[:8].tolist())})
         lanes.append(regs)

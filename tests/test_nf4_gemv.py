@@ -74,17 +74,43 @@ def _fma_bf16x2(a: int, b: int, c: int) -> int:
     return out
 
 
+def ptx_value(tok: str, regs: dict[str, int]) -> int:
+    """An operand's 32-bit pattern: a register of `regs`, a 0x / 0f (fp32 bits) constant or a decimal."""
+    tok = tok.strip()
+    if tok.startswith("0f"):
+        return int(tok[2:], 16)
+    if tok.startswith("0x"):
+        return int(tok, 16)
+    return regs[tok] if tok in regs else int(tok)
+
+
+def ptx_op(op: str, a: list[int]) -> int:
+    """One PTX instruction of the kernels' inline asm on 32-bit patterns (the result, not yet masked)."""
+    if op.startswith("mov."):
+        return a[0]
+    if op == "and.b32":
+        return a[0] & a[1]
+    if op == "shl.b32":
+        return a[0] << a[1]
+    if op == "shr.u32":
+        return a[0] >> a[1]
+    if op == "prmt.b32":
+        return _prmt(*a)
+    if op == "lop3.b32":
+        return _lop3(*a)
+    if op == "fma.rn.f32":
+        return _f2b(_b2f(a[0]) * _b2f(a[1]) + _b2f(a[2]))
+    if op == "fma.rn.bf16x2":
+        return _fma_bf16x2(*a)
+    if op == "add.f32":
+        return _f2b(_b2f(a[0]) + _b2f(a[1]))
+    if op == "cvt.rn.bf16x2.f32":  # d = {cvt(a) high half, cvt(b) low half}
+        return (_f2b(_round_bf16(_b2f(a[0]))) >> 16) << 16 | _f2b(_round_bf16(_b2f(a[1]))) >> 16
+    raise AssertionError(f"unexpected instruction {op}")
+
+
 def run_ptx(asm: str, regs: dict[str, int]) -> float:
     """Execute the straight-line PTX of dot8_asm; regs holds $1.. as 32-bit patterns; returns $0 as fp32."""
-
-    def value(tok: str) -> int:
-        tok = tok.strip()
-        if tok.startswith("0f"):
-            return int(tok[2:], 16)
-        if tok.startswith("0x"):
-            return int(tok, 16)
-        return regs[tok] if tok in regs else int(tok)
-
     for line in asm.splitlines():
         for stmt in line.split(";"):
             stmt = stmt.strip()
@@ -92,28 +118,7 @@ def run_ptx(asm: str, regs: dict[str, int]) -> float:
                 continue
             op, rest = stmt.split(None, 1)
             dst, *srcs = [o.strip() for o in rest.split(",")]
-            a = [value(s) for s in srcs]
-            if op.startswith("mov."):
-                r = a[0]
-            elif op == "and.b32":
-                r = a[0] & a[1]
-            elif op == "shl.b32":
-                r = a[0] << a[1]
-            elif op == "shr.u32":
-                r = a[0] >> a[1]
-            elif op == "prmt.b32":
-                r = _prmt(*a)
-            elif op == "lop3.b32":
-                r = _lop3(*a)
-            elif op == "fma.rn.f32":
-                r = _f2b(_b2f(a[0]) * _b2f(a[1]) + _b2f(a[2]))
-            elif op == "fma.rn.bf16x2":
-                r = _fma_bf16x2(*a)
-            elif op == "add.f32":
-                r = _f2b(_b2f(a[0]) + _b2f(a[1]))
-            else:
-                raise AssertionError(f"unexpected instruction {op}")
-            regs[dst] = r & MASK
+            regs[dst] = ptx_op(op, [ptx_value(s, regs) for s in srcs]) & MASK
     return _b2f(regs["$0"])
 
 
