@@ -332,6 +332,7 @@ def test_gpu_kernel_in_a_cuda_graph_with_pdl_matches_eager() -> None:
     frag, scales, _, _ = _gpu_case(4096, 4096, True)
     x = torch.randn(24, 4096, device="cuda", dtype=torch.bfloat16)
     eager = nf4_frag.nf4_frag(x, frag, 64, NF4, **scales)
+    assert torch.equal(nf4_frag.nf4_frag(x, frag, 64, NF4, pdl=True, **scales), eager)  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = nf4_frag.nf4_frag(x, frag, 64, NF4, pdl=True, **scales)
