@@ -366,7 +366,7 @@ def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     from llm_core.fast.kernels.nf4_frag import FragConfig
     from llm_core.fast.kernels.nf4_frag import default_config as frag_default
 
-    base = frag_default(n, k, sms)
+    base = frag_default(n, k, sms, m)
     if m > 8:
         return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS]
     grid = [base, dataclasses.replace(base, prefetch=False)]

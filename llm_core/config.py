@@ -327,7 +327,8 @@ class ModelSettings:
     nf4_frag: str = setting("NF4_FRAG", "off", _parse_choice(NF4_FRAGS),
         "fast path, experimental: also keep each NF4 weight's codes in mma fragment order (+1 copy of the 4-bit "
         "codes and 2 bytes a 64-block: ~3.5 GB on a 7B model) for a rows kernel of 1-32 rows (llm_core.nf4_frag), "
-        "which the start-up pick then times against nf4_mm for the batched decode step; off until timed on a GPU")
+        "which the start-up pick then times against nf4_mm for the batched decode step (H100, 8 chats: 1.10x, one "
+        "run); off by default for the memory")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

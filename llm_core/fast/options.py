@@ -81,7 +81,7 @@ class FastDecodeOptions:
     # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form); planar since timed (docs/fast_decode.md)
     gemv_input: str = "planar"
     # The batched step's NF4 rows over a second copy of the codes in mma fragment order (NF4_FRAG, nf4_frag): off | on
-    # (CUDA with Triton; resolved to off elsewhere). Off until timed on a GPU.
+    # (CUDA with Triton; resolved to off elsewhere). Off by default: it holds a second copy of the codes.
     nf4_frag: str = "off"
 
     @property

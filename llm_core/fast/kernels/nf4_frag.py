@@ -33,9 +33,10 @@ c1, c2, c3 are y rows 2t, 2t + 1 at weight rows g (c0, c1) and g + 8 (c2, c3).
 Program (16-row tile, K split): WARPS warps, warp w taking every WARPS-th 64-block of the split's range; the warps'
 sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm's _sum_splits.
 
-Status: built and checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX
-emulator of tests/test_nf4_frag.py, the kernel compiled for sm_90); not yet run on a GPU. The engine uses it only
-with NF4_FRAG=on (off by default until timed).
+Status: checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX emulator of
+tests/test_nf4_frag.py, the kernel compiled for sm_90) and timed on an H100 (bench/results/2026-12-07-s7-h100.md):
+81.5 µs a Llama-2-7B layer at 2-8 rows against nf4_mm's 101-105; slower than nf4_mm at 32 rows. The engine uses it
+only with NF4_FRAG=on (off by default: it holds a second copy of the codes).
 """
 
 from __future__ import annotations
@@ -80,15 +81,18 @@ class FragConfig:
     scale_pairs: bool = False  # the block scales read as bf16 pairs made once (scale_pairs) instead of decoded
 
 
-def default_config(n: int, k: int, sms: int = 132) -> FragConfig:
-    """Enough warps in flight to cover the load latency: 4 warps per program, and K split while the grid holds
-    under 4 programs per SM and each warp keeps at least 4 blocks to walk. Not yet fit to a sweep (no GPU run)."""
+def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
+    """A launch from the H100 sweep of 2026-12-07 (bench/results/2026-12-07-s7-h100-frag-sweep.json, Llama-2-7B
+    shapes, M = 1-32): K split while the grid holds under 4 programs per SM and each warp keeps at least 4 blocks to
+    walk (o and down: 4 splits; qkv and gate_up: none), and 8 warps a program for the wide weights (N >= 8192) up to
+    8 rows, else 4. The forms (table_regs, scale_pairs) are the caller's: they need their buffers (the engine's op
+    turns both on; with them this rule is each linear's best swept config or within 3% of it up to 16 rows)."""
     tiles = n // 16
     blocks = k // QBLOCK
     split = 1
     while split < 16 and tiles * split < 4 * sms and blocks // (split * 2 * 4) >= 4:
         split *= 2
-    return FragConfig(warps=4, split=split, prefetch=True)
+    return FragConfig(warps=8 if m <= 8 and n >= 8192 else 4, split=split, prefetch=True)
 
 
 def repack(packed: torch.Tensor) -> torch.Tensor:
@@ -379,7 +383,7 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
         raise ValueError(f"frag must be repack()'s (N/16, K/64, 32, 4) int32 for K {k}, not {tuple(frag.shape)}")
     if x.dtype != torch.bfloat16 or not 1 <= m <= FRAG_MAX_ROWS:
         raise ValueError(f"nf4_frag reads 1-{FRAG_MAX_ROWS} bf16 rows, not {m} of {x.dtype}")
-    cfg = config or default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132)
+    cfg = config or default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132, m)
     if cfg.table_regs and (table is None or table.dtype != torch.int32 or table.numel() < 16
                            or table.device != x.device):
         raise ValueError("a table_regs config needs table=frag_table(levels, device) on x's device")
@@ -444,8 +448,8 @@ if triton is not None:
         """The kernel as one opaque op for torch.compile and CUDA graphs, as the engine holds a linear with
         NF4_FRAG=on (pack.frag_of): its default_config with the table in registers and the scale pairs."""
         n, k = frag.shape[0] * 16, x.shape[-1]
-        cfg = replace(default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132), table_regs=True,
-                      scale_pairs=True)
+        cfg = replace(default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132, x.shape[0]),
+                      table_regs=True, scale_pairs=True)
         return nf4_frag(x, frag, blocksize, levels, bias=bias, config=cfg, pdl=pdl, table=table, pairs=pairs)
 
     @_nf4_frag_op.register_fake
