@@ -125,8 +125,9 @@ class WeightSet:
 
             self._frag = nf4_frag.repack(self.packed)
             self.frag_table = nf4_frag.frag_table(self.levels, "cuda")
-            blk = torch.arange(self.q8.numel(), device="cuda")
-            absmax = self.code2[self.q8.long()] * self.absmax2[blk // 256] + self.offsets[blk // 256]
+            from llm_core.fast.pack import nested_absmax_fp32
+
+            absmax = nested_absmax_fp32(*self.nested())
             self.scale_pairs = nf4_frag.scale_pairs(absmax, self.packed.shape[0], 2 * self.packed.shape[1], 64)
         return self._frag
 

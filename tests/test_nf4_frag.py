@@ -292,9 +292,9 @@ def absmax_of(scales: dict[str, Any]) -> torch.Tensor:
     """The fp32 absmax per block from nf4_frag's scale arguments (decoded where double-quantized)."""
     if "absmax" in scales:
         return scales["absmax"]
-    q8, absmax2, offsets, code2 = scales["nested"]
-    blk = torch.arange(q8.numel(), device=q8.device)
-    return code2[q8.long()] * absmax2[blk // 256] + offsets[blk // 256]
+    from llm_core.fast.pack import nested_absmax_fp32
+
+    return nested_absmax_fp32(*scales["nested"])
 
 
 @pytest.mark.gpu

@@ -133,7 +133,7 @@ def _add_fragment_order(packed: PackedLinear) -> None:
     from .kernels import nf4_frag
 
     s, ts = packed.spec, packed.tensors
-    if s.n % 16 or s.k % nf4_frag.QBLOCK or s.blocksize % nf4_frag.QBLOCK:
+    if not nf4_frag.tiles_shape(s.n, s.k, s.blocksize):
         return
     extra = [nf4_frag.repack(ts[0]), nf4_frag.frag_table(s.levels, ts[0].device),
              nf4_frag.scale_pairs(absmax_2d(s, ts), s.n, s.k, s.blocksize)]

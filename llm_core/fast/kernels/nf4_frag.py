@@ -31,7 +31,7 @@ and of the activations b0 = x row g at k 16t + 4s + 0, + 1 and b1 = at + 2, + 3.
 c1, c2, c3 are y rows 2t, 2t + 1 at weight rows g (c0, c1) and g + 8 (c2, c3).
 
 Program (16-row tile, K split): WARPS warps, warp w taking every WARPS-th 64-block of the split's range; the warps'
-sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm's _sum_splits.
+sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm.sum_splits.
 
 Status: checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX emulator of
 tests/test_nf4_frag.py, the kernel compiled for sm_90) and timed on an H100 (bench/results/2026-12-07-s7-h100.md):
@@ -357,8 +357,13 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
                 PAIRS=cfg.scale_pairs, NT=row_tiles(m))
 
 
+def tiles_shape(n: int, k: int, blocksize: int) -> bool:
+    """Whether the kernel tiles an (N, K) weight of this blocksize: N a multiple of 16, K and the blocksize of 64."""
+    return not (n % 16 or k % QBLOCK or blocksize % QBLOCK)
+
+
 def check_shapes(n: int, k: int, blocksize: int) -> None:
-    if n % 16 or k % QBLOCK or blocksize % QBLOCK:
+    if not tiles_shape(n, k, blocksize):
         raise ValueError(f"the fragment-order NF4 kernel needs N a multiple of 16 and K and the blocksize of "
                          f"{QBLOCK}, not N {n}, K {k}, blocksize {blocksize}")
 
@@ -372,7 +377,7 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     nf4_mm takes them (fp32 `absmax`, or `nested` = (q8, absmax2, offset per 256-block, code2)); `levels` the 16
     NF4 levels as host floats (the PTX's register table); `table`: frag_table(levels) on x's device, for a config
     with table_regs; `pairs`: scale_pairs(absmax) for a config with scale_pairs (absmax / nested then unused)."""
-    from .nf4_mm import _sum_splits
+    from .nf4_mm import sum_splits
 
     if triton is None:
         raise RuntimeError("nf4_frag needs Triton")
@@ -403,10 +408,7 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
         num_warps=cfg.warps, **meta,
         **pdl_meta(pdl))
     if split > 1:
-        block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m * n, n, SPLIT=split,
-                                                  HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                  **pdl_meta(pdl))
+        sum_splits(part, bias, y, pdl)
     return y
 
 

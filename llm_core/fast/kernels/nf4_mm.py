@@ -435,11 +435,17 @@ def nf4_mm(x: torch.Tensor, words: torch.Tensor, blocksize: int, code: torch.Ten
     if compiled is not None:
         compiled.append(kernel)
     if split > 1 and not meta["FUSE"]:
-        block = 1024
-        _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m * n, n, SPLIT=split,
-                                                  HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
-                                                  **pdl_meta(pdl))
+        sum_splits(part, bias, y, pdl)
     return y
+
+
+def sum_splits(part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor, pdl: bool = False) -> None:
+    """y (M, N) bf16 = the (SPLIT, M, N) fp32 partial sums added in split order, + bias (_sum_splits' launch;
+    nf4_mm's and nf4_frag's K splits)."""
+    split, m, n = part.shape
+    block = 1024
+    _sum_splits[(triton.cdiv(m * n, block),)](part, bias if bias is not None else y, y, m * n, n, SPLIT=split,
+                                              HAS_BIAS=bias is not None, BLOCK=block, num_warps=4, **pdl_meta(pdl))
 
 
 def mm_counters(n: int, device: torch.device | str) -> torch.Tensor:
