@@ -366,7 +366,7 @@ class Bench:
             engine.fast_scheduler.close()
         self.rec.set_summary(total_s=round(time.perf_counter() - t_all, 1))
 
-    def profile_arrivals(self, engine: ChatEngine, texts: list[str], top: int = 15) -> dict[str, Any]:
+    def profile_arrivals(self, engine: ChatEngine, texts: list[str], top: int = 25) -> dict[str, Any]:
         """len(texts) chats arriving together (as `ours` runs them) under torch.profiler: the device's kernels by
         total time over the whole run (the profiler sees every thread's kernels), their sum against the wall time
         from the first request to the last first token, and the run's own record: whether the newcomers' prefill is

@@ -13,12 +13,14 @@
 #   kv-<mode>-<N>.json  PARTS=kv: bench.batched --chats $KV_CHATS (default 32) with KV_CACHE=<mode> for each of $KV;
 #                       with KV_TABLES="default sweep" also kv-<mode>-sweep-<N>.json, the attn part's suggestions
 #                       for the rows buckets $KV_BUCKETS (default 64) put in ATTENTION_LAUNCHES
-#   frag-*.txt/json     PARTS=frag: the GPU tests of llm_core.fast.kernels.nf4_frag (-gpu-tests.txt), then bench.small_m
+#   frag-*.txt/json     PARTS=frag: the GPU tests of llm_core.fast.kernels.nf4_frag (-gpu-tests.txt; pytest -k
+#                       $FRAG_TESTS_K, default all), then (unless FRAG_S=0) bench.small_m
 #                       --frag for $FRAG_ARCHS (default llama-2-7b) at M = $FRAG_MS (default 1,2,4,8,16,32;
 #                       -sweep.json, budget $FRAG_S s, default 300)
 #   fragab-<i>-<mode>-<N>.json  PARTS=fragab: the batched engine's GPU test (NF4_FRAG off and on: rows equal the batch of
 #                       one; -gpu-tests.txt), then bench.batched --chats $FRAG_CHATS (default 8,32) with NF4_FRAG off
-#                       and on in the order $FRAG_AB (default "off on on off"), all logs in fragab-<N>.log
+#                       and on in the order $FRAG_AB (default "off on on off"), all logs in fragab-<N>.log; with
+#                       FRAG_PROFILE=n each run ends with n chats under torch.profiler (--profile-chats: kernels by time)
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
 source bench/h200_env.sh || exit 1
@@ -33,22 +35,22 @@ if [[ $PARTS == *" attn "* ]]; then
   echo "attn rc=$?"; tail -48 "$OUT/attn-$N.log" | cut -c1-300
 fi
 if [[ $PARTS == *" frag "* ]]; then
-  timeout -s INT -k 15 "${FRAG_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_nf4_frag.py -x \
-    > "$OUT/frag-gpu-tests-$N.txt" 2>&1
+  [[ ${FRAG_TESTS_S:-150} == 0 ]] || timeout -s INT -k 15 "${FRAG_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_nf4_frag.py -x \
+    -k "${FRAG_TESTS_K:-gpu}" > "$OUT/frag-gpu-tests-$N.txt" 2>&1
   echo "frag tests rc=$?"; tail -15 "$OUT/frag-gpu-tests-$N.txt" | cut -c1-300
-  timeout -s INT -k 15 $(( ${FRAG_S:-300} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
+  [[ ${FRAG_S:-300} == 0 ]] || timeout -s INT -k 15 $(( ${FRAG_S:-300} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
     --ms "${FRAG_MS:-1,2,4,8,16,32}" --budget-s "${FRAG_S:-300}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
   echo "frag sweep rc=$?"; tail -60 "$OUT/frag-sweep-$N.log" | cut -c1-300
 fi
 if [[ $PARTS == *" fragab "* ]]; then
-  timeout -s INT -k 15 "${FRAGAB_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_batched_fast.py \
+  [[ ${FRAGAB_TESTS_S:-150} == 0 ]] || timeout -s INT -k 15 "${FRAGAB_TESTS_S:-150}" python3 -m pytest -q -m gpu tests/test_batched_fast.py \
     -k "batched_rows_equal" > "$OUT/fragab-gpu-tests-$N.txt" 2>&1
   echo "fragab tests rc=$?"; tail -6 "$OUT/fragab-gpu-tests-$N.txt" | cut -c1-300
   i=0
   for mode in ${FRAG_AB:-off on on off}; do
     i=$((i + 1))
     timeout -s INT -k 15 "${FRAGAB_S:-150}" python3 -m bench.batched --no-reference --chats "${FRAG_CHATS:-8,32}" \
-      --new-tokens 128 --ckpt $CKPT --set NF4_FRAG=$mode --out "$OUT/fragab-$i-$mode-$N.json" >> "$OUT/fragab-$N.log" 2>&1
+      --new-tokens 128 --ckpt $CKPT --set NF4_FRAG=$mode ${FRAG_PROFILE:+--profile-chats $FRAG_PROFILE} --out "$OUT/fragab-$i-$mode-$N.json" >> "$OUT/fragab-$N.log" 2>&1
     echo "fragab $i $mode rc=$?"
     python3 - "$OUT/fragab-$i-$mode-$N.json" <<'P'
 import json, sys
