@@ -39,7 +39,7 @@ KV_CACHE_ALIASES = {"dynamic": "bf16", "quantized": "int8"}
 KV_LAYOUTS = ("slots", "paged")  # the batched fast path's KV storage (llm_core.fast.batched)
 LAUNCH_OVERLAPS = ("auto", "early", "off")  # programmatic dependent launch of the fast path's decode kernels
 GEMV_INPUTS = ("plain", "planar")  # how the fast path's one-token NF4 kernel reads its activations
-NF4_FRAGS = ("off", "on")  # a second copy of the NF4 codes in mma fragment order for the batched step (nf4_frag)
+NF4_FRAGS = ("auto", "off", "on")  # a second copy of the NF4 codes in mma fragment order for the batched step
 PREFIX_ATTENTIONS = ("gather", "paged", "split")  # how a later prefill chunk of the paged pool reads its prefix
 ENGINES = ("local", "openai")  # openai: chat through a running OpenAI-compatible server (llm_core.engine.remote)
 
@@ -325,10 +325,11 @@ class ModelSettings:
         "without a layout conversion (7-12% less time per layer on an H100); plain = as the layer wrote them")
     # fast path on CUDA: the batched step's NF4 rows kernel over a copy of the codes in fragment order (nf4_frag)
     nf4_frag: str = setting("NF4_FRAG", "off", _parse_choice(NF4_FRAGS),
-        "fast path, experimental: also keep each NF4 weight's codes in mma fragment order (+1 copy of the 4-bit "
-        "codes and 2 bytes a 64-block: ~3.5 GB on a 7B model) for a rows kernel of 1-32 rows (llm_core.nf4_frag), "
-        "which the start-up pick then times against nf4_mm for the batched decode step (H100, 8 chats: 1.10x, one "
-        "run); off by default for the memory")
+        "fast path: also keep each NF4 weight's codes in mma fragment order (+1 copy of the 4-bit codes and 2 bytes "
+        "a 64-block: ~3.2 GiB on a 7B model) for a rows kernel of 1-32 rows (llm_core.nf4_frag), which the start-up "
+        "pick then times against nf4_mm for the batched decode step (H100, 8 chats: 1.10x, one run); auto = on where "
+        "replies are decoded in batches and the budget still holds every KV slot's whole context beside the copy, "
+        "off elsewhere (the model panel says which and why); off by default for the memory")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

@@ -271,6 +271,9 @@ class PathBuilder:
         self.facts = facts
         self.loaded, self.settings, self.budget = loaded, settings, budget
         self._cache_plan: Any = None
+        self.batch_slots = 1  # the slots the fast path will batch (configure_decode), for NF4_FRAG=auto
+        self.frag_bytes = 0  # NF4_FRAG's copy of the codes where it is on (the slots' plan counts it)
+        self.frag_reason = ""
 
     def freeze(self) -> DecodePath:
         values = {field.name: getattr(self, field.name) for field in fields(DecodePath)}
@@ -346,7 +349,7 @@ class PathBuilder:
                                          prefix_attention=self.settings.memory.prefix_attention,
                                          launch_overlap=self.settings.model.launch_overlap,
                                          gemv_input=self.settings.model.gemv_input,
-                                         nf4_frag=self.settings.model.nf4_frag)
+                                         nf4_frag=self.resolve_nf4_frag())
         plain_facts = self.facts
         try:
             cache_tokens = self.fast_cache_tokens()
@@ -372,12 +375,32 @@ class PathBuilder:
         elif quantization == "int8":
             reason += ("; int8 weights read by a Triton matrix-vector kernel with their row scales, activations "
                        "kept in float16 (weight-only: no LLM.int8 activation quantization or outlier split)")
+        if self.frag_reason:
+            reason += f"; {self.frag_reason}"
         self.backend = FastBackend(decoder, reason)
         # Warm-up allocates the whole static cache (max_cache_len): predictions count that block, not a growing one;
         # the prefill dequantizes fused gate/up weights.
         self.facts = replace(self.facts, static_kv_tokens=int(decoder.max_cache_len),
                              static_kv_cache=self.fast_kv_cache,
                              resident_extra_bytes=self._cache_plan.resident_extra_bytes)
+
+    def resolve_nf4_frag(self) -> str:
+        """NF4_FRAG for the fast decoder about to be built (llm_core.memory.plan.resolve_nf4_frag): auto is on for NF4
+        weights on CUDA decoded in batches where the budget holds every KV slot's context beside the copy. Sets
+        frag_bytes (the copy, counted by the slots' plan) and frag_reason (the model panel's words)."""
+        from ..fast.batched import MAX_SLOTS
+        from ..fast.pack import frag_copy_bytes
+        from ..memory.plan import resolve_nf4_frag
+
+        setting, loaded = self.settings.model.nf4_frag, self.loaded
+        nf4 = loaded.settings.quantization == "nf4" and loaded.device.type == "cuda"
+        copy = frag_copy_bytes(loaded.model) if nf4 and setting != "off" else 0
+        mode, self.frag_reason = resolve_nf4_frag(
+            setting, replace(self.facts, fast_prefill=True), self.budget.budget_bytes, copy_bytes=copy,
+            slots=min(self.batch_slots, MAX_SLOTS), max_new_tokens=self.settings.generation.max_new_tokens,
+            prefill_chunk_tokens=self.prefill_chunk_tokens, kv_cache=self.fast_kv_cache)
+        self.frag_bytes = copy if mode == "on" else 0
+        return mode
 
     def resolve_prefill_graph_tokens(self) -> int:
         from ..memory.plan import resolve_prefill_graph_tokens
@@ -424,6 +447,7 @@ class PathBuilder:
                                       server.is_shared, self.settings.memory.kv_layout == "paged")
         selected = False
         if size > 1 and self.settings.model.decode_path != "plain" and loaded.extra.get("cpu_weights") is None:
+            self.batch_slots = size  # NF4_FRAG=auto weighs the batched path's slots (resolve_nf4_frag)
             self.select_backend()  # the fast path, when it serves this model here, batches every reply itself
             selected = True
             if isinstance(self.backend, FastBackend):
@@ -462,7 +486,7 @@ class PathBuilder:
         one slot with the other slots' blocks held as resident; fewer slots when s would be under
         MIN_FAST_CACHE_TOKENS."""
         from ..fast.batched import MAX_SLOTS, SlotDecoder
-        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, static_cache_plan
+        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, slots_fit
         from .fast_runner import FastRunner
         from .serving import FastBatchedBackend
 
@@ -474,13 +498,9 @@ class PathBuilder:
         chunk = self.prefill_chunk_tokens
 
         def fits(slots: int, tokens: int) -> bool:
-            others = (slots - 1) * tokens * per_token  # the other slots' blocks, resident beside this reply's
-            plan = static_cache_plan(
-                self.facts, self.budget.budget_bytes,
-                max_new_tokens=min(self.settings.generation.max_new_tokens, tokens - 1),
-                prefill_chunk_tokens=chunk, kv_cache=self.fast_kv_cache,
-                resident_extra_bytes=fast_resident_estimate(self.facts, 0, tokens) + others)
-            return plan.tokens >= tokens
+            return slots_fit(self.facts, self.budget.budget_bytes, slots=slots, tokens=tokens, per_token=per_token,
+                             max_new_tokens=self.settings.generation.max_new_tokens, prefill_chunk_tokens=chunk,
+                             kv_cache=self.fast_kv_cache, extra_bytes=self.frag_bytes)
 
         def longest(slots: int) -> int:
             lo, hi = 0, context // 16  # in units of 16 tokens
@@ -513,7 +533,7 @@ class PathBuilder:
                                                                                    slot_tokens))
         self.fast_scheduler = scheduler
         self.facts = replace(self.facts, static_kv_tokens=slots * slot_tokens, static_kv_cache=self.fast_kv_cache,
-                             resident_extra_bytes=fast_resident_estimate(self.facts, 0, slot_tokens))
+                             resident_extra_bytes=fast_resident_estimate(self.facts, 0, slot_tokens) + self.frag_bytes)
         self.replies = slots
 
     # --- warm-up, sizing by measurement, fall-backs (warm_decode_path) -----------------------------------------------

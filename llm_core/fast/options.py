@@ -81,7 +81,8 @@ class FastDecodeOptions:
     # where that op is inductor's; llm_core.nf4_gemv's XPLANAR form); planar since timed (docs/fast_decode.md)
     gemv_input: str = "planar"
     # The batched step's NF4 rows over a second copy of the codes in mma fragment order (NF4_FRAG, nf4_frag): off | on
-    # (CUDA with Triton; resolved to off elsewhere). Off by default: it holds a second copy of the codes.
+    # (CUDA with Triton; resolved to off elsewhere) | auto (the engine's start-up resolves it to on or off: here it is
+    # off). Off by default here: it holds a second copy of the codes.
     nf4_frag: str = "off"
 
     @property
@@ -114,7 +115,7 @@ class FastDecodeOptions:
         if self.gemv_input not in GEMV_INPUTS:
             raise GenerationError(f"Unknown GEMV input {self.gemv_input!r}; choose plain or planar.")
         if self.nf4_frag not in NF4_FRAGS:
-            raise GenerationError(f"Unknown NF4_FRAG {self.nf4_frag!r}; choose off or on.")
+            raise GenerationError(f"Unknown NF4_FRAG {self.nf4_frag!r}; choose auto, off or on.")
         if self.absmax not in ABSMAX_MODES:
             raise GenerationError(f"Unknown absmax mode {self.absmax!r}; choose one of {', '.join(ABSMAX_MODES)}.")
         triton_ok = triton is not None and (device.type == "cuda" or _triton_interpreter())
@@ -135,7 +136,8 @@ class FastDecodeOptions:
         overlap = "off"
         if self.launch_overlap != "off" and (pdl if pdl is not None else pdl_support(device))[0]:
             overlap = "early" if self.launch_overlap == "early" else "on"
-        frag = self.nf4_frag if device.type == "cuda" and triton is not None else "off"  # PTX inside: CUDA only
+        # PTX inside: CUDA only; auto is the engine's start-up's to resolve (llm_core.memory.plan.resolve_nf4_frag)
+        frag = "on" if self.nf4_frag == "on" and device.type == "cuda" and triton is not None else "off"
         return replace(self, gemv=gemv, attention=attention, dense_gemv=dense, launch_overlap=overlap, nf4_frag=frag)
 
 

@@ -126,6 +126,23 @@ def pack_linears(modules: Sequence[Any], opts: FastDecodeOptions, gemv: str, pla
     return packed
 
 
+def frag_copy_bytes(model: Any) -> int:
+    """The device bytes NF4_FRAG adds to `model` before it is packed (what _add_fragment_order makes): for each NF4
+    linear the kernel tiles, its 4-bit codes once more (N K / 2), a bf16 scale pair per 16-row tile and block (2
+    bytes a block) and the level table (64 bytes). Fused projections are counted part by part."""
+    from .kernels.nf4_frag import tiles_shape
+
+    total = 0
+    for module in model.modules():
+        if not is_nf4_linear(module):
+            continue
+        qs = module.weight.quant_state
+        n, k, bs = int(qs.shape[0]), int(qs.shape[1]), int(qs.blocksize)
+        if tiles_shape(n, k, bs):
+            total += n * k // 2 + 2 * (n * k // bs) + 64
+    return total
+
+
 def _add_fragment_order(packed: PackedLinear) -> None:
     """NF4_FRAG=on: the linear's codes repacked into mma fragment order, the level table and the bf16 scale pairs
     (llm_core.nf4_frag), inserted before the bias; counted with the weights (PackedLinear.nbytes). Shapes the

@@ -251,3 +251,41 @@ def size_cache_by_measurement(measure: Callable[[int], int | None], tokens: int,
     raise ContextBudgetError(
         f"The fast decode path does not fit a useful KV cache ({MIN_FAST_CACHE_TOKENS} tokens) beside the model in "
         f"the memory budget ({human_bytes(budget_bytes)}), measured at start-up. {FAST_CACHE_ADVICE}")
+
+
+def slots_fit(facts: ModelMemoryFacts, budget_bytes: int, *, slots: int, tokens: int, per_token: int,
+              max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str, extra_bytes: int = 0) -> bool:
+    """Whether the batched fast path's `slots` KV slots of `tokens` each fit the budget: a reply filling one slot,
+    with the other slots' blocks (`per_token` bytes a token), the fast path's resident estimate and `extra_bytes`
+    (NF4_FRAG's copy of the codes, where it is on) held beside it."""
+    others = (slots - 1) * tokens * per_token
+    plan = static_cache_plan(facts, budget_bytes, max_new_tokens=min(max_new_tokens, tokens - 1),
+                             prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
+                             resident_extra_bytes=fast_resident_estimate(facts, 0, tokens) + others + extra_bytes)
+    return plan.tokens >= tokens
+
+
+def resolve_nf4_frag(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *, copy_bytes: int, slots: int,
+                     max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str) -> tuple[str, str]:
+    """(NF4_FRAG as the fast path takes it, on or off; why, for the model panel). auto = on where it pays and costs
+    no chat any context: NF4 weights the fragment-order kernel tiles (`copy_bytes` > 0: their second copy), decoded
+    in batches (`slots` > 1: the one-token GEMV serves a lone reply, and is faster there), and a budget that still
+    holds every slot's whole context with the copy resident (where memory bounds the slots the copy would take
+    context from every chat for a faster step)."""
+    if setting != "auto":
+        return setting, ""
+    if copy_bytes <= 0:
+        return "off", ""
+    copy = human_bytes(copy_bytes)
+    if slots <= 1:
+        return "off", f"NF4_FRAG auto: off (one reply at a time: the one-token kernel serves it; the copy is {copy})"
+    r = CACHE_ROUND_TOKENS
+    context = max(r, int(facts.context_length) // r * r)
+    per_token = static_kv_bytes(facts, 1, kv_cache)
+    if slots_fit(facts, budget_bytes, slots=slots, tokens=context, per_token=per_token,
+                 max_new_tokens=max_new_tokens, prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
+                 extra_bytes=copy_bytes):
+        return "on", (f"NF4_FRAG auto: on (the codes' fragment-order copy, {copy}, leaves each of the {slots} KV slots "
+                      f"the whole context)")
+    return "off", (f"NF4_FRAG auto: off (memory bounds the {slots} KV slots: the fragment-order copy, {copy}, would "
+                   f"take context from them)")
