@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import re
 import sys
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                          "scale_pairs) at --frag-ms rows, one K split, 4 warps; loop instructions a 64-block "
                          "(32 weights a thread) and the registers cuobjdump reports")
     ap.add_argument("--frag-ms", default="8,16,32")
+    ap.add_argument("--frag-depths", default="1", help="FragConfig.depth values (blocks a warp takes an iteration)")
     args = ap.parse_args(argv)
     if args.frag:
         return frag_counts(args)
@@ -143,19 +145,21 @@ def frag_counts(args: argparse.Namespace) -> int:
 
     forms = {"plain": (False, False), "table": (True, False), "table+pairs": (True, True)}
     records = []
-    for m in (int(v) for v in args.frag_ms.split(",")):
+    for m, depth in itertools.product((int(v) for v in args.frag_ms.split(",")),
+                                      (int(v) for v in args.frag_depths.split(","))):
         for name, (table, pairs) in forms.items():
-            cfg = FragConfig(4, 1, True, table, pairs)
+            cfg = FragConfig(4, 1, True, table, pairs, depth)
             kern = compile_without_device(m, args.n, args.k, 64, cfg, NF4, not args.fp32_absmax)
             ops = loop_ops(kern.asm["sass"])
             shown = ops if args.full else by_base(ops)
             total = sum(ops.values())
-            rec = {"m": m, "form": name, "loop_instructions": total, "per_weight": round(total / 32, 2),
+            rec = {"m": m, "form": name, "depth": depth, "loop_instructions": total,
+                   "per_weight": round(total / (32 * depth), 2),
                    "registers": cubin_registers(kern.asm["cubin"]), "ops": dict(shown.most_common())}
             records.append(rec)
             top = " ".join(f"{op} {c}" for op, c in shown.most_common(args.top))
-            print(f"M={m:2d} {name:12s} {total:4d} ({rec['per_weight']} a weight, {rec['registers']} registers)  "
-                  f"{top}", flush=True)
+            print(f"M={m:2d} d{depth} {name:12s} {total:4d} ({rec['per_weight']} a weight, {rec['registers']} "
+                  f"registers)  {top}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "n": args.n, "k": args.k,
                                          "kernel": "nf4_frag", "records": records}, indent=1))

@@ -362,19 +362,22 @@ FRAG_FORMS = ((False, False), (True, False), (True, True))  # FragConfig (table_
 
 def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     """--frag's configs of one shape: its default_config, that without prefetch, and 4 or 8 warps x the default's
-    K split halved, kept and doubled x FRAG_FORMS; above 8 rows (other compiles: more row tiles) only the default
-    in each of FRAG_FORMS."""
+    K split halved, kept and doubled x FRAG_FORMS, and x depth 2 and 4 with both forms; above 8 rows (other
+    compiles: more row tiles) only the default in each of FRAG_FORMS and at depth 2 and 4 with both forms."""
     from llm_core.fast.kernels.nf4_frag import FragConfig
     from llm_core.fast.kernels.nf4_frag import default_config as frag_default
 
     base = frag_default(n, k, sms, m)
+    both = dataclasses.replace(base, table_regs=True, scale_pairs=True)
+    deeper = [dataclasses.replace(both, depth=d) for d in (2, 4)]  # more loads in flight a warp
     if m > 8:
-        return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS]
+        return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS] + deeper
     grid = [base, dataclasses.replace(base, prefetch=False)]
     for warps in (4, 8):
         for split in sorted({max(1, base.split // 2), base.split, base.split * 2}):
             for table, pairs in FRAG_FORMS:
                 grid.append(FragConfig(warps, split, True, table, pairs))
+        grid += [dataclasses.replace(c, warps=warps) for c in deeper]
     return list(dict.fromkeys(grid))
 
 
@@ -399,7 +402,7 @@ def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> N
                                                                    pdl=True)))
     for i, cfg in enumerate(frag_grid(n, k, sms, m)):
         name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
-                f"-sp{int(cfg.scale_pairs)}")
+                f"-sp{int(cfg.scale_pairs)}" + (f"-d{cfg.depth}" if cfg.depth > 1 else ""))
         timed("frag-default" if i == 0 else name, frag(cfg))
 
 

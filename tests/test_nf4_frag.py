@@ -187,13 +187,17 @@ def _loop(sass: str) -> list[str]:
     (8, True, True, nf4_frag.FragConfig(2, 2, True, True), True),
     (8, True, False, nf4_frag.FragConfig(4, 4, True, True, True), False),
     (16, True, False, nf4_frag.FragConfig(4, 4, True, True, True), True),
-    (32, False, True, nf4_frag.FragConfig(4, 1, True, True, False), False)])
+    (32, False, True, nf4_frag.FragConfig(4, 1, True, True, False), False),
+    (8, True, False, nf4_frag.FragConfig(8, 1, True, True, True, 2), True),
+    (16, False, True, nf4_frag.FragConfig(4, 2, False, True, True, 4), False),
+    (32, True, False, nf4_frag.FragConfig(4, 1, True, True, True, 2), True)])
 def test_the_kernel_compiles_for_hopper_with_four_mma_a_row_tile_and_no_shared_memory_in_its_loop(
         m: int, nested: bool, bias: bool, cfg: nf4_frag.FragConfig, pdl: bool) -> None:
+    """Per block of the loop (depth blocks an iteration): 4 HMMA a row tile, each word decoded once."""
     kern = nf4_frag.compile_without_device(m, 4096, 11008, 64, cfg, NF4, nested, bias, pdl=pdl)
     loop = "\n".join(_loop(kern.asm["sass"]))
-    assert loop.count("HMMA.16816.F32.BF16") == 4 * nf4_frag.row_tiles(m)
-    assert loop.count("PRMT") <= 64  # the words are decoded once a step whatever the row tiles (ptxas shares it)
+    assert loop.count("HMMA.16816.F32.BF16") == 4 * nf4_frag.row_tiles(m) * cfg.depth
+    assert loop.count("PRMT") <= 64 * cfg.depth  # words decoded once a block whatever the row tiles (ptxas shares)
     assert not re.search(r"\b(BAR|LDS|STS|STL|LDL)\b", loop)  # registers only: no layout trip through shared memory
     assert "LDG.E.128" in loop  # the words (and the activations) in 16-byte loads
 
@@ -353,7 +357,9 @@ def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     configs = [None, nf4_frag.FragConfig(4, 1, False), nf4_frag.FragConfig(8, 3, True),
                nf4_frag.FragConfig(2, 16, True, True), nf4_frag.FragConfig(1, 5, False),
-               nf4_frag.FragConfig(4, 2, True, True, True), nf4_frag.FragConfig(8, 1, True, False, True)]
+               nf4_frag.FragConfig(4, 2, True, True, True), nf4_frag.FragConfig(8, 1, True, False, True),
+               nf4_frag.FragConfig(4, 2, True, True, True, 2), nf4_frag.FragConfig(2, 3, False, False, False, 4),
+               nf4_frag.FragConfig(8, 1, True, True, True, 4)]
     if not every_config:
         configs = [None, replace(nf4_frag.default_config(n, k), table_regs=True, scale_pairs=True)]
     table = nf4_frag.frag_table(NF4, "cuda")

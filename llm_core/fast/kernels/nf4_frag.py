@@ -79,6 +79,7 @@ class FragConfig:
     prefetch: bool = True
     table_regs: bool = False  # the level table read into registers once (frag_table) instead of immediates
     scale_pairs: bool = False  # the block scales read as bf16 pairs made once (scale_pairs) instead of decoded
+    depth: int = 1  # consecutive 64-blocks a warp takes per iteration (1, 2 or 4): that many loads in flight
 
 
 def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
@@ -249,15 +250,58 @@ if triton is not None:
             tl.store(base + m0 * N + n_lo + 8, s2, mask=m0 < M)
             tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
 
+    @triton.jit
+    def _block(ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, TABLE: tl.constexpr, PAIRS: tl.constexpr,
+               NT: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr, w0, w1, w2, w3, kb, kb_hi, tile, g, t, M,
+               x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, spair_ptr,
+               NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+               t0, t1, t2, t3, t4, t5, t6, t7):
+        """One 64-block kb of the program's tile (its words w0..w3, loaded before; nothing where kb >= kb_hi): the
+        block's scales, then each of the NT n8 row tiles' activations and mma (_tile_mma)."""
+        valid = kb < kb_hi
+        kbc = tl.where(valid, kb, 0)
+        blk = (kbc * 64) // BS
+        row_g = tile * 16 + g
+        if PAIRS:  # both rows' bf16 scales in one word (the group's 4 lanes read the same one)
+            sg = tl.load(spair_ptr + (tile * NBLK + blk) * 8 + g, mask=valid, other=0)
+            sh = sg
+        else:
+            sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                             NESTED)
+            sh = block_scale((row_g + 8) * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr,
+                             code2_ptr, NESTED)
+            sg = tl.where(valid, sg, 0.0)
+            sh = tl.where(valid, sh, 0.0)
+        xo = kbc * 32 + 8 * t  # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 / b1 of step s
+        c00, c01, c02, c03 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow0 + xo,
+                                       valid & (g < M), c00, c01, c02, c03, t0, t1, t2, t3, t4, t5, t6, t7)
+        if NT >= 2:
+            c10, c11, c12, c13 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow1 + xo,
+                                           valid & (g + 8 < M), c10, c11, c12, c13, t0, t1, t2, t3, t4, t5, t6, t7)
+        if NT >= 4:
+            c20, c21, c22, c23 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow2 + xo,
+                                           valid & (g + 16 < M), c20, c21, c22, c23, t0, t1, t2, t3, t4, t5, t6, t7)
+            c30, c31, c32, c33 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow3 + xo,
+                                           valid & (g + 24 < M), c30, c31, c32, c33, t0, t1, t2, t3, t4, t5, t6, t7)
+        return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
+
+    @triton.jit
+    def _words_at(w_ptr, tile, kb, kb_hi, lane, NB64):
+        """The thread's 4 words of block kb (zeros where kb >= kb_hi)."""
+        valid = kb < kb_hi
+        return _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
+
     @triton.jit(do_not_specialize=["M"])
     def _nf4_frag_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr,
                          part_ptr, table_ptr, spair_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
-                         PAIRS: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr = False):
+                         PAIRS: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr = 1, PDL: tl.constexpr = False):
         """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks, for NT (1, 2 or 4) n8
         tiles of activation rows (M <= 8 NT); x_ptr is x (M, K) bf16 seen as int32 pairs. Thread i of the program
-        is lane i % 32 of warp i // 32 (one element per thread)."""
+        is lane i % 32 of warp i // 32 (one element per thread). Each iteration a warp takes DEPTH (1, 2 or 4)
+        consecutive 64-blocks, the warps interleaved by DEPTH blocks; PREFETCH loads the next iteration's words
+        (DEPTH 16-byte loads a thread) before the current ones are decoded."""
         T: tl.constexpr = 32 * WARPS
         tile = tl.program_id(0)
         sid = tl.program_id(1)
@@ -270,7 +314,6 @@ if triton is not None:
         per = tl.cdiv(NB64, SPLIT)
         kb_lo = sid * per
         kb_hi = tl.minimum(kb_lo + per, NB64)
-        row_g = tile * 16 + g
         # activation row 8j + g of tile j: its offset (clamped to row 0 past M) and its mask
         xrow0 = tl.where(g < M, g, 0) * (K // 2)
         xrow1 = tl.where(g + 8 < M, g + 8, 0) * (K // 2)
@@ -281,10 +324,17 @@ if triton is not None:
         c10, c11, c12, c13 = zf, zf, zf, zf
         c20, c21, c22, c23 = zf, zf, zf, zf
         c30, c31, c32, c33 = zf, zf, zf, zf
-        kb = kb_lo + warp
-        valid = kb < kb_hi
-        w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
         z = tl.zeros((T,), tl.int32)
+        kb = kb_lo + warp * DEPTH
+        w0, w1, w2, w3 = _words_at(w_ptr, tile, kb, kb_hi, lane, NB64)
+        v0, v1, v2, v3 = z, z, z, z  # block kb + 1 (DEPTH >= 2)
+        u0, u1, u2, u3 = z, z, z, z  # kb + 2, kb + 3 (DEPTH 4)
+        r0, r1, r2, r3 = z, z, z, z
+        if DEPTH >= 2:
+            v0, v1, v2, v3 = _words_at(w_ptr, tile, kb + 1, kb_hi, lane, NB64)
+        if DEPTH >= 4:
+            u0, u1, u2, u3 = _words_at(w_ptr, tile, kb + 2, kb_hi, lane, NB64)
+            r0, r1, r2, r3 = _words_at(w_ptr, tile, kb + 3, kb_hi, lane, NB64)
         t0, t1, t2, t3, t4, t5, t6, t7 = z, z, z, z, z, z, z, z
         if TABLE:
             t0, t1, t2, t3, t4, t5, t6, t7 = _load_table_regs(table_ptr)
@@ -292,44 +342,51 @@ if triton is not None:
             t0, t1, t2, t3, t4, t5, t6, t7 = t0 + z, t1 + z, t2 + z, t3 + z, t4 + z, t5 + z, t6 + z, t7 + z
         wait_for_inputs(PDL)
         for i in range(STEPS):
-            kb = kb_lo + warp + i * WARPS
-            valid = kb < kb_hi
-            kbc = tl.where(valid, kb, 0)
+            kb = kb_lo + (warp + i * WARPS) * DEPTH
+            nkb = kb + WARPS * DEPTH
             if PREFETCH:
-                nkb = kb + WARPS
-                nvalid = nkb < kb_hi
-                n0, n1, n2, n3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
-            blk = (kbc * 64) // BS
-            if PAIRS:  # both rows' bf16 scales in one word (the group's 4 lanes read the same one)
-                sg = tl.load(spair_ptr + (tile * NBLK + blk) * 8 + g, mask=valid, other=0)
-                sh = sg
-            else:
-                sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
-                                 NESTED)
-                sh = block_scale((row_g + 8) * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr,
-                                 code2_ptr, NESTED)
-                sg = tl.where(valid, sg, 0.0)
-                sh = tl.where(valid, sh, 0.0)
-            xo = kbc * 32 + 8 * t  # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 / b1 of step s
-            c00, c01, c02, c03 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow0 + xo,
-                                           valid & (g < M), c00, c01, c02, c03, t0, t1, t2, t3, t4, t5, t6, t7)
-            if NT >= 2:
-                c10, c11, c12, c13 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow1 + xo,
-                                               valid & (g + 8 < M), c10, c11, c12, c13, t0, t1, t2, t3, t4, t5, t6,
-                                               t7)
-            if NT >= 4:
-                c20, c21, c22, c23 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow2 + xo,
-                                               valid & (g + 16 < M), c20, c21, c22, c23, t0, t1, t2, t3, t4, t5, t6,
-                                               t7)
-                c30, c31, c32, c33 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow3 + xo,
-                                               valid & (g + 24 < M), c30, c31, c32, c33, t0, t1, t2, t3, t4, t5, t6,
-                                               t7)
+                n0, n1, n2, n3 = _words_at(w_ptr, tile, nkb, kb_hi, lane, NB64)
+                if DEPTH >= 2:
+                    m0, m1, m2, m3 = _words_at(w_ptr, tile, nkb + 1, kb_hi, lane, NB64)
+                if DEPTH >= 4:
+                    o0, o1, o2, o3 = _words_at(w_ptr, tile, nkb + 2, kb_hi, lane, NB64)
+                    p0, p1, p2, p3 = _words_at(w_ptr, tile, nkb + 3, kb_hi, lane, NB64)
+            (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
+                ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, w0, w1, w2, w3, kb, kb_hi, tile, g, t, M, x_ptr,
+                xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, spair_ptr, NBLK,
+                c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                t0, t1, t2, t3, t4, t5, t6, t7)
+            if DEPTH >= 2:
+                (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, v0, v1, v2, v3, kb + 1, kb_hi, tile, g, t, M,
+                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    t0, t1, t2, t3, t4, t5, t6, t7)
+            if DEPTH >= 4:
+                (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, u0, u1, u2, u3, kb + 2, kb_hi, tile, g, t, M,
+                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    t0, t1, t2, t3, t4, t5, t6, t7)
+                (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, r0, r1, r2, r3, kb + 3, kb_hi, tile, g, t, M,
+                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
+                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    t0, t1, t2, t3, t4, t5, t6, t7)
             if PREFETCH:
                 w0, w1, w2, w3 = n0, n1, n2, n3
+                if DEPTH >= 2:
+                    v0, v1, v2, v3 = m0, m1, m2, m3
+                if DEPTH >= 4:
+                    u0, u1, u2, u3 = o0, o1, o2, o3
+                    r0, r1, r2, r3 = p0, p1, p2, p3
             else:
-                nkb = kb + WARPS
-                nvalid = nkb < kb_hi
-                w0, w1, w2, w3 = _frag_words(w_ptr, tile, tl.where(nvalid, nkb, 0), lane, nvalid, NB64)
+                w0, w1, w2, w3 = _words_at(w_ptr, tile, nkb, kb_hi, lane, NB64)
+                if DEPTH >= 2:
+                    v0, v1, v2, v3 = _words_at(w_ptr, tile, nkb + 1, kb_hi, lane, NB64)
+                if DEPTH >= 4:
+                    u0, u1, u2, u3 = _words_at(w_ptr, tile, nkb + 2, kb_hi, lane, NB64)
+                    r0, r1, r2, r3 = _words_at(w_ptr, tile, nkb + 3, kb_hi, lane, NB64)
         release_dependents(PDL)
         _store_tile(c00, c01, c02, c03, 0, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
         if NT >= 2:
@@ -353,8 +410,8 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
     return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias,
                 ASM=frag_asm(tuple(float(v) for v in levels), cfg.table_regs, cfg.scale_pairs),
                 CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
-                SPLIT=split, STEPS=-(-per // cfg.warps), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
-                PAIRS=cfg.scale_pairs, NT=row_tiles(m))
+                SPLIT=split, STEPS=-(-per // (cfg.warps * cfg.depth)), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
+                PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth)
 
 
 def tiles_shape(n: int, k: int, blocksize: int) -> bool:
@@ -389,6 +446,8 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     if x.dtype != torch.bfloat16 or not 1 <= m <= FRAG_MAX_ROWS:
         raise ValueError(f"nf4_frag reads 1-{FRAG_MAX_ROWS} bf16 rows, not {m} of {x.dtype}")
     cfg = config or default_config(n, k, sm_count(x.device.index) if x.is_cuda else 132, m)
+    if cfg.depth not in (1, 2, 4):
+        raise ValueError(f"FragConfig.depth is 1, 2 or 4 blocks, not {cfg.depth}")
     if cfg.table_regs and (table is None or table.dtype != torch.int32 or table.numel() < 16
                            or table.device != x.device):
         raise ValueError("a table_regs config needs table=frag_table(levels, device) on x's device")
