@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                          "(32 weights a thread) and the registers cuobjdump reports")
     ap.add_argument("--frag-ms", default="8,16,32")
     ap.add_argument("--frag-depths", default="1", help="FragConfig.depth values (blocks a warp takes an iteration)")
+    ap.add_argument("--frag-early", action="store_true", help="also each form with FragConfig.early")
     args = ap.parse_args(argv)
     if args.frag:
         return frag_counts(args)
@@ -143,12 +144,14 @@ def frag_counts(args: argparse.Namespace) -> int:
     """--frag: nf4_frag's main loop per form and row count."""
     from llm_core.fast.kernels.nf4_frag import FragConfig, compile_without_device
 
-    forms = {"plain": (False, False), "table": (True, False), "table+pairs": (True, True)}
+    forms = {"plain": (False, False, False), "table": (True, False, False), "table+pairs": (True, True, False)}
+    if args.frag_early:
+        forms.update({f"{name}+early": (t, p, True) for name, (t, p, _) in list(forms.items())})
     records = []
     for m, depth in itertools.product((int(v) for v in args.frag_ms.split(",")),
                                       (int(v) for v in args.frag_depths.split(","))):
-        for name, (table, pairs) in forms.items():
-            cfg = FragConfig(4, 1, True, table, pairs, depth)
+        for name, (table, pairs, early) in forms.items():
+            cfg = FragConfig(4, 1, True, table, pairs, depth, early)
             kern = compile_without_device(m, args.n, args.k, 64, cfg, NF4, not args.fp32_absmax)
             ops = loop_ops(kern.asm["sass"])
             shown = ops if args.full else by_base(ops)
@@ -158,7 +161,7 @@ def frag_counts(args: argparse.Namespace) -> int:
                    "registers": cubin_registers(kern.asm["cubin"]), "ops": dict(shown.most_common())}
             records.append(rec)
             top = " ".join(f"{op} {c}" for op, c in shown.most_common(args.top))
-            print(f"M={m:2d} d{depth} {name:12s} {total:4d} ({rec['per_weight']} a weight, {rec['registers']} "
+            print(f"M={m:2d} d{depth} {name:18s} {total:4d} ({rec['per_weight']} a weight, {rec['registers']} "
                   f"registers)  {top}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "n": args.n, "k": args.k,

@@ -362,14 +362,17 @@ FRAG_FORMS = ((False, False), (True, False), (True, True))  # FragConfig (table_
 
 def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     """--frag's configs of one shape: its default_config, that without prefetch, and 4 or 8 warps x the default's
-    K split halved, kept and doubled x FRAG_FORMS, and x depth 2 and 4 with both forms; above 8 rows (other
-    compiles: more row tiles) only the default in each of FRAG_FORMS and at depth 2 and 4 with both forms."""
+    K split halved, kept and doubled x FRAG_FORMS, and x depth 2 and 4 with both forms, and x depth 1, 2 and 4
+    with both forms and early loads; above 8 rows (other compiles: more row tiles) only the default in each of
+    FRAG_FORMS, at depth 2 and 4 with both forms and at depth 1 and 2 with early loads."""
     from llm_core.fast.kernels.nf4_frag import FragConfig
     from llm_core.fast.kernels.nf4_frag import default_config as frag_default
 
     base = frag_default(n, k, sms, m)
     both = dataclasses.replace(base, table_regs=True, scale_pairs=True)
     deeper = [dataclasses.replace(both, depth=d) for d in (2, 4)]  # more loads in flight a warp
+    # and each block's scale pair and activations loaded an iteration ahead with its words
+    deeper += [dataclasses.replace(both, depth=d, early=True) for d in ((1, 2) if m > 8 else (1, 2, 4))]
     if m > 8:
         return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS] + deeper
     grid = [base, dataclasses.replace(base, prefetch=False)]
@@ -402,7 +405,8 @@ def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> N
                                                                    pdl=True)))
     for i, cfg in enumerate(frag_grid(n, k, sms, m)):
         name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
-                f"-sp{int(cfg.scale_pairs)}" + (f"-d{cfg.depth}" if cfg.depth > 1 else ""))
+                f"-sp{int(cfg.scale_pairs)}" + (f"-d{cfg.depth}" if cfg.depth > 1 else "")
+                + ("-e" if cfg.early else ""))
         timed("frag-default" if i == 0 else name, frag(cfg))
 
 

@@ -190,7 +190,9 @@ def _loop(sass: str) -> list[str]:
     (32, False, True, nf4_frag.FragConfig(4, 1, True, True, False), False),
     (8, True, False, nf4_frag.FragConfig(8, 1, True, True, True, 2), True),
     (16, False, True, nf4_frag.FragConfig(4, 2, False, True, True, 4), False),
-    (32, True, False, nf4_frag.FragConfig(4, 1, True, True, True, 2), True)])
+    (32, True, False, nf4_frag.FragConfig(4, 1, True, True, True, 2), True),
+    (8, True, False, nf4_frag.FragConfig(8, 1, True, True, True, 2, True), True),
+    (16, False, True, nf4_frag.FragConfig(4, 3, False, False, False, 1, True), False)])
 def test_the_kernel_compiles_for_hopper_with_four_mma_a_row_tile_and_no_shared_memory_in_its_loop(
         m: int, nested: bool, bias: bool, cfg: nf4_frag.FragConfig, pdl: bool) -> None:
     """Per block of the loop (depth blocks an iteration): 4 HMMA a row tile, each word decoded once."""
@@ -359,7 +361,9 @@ def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(
                nf4_frag.FragConfig(2, 16, True, True), nf4_frag.FragConfig(1, 5, False),
                nf4_frag.FragConfig(4, 2, True, True, True), nf4_frag.FragConfig(8, 1, True, False, True),
                nf4_frag.FragConfig(4, 2, True, True, True, 2), nf4_frag.FragConfig(2, 3, False, False, False, 4),
-               nf4_frag.FragConfig(8, 1, True, True, True, 4)]
+               nf4_frag.FragConfig(8, 1, True, True, True, 4), nf4_frag.FragConfig(4, 2, True, True, True, 1, True),
+               nf4_frag.FragConfig(2, 3, True, False, False, 2, True), nf4_frag.FragConfig(8, 1, False, True, True, 4,
+                                                                                           True)]
     if not every_config:
         configs = [None, replace(nf4_frag.default_config(n, k), table_regs=True, scale_pairs=True)]
     table = nf4_frag.frag_table(NF4, "cuda")

@@ -80,6 +80,7 @@ class FragConfig:
     table_regs: bool = False  # the level table read into registers once (frag_table) instead of immediates
     scale_pairs: bool = False  # the block scales read as bf16 pairs made once (scale_pairs) instead of decoded
     depth: int = 1  # consecutive 64-blocks a warp takes per iteration (1, 2 or 4): that many loads in flight
+    early: bool = False  # each block's scale pair and first row tile's activations loaded with its words
 
 
 def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
@@ -194,22 +195,23 @@ if triton is not None:
         return v0, v1, v2, v3
 
     @triton.jit
-    def _frag_words(w_ptr, tile, kb, lane, valid, NB64):
-        """The thread's 4 words of block kb (T,) of its tile: one 16-byte load (masked to zero past K)."""
+    def _x_pairs(xp, xm):
+        """A thread's 8 activation pairs of one n8 row tile and block (xp: the address of pair 8t of its row, (T,);
+        xm its mask) as two (T, 4) loads of 16 bytes (one of 8 would be split over two threads by the load's
+        layout)."""
         q = tl.arange(0, 4)
-        offs = ((tile * NB64 + kb) * 32 + lane) * 4
-        return _split4(tl.load(w_ptr + offs[:, None] + q[None, :], mask=valid[:, None], other=0))
+        xa = tl.load(xp[:, None] + q[None, :], mask=xm[:, None], other=0)
+        xb = tl.load(xp[:, None] + 4 + q[None, :], mask=xm[:, None], other=0)
+        return xa, xb
 
     @triton.jit
-    def _tile_mma(ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, TABLE: tl.constexpr, w0, w1, w2, w3, sg, sh, x_ptr,
-                  xo, xm, c0, c1, c2, c3, t0, t1, t2, t3, t4, t5, t6, t7):
-        """One n8 tile of activation rows through one 64-block: its 8 pairs a thread (xo: offsets of pair 8t of the
-        thread's row, xm its mask; two 16-byte loads: one of 8 would be split over two threads by the load's
-        layout), then frag_asm. The word decode is the same for every tile of a step: ptxas computes it once
-        (sm_90 SASS: a second tile adds ~17 instructions, not ~110)."""
-        q = tl.arange(0, 4)
-        b00, b01, b10, b11 = _split4(tl.load(x_ptr + xo[:, None] + q[None, :], mask=xm[:, None], other=0))
-        b20, b21, b30, b31 = _split4(tl.load(x_ptr + xo[:, None] + 4 + q[None, :], mask=xm[:, None], other=0))
+    def _tile_mma(ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, TABLE: tl.constexpr, w0, w1, w2, w3, sg, sh, xa, xb,
+                  c0, c1, c2, c3, t0, t1, t2, t3, t4, t5, t6, t7):
+        """One n8 tile of activation rows (xa, xb: _x_pairs) through one 64-block: frag_asm. The word decode is the
+        same for every tile of a step: ptxas computes it once (sm_90 SASS: a second tile adds ~17 instructions, not
+        ~110)."""
+        b00, b01, b10, b11 = _split4(xa)
+        b20, b21, b30, b31 = _split4(xb)
         if TABLE:
             c0, c1, c2, c3 = tl.inline_asm_elementwise(
                 ASM, CONSTRAINTS, [w0, w1, w2, w3, sg, sh, b00, b01, b10, b11, b20, b21, b30, b31, c0, c1, c2, c3,
@@ -251,19 +253,37 @@ if triton is not None:
             tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
 
     @triton.jit
+    def _load_block(wp, sp_ptr, xp, xm, kb, kb_hi, BS: tl.constexpr, EARLY: tl.constexpr):
+        """What a thread loads of block kb before decoding it: its 4 words, (T, 4), one 16-byte load from its tile's
+        words wp (zeros where kb >= kb_hi); with EARLY also the block's scale pair (its tile's at sp_ptr) and the
+        first row tile's activations (_x_pairs at xp, mask xm), else zeros for them (_block loads them itself)."""
+        valid = kb < kb_hi
+        kbc = tl.where(valid, kb, 0)
+        q = tl.arange(0, 4)
+        wv = tl.load(wp[:, None] + kbc[:, None] * 128 + q[None, :], mask=valid[:, None], other=0)
+        if EARLY:
+            sp = tl.load(sp_ptr + (kbc * 64) // BS * 8, mask=valid, other=0)
+            xa, xb = _x_pairs(xp + kbc * 32, valid & xm)
+        else:
+            sp = tl.zeros_like(kbc)
+            xa, xb = tl.zeros_like(wv), tl.zeros_like(wv)
+        return wv, sp, xa, xb
+
+    @triton.jit
     def _block(ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, TABLE: tl.constexpr, PAIRS: tl.constexpr,
-               NT: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr, w0, w1, w2, w3, kb, kb_hi, tile, g, t, M,
-               x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, spair_ptr,
-               NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+               NT: tl.constexpr, BS: tl.constexpr, NESTED: tl.constexpr, EARLY: tl.constexpr, wv, sp, xa, xb, kb,
+               kb_hi, sp_ptr, row_g, NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2,
+               xm3, XROWS, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
                t0, t1, t2, t3, t4, t5, t6, t7):
-        """One 64-block kb of the program's tile (its words w0..w3, loaded before; nothing where kb >= kb_hi): the
-        block's scales, then each of the NT n8 row tiles' activations and mma (_tile_mma)."""
+        """One 64-block kb of the program's tile (_load_block's wv, sp, xa, xb, loaded before; nothing where kb >=
+        kb_hi): the block's scales (sp where EARLY), then each of the NT n8 row tiles' activations (xp + 8 XROWS j:
+        row tile j's, masks xm0..xm3; the first from xa, xb where EARLY) and mma (_tile_mma)."""
         valid = kb < kb_hi
         kbc = tl.where(valid, kb, 0)
         blk = (kbc * 64) // BS
-        row_g = tile * 16 + g
+        w0, w1, w2, w3 = _split4(wv)
         if PAIRS:  # both rows' bf16 scales in one word (the group's 4 lanes read the same one)
-            sg = tl.load(spair_ptr + (tile * NBLK + blk) * 8 + g, mask=valid, other=0)
+            sg = sp if EARLY else tl.load(sp_ptr + blk * 8, mask=valid, other=0)
             sh = sg
         else:
             sg = block_scale(row_g * NBLK + blk, valid, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
@@ -272,31 +292,31 @@ if triton is not None:
                              code2_ptr, NESTED)
             sg = tl.where(valid, sg, 0.0)
             sh = tl.where(valid, sh, 0.0)
-        xo = kbc * 32 + 8 * t  # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 / b1 of step s
-        c00, c01, c02, c03 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow0 + xo,
-                                       valid & (g < M), c00, c01, c02, c03, t0, t1, t2, t3, t4, t5, t6, t7)
+        xo = xp + kbc * 32  # the thread's 8 pairs 8t + u of the block, u = 2s + h: b0 / b1 of step s
+        if not EARLY:
+            xa, xb = _x_pairs(xo, valid & xm0)
+        c00, c01, c02, c03 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, xa, xb,
+                                       c00, c01, c02, c03, t0, t1, t2, t3, t4, t5, t6, t7)
         if NT >= 2:
-            c10, c11, c12, c13 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow1 + xo,
-                                           valid & (g + 8 < M), c10, c11, c12, c13, t0, t1, t2, t3, t4, t5, t6, t7)
+            ya, yb = _x_pairs(xo + 8 * XROWS, valid & xm1)
+            c10, c11, c12, c13 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, ya, yb,
+                                           c10, c11, c12, c13, t0, t1, t2, t3, t4, t5, t6, t7)
         if NT >= 4:
-            c20, c21, c22, c23 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow2 + xo,
-                                           valid & (g + 16 < M), c20, c21, c22, c23, t0, t1, t2, t3, t4, t5, t6, t7)
-            c30, c31, c32, c33 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, x_ptr, xrow3 + xo,
-                                           valid & (g + 24 < M), c30, c31, c32, c33, t0, t1, t2, t3, t4, t5, t6, t7)
+            ya, yb = _x_pairs(xo + 16 * XROWS, valid & xm2)
+            c20, c21, c22, c23 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, ya, yb,
+                                           c20, c21, c22, c23, t0, t1, t2, t3, t4, t5, t6, t7)
+            ya, yb = _x_pairs(xo + 24 * XROWS, valid & xm3)
+            c30, c31, c32, c33 = _tile_mma(ASM, CONSTRAINTS, TABLE, w0, w1, w2, w3, sg, sh, ya, yb,
+                                           c30, c31, c32, c33, t0, t1, t2, t3, t4, t5, t6, t7)
         return c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33
-
-    @triton.jit
-    def _words_at(w_ptr, tile, kb, kb_hi, lane, NB64):
-        """The thread's 4 words of block kb (zeros where kb >= kb_hi)."""
-        valid = kb < kb_hi
-        return _frag_words(w_ptr, tile, tl.where(valid, kb, 0), lane, valid, NB64)
 
     @triton.jit(do_not_specialize=["M"])
     def _nf4_frag_kernel(x_ptr, w_ptr, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, bias_ptr, y_ptr,
                          part_ptr, table_ptr, spair_ptr, M, N, K, NBLK, BS: tl.constexpr, NESTED: tl.constexpr,
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
-                         PAIRS: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr = 1, PDL: tl.constexpr = False):
+                         PAIRS: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
         """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks, for NT (1, 2 or 4) n8
         tiles of activation rows (M <= 8 NT); x_ptr is x (M, K) bf16 seen as int32 pairs. Thread i of the program
         is lane i % 32 of warp i // 32 (one element per thread). Each iteration a warp takes DEPTH (1, 2 or 4)
@@ -314,27 +334,30 @@ if triton is not None:
         per = tl.cdiv(NB64, SPLIT)
         kb_lo = sid * per
         kb_hi = tl.minimum(kb_lo + per, NB64)
-        # activation row 8j + g of tile j: its offset (clamped to row 0 past M) and its mask
-        xrow0 = tl.where(g < M, g, 0) * (K // 2)
-        xrow1 = tl.where(g + 8 < M, g + 8, 0) * (K // 2)
-        xrow2 = tl.where(g + 16 < M, g + 16, 0) * (K // 2)
-        xrow3 = tl.where(g + 24 < M, g + 24, 0) * (K // 2)
+        # this thread's pointers: its tile's words (lane's 16 bytes of block 0), its rows' scale pairs (block 0),
+        # activation row g's pair 8t (block 0; row tile j adds 8 j rows); row tile j's mask
+        wp = w_ptr + (tile * NB64 * 32 + lane) * 4
+        sp_ptr = spair_ptr + tile * NBLK * 8 + g
+        xp = x_ptr + g * (K // 2) + 8 * t
+        xm0, xm1, xm2, xm3 = g < M, g + 8 < M, g + 16 < M, g + 24 < M
+        row_g = tile * 16 + g
         zf = tl.zeros((T,), tl.float32)
         c00, c01, c02, c03 = zf, zf, zf, zf
         c10, c11, c12, c13 = zf, zf, zf, zf
         c20, c21, c22, c23 = zf, zf, zf, zf
         c30, c31, c32, c33 = zf, zf, zf, zf
         z = tl.zeros((T,), tl.int32)
+        # the bundles (_load_block) of the iteration's DEPTH blocks: words, scale pair, first row tile's activations
         kb = kb_lo + warp * DEPTH
-        w0, w1, w2, w3 = _words_at(w_ptr, tile, kb, kb_hi, lane, NB64)
-        v0, v1, v2, v3 = z, z, z, z  # block kb + 1 (DEPTH >= 2)
-        u0, u1, u2, u3 = z, z, z, z  # kb + 2, kb + 3 (DEPTH 4)
-        r0, r1, r2, r3 = z, z, z, z
+        w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, kb, kb_hi, BS, EARLY)
+        w1, s1, a1, b1 = w0, s0, a0, b0
+        w2, s2, a2, b2 = w0, s0, a0, b0
+        w3, s3, a3, b3 = w0, s0, a0, b0
         if DEPTH >= 2:
-            v0, v1, v2, v3 = _words_at(w_ptr, tile, kb + 1, kb_hi, lane, NB64)
+            w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, kb + 1, kb_hi, BS, EARLY)
         if DEPTH >= 4:
-            u0, u1, u2, u3 = _words_at(w_ptr, tile, kb + 2, kb_hi, lane, NB64)
-            r0, r1, r2, r3 = _words_at(w_ptr, tile, kb + 3, kb_hi, lane, NB64)
+            w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, kb + 2, kb_hi, BS, EARLY)
+            w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, kb + 3, kb_hi, BS, EARLY)
         t0, t1, t2, t3, t4, t5, t6, t7 = z, z, z, z, z, z, z, z
         if TABLE:
             t0, t1, t2, t3, t4, t5, t6, t7 = _load_table_regs(table_ptr)
@@ -344,49 +367,49 @@ if triton is not None:
         for i in range(STEPS):
             kb = kb_lo + (warp + i * WARPS) * DEPTH
             nkb = kb + WARPS * DEPTH
-            if PREFETCH:
-                n0, n1, n2, n3 = _words_at(w_ptr, tile, nkb, kb_hi, lane, NB64)
+            if PREFETCH:  # the next iteration's bundles before this one's are decoded
+                nw0, ns0, na0, nb0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY)
                 if DEPTH >= 2:
-                    m0, m1, m2, m3 = _words_at(w_ptr, tile, nkb + 1, kb_hi, lane, NB64)
+                    nw1, ns1, na1, nb1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY)
                 if DEPTH >= 4:
-                    o0, o1, o2, o3 = _words_at(w_ptr, tile, nkb + 2, kb_hi, lane, NB64)
-                    p0, p1, p2, p3 = _words_at(w_ptr, tile, nkb + 3, kb_hi, lane, NB64)
+                    nw2, ns2, na2, nb2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY)
+                    nw3, ns3, na3, nb3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY)
             (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
-                ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, w0, w1, w2, w3, kb, kb_hi, tile, g, t, M, x_ptr,
-                xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, spair_ptr, NBLK,
+                ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w0, s0, a0, b0, kb, kb_hi, sp_ptr, row_g,
+                NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
                 c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
                 t0, t1, t2, t3, t4, t5, t6, t7)
             if DEPTH >= 2:
                 (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
-                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, v0, v1, v2, v3, kb + 1, kb_hi, tile, g, t, M,
-                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
-                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w1, s1, a1, b1, kb + 1, kb_hi, sp_ptr, row_g,
+                    NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
+                    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
                     t0, t1, t2, t3, t4, t5, t6, t7)
             if DEPTH >= 4:
                 (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
-                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, u0, u1, u2, u3, kb + 2, kb_hi, tile, g, t, M,
-                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
-                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w2, s2, a2, b2, kb + 2, kb_hi, sp_ptr, row_g,
+                    NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
+                    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
                     t0, t1, t2, t3, t4, t5, t6, t7)
                 (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
-                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, r0, r1, r2, r3, kb + 3, kb_hi, tile, g, t, M,
-                    x_ptr, xrow0, xrow1, xrow2, xrow3, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr,
-                    spair_ptr, NBLK, c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
+                    ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w3, s3, a3, b3, kb + 3, kb_hi, sp_ptr, row_g,
+                    NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
+                    c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33,
                     t0, t1, t2, t3, t4, t5, t6, t7)
             if PREFETCH:
-                w0, w1, w2, w3 = n0, n1, n2, n3
+                w0, s0, a0, b0 = nw0, ns0, na0, nb0
                 if DEPTH >= 2:
-                    v0, v1, v2, v3 = m0, m1, m2, m3
+                    w1, s1, a1, b1 = nw1, ns1, na1, nb1
                 if DEPTH >= 4:
-                    u0, u1, u2, u3 = o0, o1, o2, o3
-                    r0, r1, r2, r3 = p0, p1, p2, p3
+                    w2, s2, a2, b2 = nw2, ns2, na2, nb2
+                    w3, s3, a3, b3 = nw3, ns3, na3, nb3
             else:
-                w0, w1, w2, w3 = _words_at(w_ptr, tile, nkb, kb_hi, lane, NB64)
+                w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY)
                 if DEPTH >= 2:
-                    v0, v1, v2, v3 = _words_at(w_ptr, tile, nkb + 1, kb_hi, lane, NB64)
+                    w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY)
                 if DEPTH >= 4:
-                    u0, u1, u2, u3 = _words_at(w_ptr, tile, nkb + 2, kb_hi, lane, NB64)
-                    r0, r1, r2, r3 = _words_at(w_ptr, tile, nkb + 3, kb_hi, lane, NB64)
+                    w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY)
+                    w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY)
         release_dependents(PDL)
         _store_tile(c00, c01, c02, c03, 0, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
         if NT >= 2:
@@ -411,7 +434,7 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
                 ASM=frag_asm(tuple(float(v) for v in levels), cfg.table_regs, cfg.scale_pairs),
                 CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
                 SPLIT=split, STEPS=-(-per // (cfg.warps * cfg.depth)), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
-                PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth)
+                PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth, EARLY=cfg.early)
 
 
 def tiles_shape(n: int, k: int, blocksize: int) -> bool:
