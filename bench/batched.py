@@ -112,6 +112,34 @@ def set_attention_launches(items: list[str]) -> dict[str, str]:
     return done
 
 
+def set_frag_config(spec: str) -> dict[str, int]:
+    """--frag-config FIELD=N,...: this process's nf4_frag launches (the engine's op with NF4_FRAG on) take
+    default_config with these FragConfig fields replaced, e.g. depth=2,early=1 (bench-only: an A/B of a kernel
+    sweep's best form through the engine in the sweep's own lease). Returns what was set, for the record."""
+    import dataclasses
+
+    from llm_core.fast.kernels import nf4_frag
+
+    if not spec:
+        return {}
+    fields = {f.name for f in dataclasses.fields(nf4_frag.FragConfig)} - {"table_regs", "scale_pairs"}
+    done: dict[str, int] = {}
+    for item in spec.split(","):
+        name, _, value = item.partition("=")
+        if name not in fields or not value.isdigit():
+            raise SystemExit(f"--frag-config takes FIELD=N with FIELD in {sorted(fields)}, not {item!r}")
+        done[name] = int(value)
+    rule = nf4_frag.default_config
+    kinds = {f.name: f.type for f in dataclasses.fields(nf4_frag.FragConfig)}
+
+    def patched(n: int, k: int, sms: int = 132, m: int = 8) -> Any:
+        return dataclasses.replace(rule(n, k, sms, m), **{key: bool(v) if kinds[key] in (bool, "bool") else v
+                                                        for key, v in done.items()})
+
+    nf4_frag.default_config = patched  # type: ignore[assignment]
+    return done
+
+
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -313,7 +341,9 @@ class Bench:
         restrict_gemv_configs(a.gemv_configs)
         set_mm_split_sum(a.mm_split_sum)
         launches = set_attention_launches(a.attention_launch)
-        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum, attention_launches=launches)
+        frag = set_frag_config(a.frag_config)
+        self.rec.set_summary(gemv_configs=a.gemv_configs, mm_split_sum=a.mm_split_sum, attention_launches=launches,
+                             frag_config=frag)
         engine = self.load()
         modes = ["group", "each"] if a.prefill == "both" else [a.prefill]
         variants = [v for _ in range(a.host_repeats) for v in a.host_variants]
@@ -455,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention-launch", action="append", default=[], metavar="FORMAT:ROWS=NAME",
                         help="the decode attention's launch for a format and rows bucket in this process "
                              "(repeatable), e.g. int8:64=l64-w4-s2-p4: an A/B of bench.attention_rows' suggestion")
+    parser.add_argument("--frag-config", default="", metavar="FIELD=N,...",
+                        help="nf4_frag's launches take its default_config with these FragConfig fields replaced, "
+                             "e.g. depth=2,early=1 (with --set NF4_FRAG=on: an A/B of a sweep's best form)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="a setting beyond the bench's own (repeatable), e.g. LAUNCH_OVERLAP=off")
     args = parser.parse_args(argv)

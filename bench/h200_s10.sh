@@ -19,7 +19,8 @@
 #                       -sweep.json, budget $FRAG_S s, default 300)
 #   fragab-<i>-<mode>-<N>.json  PARTS=fragab: the batched engine's GPU test (NF4_FRAG off and on: rows equal the batch of
 #                       one; -gpu-tests.txt), then bench.batched --chats $FRAG_CHATS (default 8,32) with NF4_FRAG off
-#                       and on in the order $FRAG_AB (default "off on on off"), all logs in fragab-<N>.log; with
+#                       and on in the order $FRAG_AB (default "off on on off"; an entry on:depth=2,early=1 passes
+#                       bench.batched --frag-config depth=2,early=1), all logs in fragab-<N>.log; with
 #                       FRAG_PROFILE=n each run ends with n chats under torch.profiler (--profile-chats: kernels by time)
 # CKPT the checkpoint (written when missing); N the file number.
 set -uo pipefail
@@ -47,12 +48,15 @@ if [[ $PARTS == *" fragab "* ]]; then
     -k "batched_rows_equal" > "$OUT/fragab-gpu-tests-$N.txt" 2>&1
   echo "fragab tests rc=$?"; tail -6 "$OUT/fragab-gpu-tests-$N.txt" | cut -c1-300
   i=0
-  for mode in ${FRAG_AB:-off on on off}; do
+  for entry in ${FRAG_AB:-off on on off}; do
     i=$((i + 1))
+    mode=${entry%%:*}; fields=""; [[ $entry == *:* ]] && fields=${entry#*:}
+    tag=$mode${fields:+-${fields//[=,]/}}
     timeout -s INT -k 15 "${FRAGAB_S:-150}" python3 -m bench.batched --no-reference --chats "${FRAG_CHATS:-8,32}" \
-      --new-tokens 128 --ckpt $CKPT --set NF4_FRAG=$mode ${FRAG_PROFILE:+--profile-chats $FRAG_PROFILE} --out "$OUT/fragab-$i-$mode-$N.json" >> "$OUT/fragab-$N.log" 2>&1
-    echo "fragab $i $mode rc=$?"
-    python3 - "$OUT/fragab-$i-$mode-$N.json" <<'P'
+      --new-tokens 128 --ckpt $CKPT --set NF4_FRAG=$mode ${fields:+--frag-config $fields} \
+      ${FRAG_PROFILE:+--profile-chats $FRAG_PROFILE} --out "$OUT/fragab-$i-$tag-$N.json" >> "$OUT/fragab-$N.log" 2>&1
+    echo "fragab $i $entry rc=$?"
+    python3 - "$OUT/fragab-$i-$tag-$N.json" <<'P'
 import json, sys
 doc = json.load(open(sys.argv[1]))
 for r in doc["records"]:

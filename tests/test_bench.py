@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.decode import pick_best
 
 REPO = Path(__file__).resolve().parent.parent
@@ -213,3 +215,22 @@ def test_attention_bucket_choice_weighs_every_row_count_of_a_bucket_and_the_engi
     finally:
         attention.ATTENTION_LAUNCHES.clear()
         attention.ATTENTION_LAUNCHES.update(saved)
+
+
+def test_frag_config_replaces_the_fields_it_names_in_every_nf4_frag_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench.batched --frag-config: nf4_frag's default_config (which the engine's op calls at every launch) takes the
+    named FragConfig fields, booleans as booleans, and keeps the rule's own for the rest; a field it does not know
+    (or the forms, which the op sets itself) is refused."""
+    from bench.batched import set_frag_config
+    from llm_core.fast.kernels import nf4_frag
+
+    monkeypatch.setattr(nf4_frag, "default_config", nf4_frag.default_config)  # restored after the test
+    rule = nf4_frag.default_config(4096, 11008, 132, 8)
+    assert set_frag_config("") == {} and nf4_frag.default_config(4096, 11008, 132, 8) == rule
+    assert set_frag_config("depth=2,early=1") == {"depth": 2, "early": 1}
+    got = nf4_frag.default_config(4096, 11008, 132, 8)
+    assert got == nf4_frag.FragConfig(rule.warps, rule.split, rule.prefetch, depth=2, early=True)
+    assert got.early is True
+    for bad in ("table_regs=1", "depth", "width=2"):
+        with pytest.raises(SystemExit, match="frag-config"):
+            set_frag_config(bad)

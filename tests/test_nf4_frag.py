@@ -269,16 +269,17 @@ def test_nf4_frag_setting_adds_the_fragment_order_copy_to_each_packed_nf4_linear
     assert rows.pick_rows_plan({8: {"mm": 45.0, "frag": 45.0}}).kernel_for(8) == "mm"  # a tie keeps nf4_mm
 
 
-def test_nf4_frag_auto_is_on_only_for_batched_nf4_where_every_slot_keeps_its_context_beside_the_copy() -> None:
+def test_nf4_frag_auto_is_on_only_for_batched_nf4_where_the_copy_takes_little_of_the_kv_slots() -> None:
     """frag_copy_bytes is what pack_linears adds with NF4_FRAG=on (exactly, linear by linear), and NF4_FRAG=auto
-    (llm_core.memory.plan.resolve_nf4_frag) turns it on for a Llama-2-7B-shaped NF4 model decoded in 8 slots on an
-    80 GB budget; off where the budget holds the 8 slots' whole context without the copy but not with it (the copy
-    would take context from every chat), for one reply at a time, and where nothing is tiled; on and off are kept."""
+    (llm_core.memory.plan.resolve_nf4_frag) turns it on for a Llama-2-7B-shaped NF4 model decoded in 8 slots where
+    they keep their whole 4k context beside the copy (80 GB), and at 32k positions, where memory bounds the slots
+    either way, while the copy takes at most AUTO_FRAG_POOL_SHARE of their tokens; off where it would take more
+    (a 16 GiB card), for one reply at a time, and where nothing is tiled; on and off are kept."""
     from llm_core.config import Settings
     from llm_core.fast.options import FastDecodeOptions
     from llm_core.fast.pack import frag_copy_bytes, pack_linears
     from llm_core.memory.model import GiB, ModelMemoryFacts, human_bytes, static_kv_bytes
-    from llm_core.memory.plan import resolve_nf4_frag, slots_fit
+    from llm_core.memory.plan import AUTO_FRAG_POOL_SHARE, longest_slot_tokens, resolve_nf4_frag
     from tests.test_fast_decode import nf4_linear
 
     assert Settings.from_env(environ={"NF4_FRAG": "auto"}, env_file=None).model.nf4_frag == "auto"
@@ -290,25 +291,34 @@ def test_nf4_frag_auto_is_on_only_for_batched_nf4_where_every_slot_keeps_its_con
     assert frag_copy_bytes(torch.nn.ModuleList(mods)) == added == 48 * 128 // 2 + 48 * 2 * 2 + 64 + 64 * 128 + \
         64 * 4 * 2 + 64
 
-    facts = ModelMemoryFacts(num_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
-                             num_kv_heads=32, head_dim=128, vocab_size=32000, layer_windows=(None,) * 32,
-                             weights_bytes=int(3.6 * GiB), context_length=4096, fast_prefill=True)
+    def facts(context: int) -> ModelMemoryFacts:
+        return ModelMemoryFacts(num_layers=32, hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                                num_kv_heads=32, head_dim=128, vocab_size=32000, layer_windows=(None,) * 32,
+                                weights_bytes=int(3.6 * GiB), context_length=context, fast_prefill=True)
+
     copy = 6_476_005_376 // 2 + 6_476_005_376 // 32  # Llama-2-7B's linears: the codes and the scale pairs
     kw: dict[str, Any] = dict(max_new_tokens=512, prefill_chunk_tokens=2048, kv_cache="bf16")
-    mode, why = resolve_nf4_frag("auto", facts, 78 * GiB, copy_bytes=copy, slots=8, **kw)
-    assert mode == "on" and "8 KV slots" in why and human_bytes(copy) in why
 
-    def fit(budget: int, extra: int) -> bool:
-        return slots_fit(facts, budget, slots=8, tokens=4096, per_token=static_kv_bytes(facts, 1, "bf16"),
-                         extra_bytes=extra, **kw)
+    def slot_tokens(f: ModelMemoryFacts, budget: int, extra: int) -> int:
+        return longest_slot_tokens(f, budget, slots=8, per_token=static_kv_bytes(f, 1, "bf16"), extra_bytes=extra,
+                                   **kw)
 
-    tight = next(b * GiB for b in range(16, 40) if fit(b * GiB, 0) and not fit(b * GiB, copy))
-    mode, why = resolve_nf4_frag("auto", facts, tight, copy_bytes=copy, slots=8, **kw)
-    assert mode == "off" and "memory bounds the 8 KV slots" in why
-    assert resolve_nf4_frag("auto", facts, 78 * GiB, copy_bytes=copy, slots=1, **kw)[0] == "off"
-    assert resolve_nf4_frag("auto", facts, 78 * GiB, copy_bytes=0, slots=8, **kw) == ("off", "")
-    assert resolve_nf4_frag("on", facts, tight, copy_bytes=copy, slots=8, **kw) == ("on", "")
-    assert resolve_nf4_frag("off", facts, 78 * GiB, copy_bytes=copy, slots=8, **kw) == ("off", "")
+    mode, why = resolve_nf4_frag("auto", facts(4096), 78 * GiB, copy_bytes=copy, slots=8, **kw)
+    assert mode == "on" and "8 KV slots no context" in why and human_bytes(copy) in why
+    long = facts(32768)  # 8 x 32k bf16 tokens need 128 GiB: the slots are bounded on 80 GB with or without it
+    without, with_copy = slot_tokens(long, 78 * GiB, 0), slot_tokens(long, 78 * GiB, copy)
+    assert with_copy < without < 32768 and with_copy >= (1 - AUTO_FRAG_POOL_SHARE) * without
+    mode, why = resolve_nf4_frag("auto", long, 78 * GiB, copy_bytes=copy, slots=8, **kw)
+    assert mode == "on" and f"{with_copy:,} of {without:,} tokens a slot" in why
+    small = int(15.5 * GiB)  # a 16 GiB card: the copy would take > 10% of the slots' tokens
+    without, with_copy = slot_tokens(facts(4096), small, 0), slot_tokens(facts(4096), small, copy)
+    assert 0 < with_copy < (1 - AUTO_FRAG_POOL_SHARE) * without
+    mode, why = resolve_nf4_frag("auto", facts(4096), small, copy_bytes=copy, slots=8, **kw)
+    assert mode == "off" and f"from {without:,} to {with_copy:,} tokens" in why
+    assert resolve_nf4_frag("auto", facts(4096), 78 * GiB, copy_bytes=copy, slots=1, **kw)[0] == "off"
+    assert resolve_nf4_frag("auto", facts(4096), 78 * GiB, copy_bytes=0, slots=8, **kw) == ("off", "")
+    assert resolve_nf4_frag("on", facts(4096), small, copy_bytes=copy, slots=8, **kw) == ("on", "")
+    assert resolve_nf4_frag("off", facts(4096), 78 * GiB, copy_bytes=copy, slots=8, **kw) == ("off", "")
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------------

@@ -486,7 +486,7 @@ class PathBuilder:
         one slot with the other slots' blocks held as resident; fewer slots when s would be under
         MIN_FAST_CACHE_TOKENS."""
         from ..fast.batched import MAX_SLOTS, SlotDecoder
-        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, slots_fit
+        from ..memory.plan import MIN_FAST_CACHE_TOKENS, fast_resident_estimate, longest_slot_tokens
         from .fast_runner import FastRunner
         from .serving import FastBatchedBackend
 
@@ -497,20 +497,12 @@ class PathBuilder:
         per_token = int(decoder.kv_bytes_per_token())
         chunk = self.prefill_chunk_tokens
 
-        def fits(slots: int, tokens: int) -> bool:
-            return slots_fit(self.facts, self.budget.budget_bytes, slots=slots, tokens=tokens, per_token=per_token,
-                             max_new_tokens=self.settings.generation.max_new_tokens, prefill_chunk_tokens=chunk,
-                             kv_cache=self.fast_kv_cache, extra_bytes=self.frag_bytes)
-
         def longest(slots: int) -> int:
-            lo, hi = 0, context // 16  # in units of 16 tokens
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if fits(slots, mid * 16):
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo * 16
+            return longest_slot_tokens(replace(self.facts, context_length=context), self.budget.budget_bytes,
+                                       slots=slots, per_token=per_token,
+                                       max_new_tokens=self.settings.generation.max_new_tokens,
+                                       prefill_chunk_tokens=chunk, kv_cache=self.fast_kv_cache,
+                                       extra_bytes=self.frag_bytes)
 
         slots = min(size, MAX_SLOTS)
         slot_tokens = longest(slots)

@@ -49,6 +49,8 @@ CUDA_HELD_FREE_BYTES = 128 * MiB
 MEASURED_SAFETY_BYTES = 128 * MiB
 # KV_CACHE=auto keeps bf16 where the card holds the model's context up to this many tokens in bf16, else int8
 AUTO_KV_BF16_TOKENS = 32768
+# NF4_FRAG=auto: the largest share of the batched KV slots' tokens its copy of the codes may take (resolve_nf4_frag)
+AUTO_FRAG_POOL_SHARE = 0.10
 # What a user can change when the fast path's cache does not fit (said by every error that says so)
 FAST_CACHE_ADVICE = ("Use KV_CACHE=int8, a lower PREFILL_GRAPH_TOKENS or PREFILL_CHUNK_TOKENS, a smaller model, "
                      "or DECODE_PATH=plain.")
@@ -265,13 +267,31 @@ def slots_fit(facts: ModelMemoryFacts, budget_bytes: int, *, slots: int, tokens:
     return plan.tokens >= tokens
 
 
+def longest_slot_tokens(facts: ModelMemoryFacts, budget_bytes: int, *, slots: int, per_token: int,
+                        max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str,
+                        extra_bytes: int = 0) -> int:
+    """The most tokens (a multiple of 16, at most the model's context) each of `slots` KV slots can hold by
+    slots_fit; 0 when not even 16 fit."""
+    lo, hi = 0, int(facts.context_length) // CACHE_ROUND_TOKENS  # in units of 16 tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if slots_fit(facts, budget_bytes, slots=slots, tokens=mid * CACHE_ROUND_TOKENS, per_token=per_token,
+                     max_new_tokens=max_new_tokens, prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
+                     extra_bytes=extra_bytes):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * CACHE_ROUND_TOKENS
+
+
 def resolve_nf4_frag(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *, copy_bytes: int, slots: int,
                      max_new_tokens: int, prefill_chunk_tokens: int | None, kv_cache: str) -> tuple[str, str]:
     """(NF4_FRAG as the fast path takes it, on or off; why, for the model panel). auto = on where it pays and costs
-    no chat any context: NF4 weights the fragment-order kernel tiles (`copy_bytes` > 0: their second copy), decoded
-    in batches (`slots` > 1: the one-token GEMV serves a lone reply, and is faster there), and a budget that still
-    holds every slot's whole context with the copy resident (where memory bounds the slots the copy would take
-    context from every chat for a faster step)."""
+    little context: NF4 weights the fragment-order kernel tiles (`copy_bytes` > 0: their second copy), decoded in
+    batches (`slots` > 1: the one-token GEMV serves a lone reply, and is faster there), and a budget where the copy
+    takes at most AUTO_FRAG_POOL_SHARE of the tokens the KV slots would hold without it (none where they hold the
+    whole context either way). Where memory bounds the slots more tightly, the copy would take context from every
+    chat for a faster step: off."""
     if setting != "auto":
         return setting, ""
     if copy_bytes <= 0:
@@ -279,13 +299,12 @@ def resolve_nf4_frag(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *
     copy = human_bytes(copy_bytes)
     if slots <= 1:
         return "off", f"NF4_FRAG auto: off (one reply at a time: the one-token kernel serves it; the copy is {copy})"
-    r = CACHE_ROUND_TOKENS
-    context = max(r, int(facts.context_length) // r * r)
-    per_token = static_kv_bytes(facts, 1, kv_cache)
-    if slots_fit(facts, budget_bytes, slots=slots, tokens=context, per_token=per_token,
-                 max_new_tokens=max_new_tokens, prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache,
-                 extra_bytes=copy_bytes):
-        return "on", (f"NF4_FRAG auto: on (the codes' fragment-order copy, {copy}, leaves each of the {slots} KV slots "
-                      f"the whole context)")
-    return "off", (f"NF4_FRAG auto: off (memory bounds the {slots} KV slots: the fragment-order copy, {copy}, would "
-                   f"take context from them)")
+    kw = dict(slots=slots, per_token=static_kv_bytes(facts, 1, kv_cache), max_new_tokens=max_new_tokens,
+              prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache)
+    without = longest_slot_tokens(facts, budget_bytes, **kw)  # type: ignore[arg-type]
+    with_copy = longest_slot_tokens(facts, budget_bytes, extra_bytes=copy_bytes, **kw)  # type: ignore[arg-type]
+    if without > 0 and with_copy >= (1 - AUTO_FRAG_POOL_SHARE) * without:
+        cost = "no context" if with_copy == without else f"{with_copy:,} of {without:,} tokens a slot"
+        return "on", f"NF4_FRAG auto: on (the codes' fragment-order copy, {copy}, leaves the {slots} KV slots {cost})"
+    return "off", (f"NF4_FRAG auto: off (the fragment-order copy, {copy}, would cut the {slots} KV slots from "
+                   f"{without:,} to {with_copy:,} tokens each)")
