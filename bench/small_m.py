@@ -221,6 +221,9 @@ def main() -> None:
     ap.add_argument("--frag", action="store_true",
                     help="only M <= 32: nf4_frag (fragment-order weights) over a grid, beside nf4_mm's rule and the "
                          "GEMV as the engine calls them; no nf4_mm grid")
+    ap.add_argument("--frag-grid", default="all", choices=("all", "ahead"),
+                    help="--frag's configs: all, or ahead: the default (both forms) and the loads-ahead forms only "
+                         "(depth, early loads, warp tiles)")
     ap.add_argument("--overlap", action="store_true",
                     help="only the launch rule, one launch after the other and as programmatic dependent launches "
                          "(with and without the early weight prefetch): LAUNCH_OVERLAP per linear; no grid")
@@ -277,7 +280,7 @@ def main() -> None:
                                                 decode="asm", levels=s.levels, pdl=True, counters=s.counters))
 
         if args.frag:
-            frag_variants(timed, fused, m, n, k, sms)
+            frag_variants(timed, fused, m, n, k, sms, args.frag_grid)
             doc["records"].append(rec)
             save()
             print(arch, lin, m, {key: v for key, v in sorted(rec["us"].items(), key=lambda kv: kv[1])[:4]},
@@ -360,11 +363,12 @@ def main() -> None:
 FRAG_FORMS = ((False, False), (True, False), (True, True))  # FragConfig (table_regs, scale_pairs)
 
 
-def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
+def frag_grid(n: int, k: int, sms: int, m: int = 8, grid: str = "all") -> list[Any]:
     """--frag's configs of one shape: its default_config, that without prefetch, and 4 or 8 warps x the default's
     K split halved, kept and doubled x FRAG_FORMS, and x depth 2 and 4 with both forms, and x depth 1, 2 and 4
-    with both forms and early loads; above 8 rows (other compiles: more row tiles) only the default in each of
-    FRAG_FORMS, at depth 2 and 4 with both forms and at depth 1 and 2 with early loads."""
+    with both forms and early loads, and with a weight tile a warp (warp_tiles, depth 2, early loads; 4 or 8 warps;
+    K split to ~32 warps an SM and half that); above 8 rows (other compiles: more row tiles) only the default in
+    each of FRAG_FORMS, at depth 2 and 4 with both forms, at depth 1 and 2 with early loads and the warp tiles."""
     from llm_core.fast.kernels.nf4_frag import FragConfig
     from llm_core.fast.kernels.nf4_frag import default_config as frag_default
 
@@ -373,6 +377,17 @@ def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     deeper = [dataclasses.replace(both, depth=d) for d in (2, 4)]  # more loads in flight a warp
     # and each block's scale pair and activations loaded an iteration ahead with its words
     deeper += [dataclasses.replace(both, depth=d, early=True) for d in ((1, 2) if m > 8 else (1, 2, 4))]
+    # each warp its own weight tile (the warps at the same blocks share the activations' loads), K split to about
+    # 32 warps an SM while each warp keeps 4 blocks to walk, and half that split
+    tiles, blocks = n // 16, k // 64
+    for warps in (4, 8):
+        split = 1
+        while tiles * split < 32 * sms and blocks // (split * 2) >= 4:
+            split *= 2
+        deeper += [FragConfig(warps, s, True, True, True, 2, True, True) for s in sorted({max(1, split // 2), split})]
+    if grid == "ahead":  # the default first (the engine's form: both), then the loads-ahead forms
+        return list(dict.fromkeys([both, *deeper, *(dataclasses.replace(c, warps=12 - c.warps) for c in deeper
+                                                    if not c.warp_tiles and m <= 8)]))
     if m > 8:
         return [dataclasses.replace(base, table_regs=table, scale_pairs=pairs) for table, pairs in FRAG_FORMS] + deeper
     grid = [base, dataclasses.replace(base, prefetch=False)]
@@ -384,7 +399,7 @@ def frag_grid(n: int, k: int, sms: int, m: int = 8) -> list[Any]:
     return list(dict.fromkeys(grid))
 
 
-def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> None:
+def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int, grid: str = "all") -> None:
     """--frag's timings of one linear and M: nf4_frag over frag_grid (the default first), nf4_mm's rule as the
     engine calls it, and the GEMV at M = 1, all as programmatic dependent launches."""
     from llm_core.fast.kernels import nf4_gemv
@@ -403,10 +418,10 @@ def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int) -> N
     if m == 1:
         timed("gemv-pdl", lambda s, x: (lambda: nf4_gemv.nf4_gemv(x, s.words, 64, s.levels, nested=s.nested(),
                                                                    pdl=True)))
-    for i, cfg in enumerate(frag_grid(n, k, sms, m)):
+    for i, cfg in enumerate(frag_grid(n, k, sms, m, grid)):
         name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
                 f"-sp{int(cfg.scale_pairs)}" + (f"-d{cfg.depth}" if cfg.depth > 1 else "")
-                + ("-e" if cfg.early else ""))
+                + ("-e" if cfg.early else "") + ("-wt" if cfg.warp_tiles else ""))
         timed("frag-default" if i == 0 else name, frag(cfg))
 
 

@@ -81,6 +81,7 @@ class FragConfig:
     scale_pairs: bool = False  # the block scales read as bf16 pairs made once (scale_pairs) instead of decoded
     depth: int = 1  # consecutive 64-blocks a warp takes per iteration (1, 2 or 4): that many loads in flight
     early: bool = False  # each block's scale pair and first row tile's activations loaded with its words
+    warp_tiles: bool = False  # each warp its own weight tile over the whole K range (warps at the same blocks)
 
 
 def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
@@ -224,33 +225,45 @@ if triton is not None:
         return c0, c1, c2, c3
 
     @triton.jit
-    def _store_tile(c0, c1, c2, c3, j: tl.constexpr, WARPS: tl.constexpr, tile, sid, M, N, y_ptr, part_ptr,
-                    bias_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
-        """The warps' sums of n8 tile j, then lane (g, t) stores y rows 8j + 2t, + 1 at weight rows 16 tile + g
-        (c0, c1) and + 8 (c2, c3): bf16 with the bias, or fp32 partial sums of split sid."""
-        s0 = tl.sum(tl.reshape(c0, (WARPS, 32)), axis=0)
-        s1 = tl.sum(tl.reshape(c1, (WARPS, 32)), axis=0)
-        s2 = tl.sum(tl.reshape(c2, (WARPS, 32)), axis=0)
-        s3 = tl.sum(tl.reshape(c3, (WARPS, 32)), axis=0)
-        ln = tl.arange(0, 32)
-        n_lo = tile * 16 + ln // 4
-        m0 = 8 * j + 2 * (ln % 4)
+    def _store_rows(s0, s1, s2, s3, n_lo, m0, ok, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT: tl.constexpr,
+                    HAS_BIAS: tl.constexpr):
+        """y rows m0, m0 + 1 at weight rows n_lo (s0, s1) and n_lo + 8 (s2, s3) where ok: bf16 with the bias, or fp32
+        partial sums of split sid."""
         if SPLIT == 1:
             if HAS_BIAS:
-                s0 += tl.load(bias_ptr + n_lo).to(tl.float32)
-                s1 += tl.load(bias_ptr + n_lo).to(tl.float32)
-                s2 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
-                s3 += tl.load(bias_ptr + n_lo + 8).to(tl.float32)
-            tl.store(y_ptr + m0 * N + n_lo, s0.to(tl.bfloat16), mask=m0 < M)
-            tl.store(y_ptr + (m0 + 1) * N + n_lo, s1.to(tl.bfloat16), mask=m0 + 1 < M)
-            tl.store(y_ptr + m0 * N + n_lo + 8, s2.to(tl.bfloat16), mask=m0 < M)
-            tl.store(y_ptr + (m0 + 1) * N + n_lo + 8, s3.to(tl.bfloat16), mask=m0 + 1 < M)
+                s0 += tl.load(bias_ptr + n_lo, mask=ok, other=0).to(tl.float32)
+                s1 += tl.load(bias_ptr + n_lo, mask=ok, other=0).to(tl.float32)
+                s2 += tl.load(bias_ptr + n_lo + 8, mask=ok, other=0).to(tl.float32)
+                s3 += tl.load(bias_ptr + n_lo + 8, mask=ok, other=0).to(tl.float32)
+            tl.store(y_ptr + m0 * N + n_lo, s0.to(tl.bfloat16), mask=ok & (m0 < M))
+            tl.store(y_ptr + (m0 + 1) * N + n_lo, s1.to(tl.bfloat16), mask=ok & (m0 + 1 < M))
+            tl.store(y_ptr + m0 * N + n_lo + 8, s2.to(tl.bfloat16), mask=ok & (m0 < M))
+            tl.store(y_ptr + (m0 + 1) * N + n_lo + 8, s3.to(tl.bfloat16), mask=ok & (m0 + 1 < M))
         else:
             base = part_ptr + sid * M * N
-            tl.store(base + m0 * N + n_lo, s0, mask=m0 < M)
-            tl.store(base + (m0 + 1) * N + n_lo, s1, mask=m0 + 1 < M)
-            tl.store(base + m0 * N + n_lo + 8, s2, mask=m0 < M)
-            tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=m0 + 1 < M)
+            tl.store(base + m0 * N + n_lo, s0, mask=ok & (m0 < M))
+            tl.store(base + (m0 + 1) * N + n_lo, s1, mask=ok & (m0 + 1 < M))
+            tl.store(base + m0 * N + n_lo + 8, s2, mask=ok & (m0 < M))
+            tl.store(base + (m0 + 1) * N + n_lo + 8, s3, mask=ok & (m0 + 1 < M))
+
+    @triton.jit
+    def _store_tile(c0, c1, c2, c3, j: tl.constexpr, WARPS: tl.constexpr, WTILES: tl.constexpr, tile, tvalid, sid, M,
+                    N, y_ptr, part_ptr, bias_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """n8 row tile j's sums: lane (g, t) stores y rows 8j + 2t, + 1 at weight rows 16 tile + g (c0, c1) and + 8
+        (c2, c3). The warps' sums added first where they split the K range (tile a scalar); each warp's own where they
+        take a weight tile each (WTILES: tile and tvalid per thread)."""
+        if WTILES:
+            lane = tl.arange(0, 32 * WARPS) % 32
+            _store_rows(c0, c1, c2, c3, tile * 16 + lane // 4, 8 * j + 2 * (lane % 4), tvalid, sid, M, N, y_ptr,
+                        part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+        else:
+            s0 = tl.sum(tl.reshape(c0, (WARPS, 32)), axis=0)
+            s1 = tl.sum(tl.reshape(c1, (WARPS, 32)), axis=0)
+            s2 = tl.sum(tl.reshape(c2, (WARPS, 32)), axis=0)
+            s3 = tl.sum(tl.reshape(c3, (WARPS, 32)), axis=0)
+            ln = tl.arange(0, 32)
+            _store_rows(s0, s1, s2, s3, tile * 16 + ln // 4, 8 * j + 2 * (ln % 4), ln >= 0, sid, M, N, y_ptr,
+                        part_ptr, bias_ptr, SPLIT, HAS_BIAS)
 
     @triton.jit
     def _load_block(wp, sp_ptr, xp, xm, kb, kb_hi, BS: tl.constexpr, EARLY: tl.constexpr):
@@ -316,14 +329,13 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
                          PAIRS: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         WTILES: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks, for NT (1, 2 or 4) n8
         tiles of activation rows (M <= 8 NT); x_ptr is x (M, K) bf16 seen as int32 pairs. Thread i of the program
         is lane i % 32 of warp i // 32 (one element per thread). Each iteration a warp takes DEPTH (1, 2 or 4)
         consecutive 64-blocks, the warps interleaved by DEPTH blocks; PREFETCH loads the next iteration's words
         (DEPTH 16-byte loads a thread) before the current ones are decoded."""
         T: tl.constexpr = 32 * WARPS
-        tile = tl.program_id(0)
         sid = tl.program_id(1)
         tid = tl.arange(0, T)
         lane = tid % 32
@@ -334,6 +346,18 @@ if triton is not None:
         per = tl.cdiv(NB64, SPLIT)
         kb_lo = sid * per
         kb_hi = tl.minimum(kb_lo + per, NB64)
+        if WTILES:  # warp w: weight tile WARPS p + w over the whole range (none past N: an empty range)
+            tile = tl.program_id(0) * WARPS + warp
+            tvalid = tile < N // 16
+            tile = tl.where(tvalid, tile, 0)
+            kb_hi = tl.where(tvalid, kb_hi, kb_lo)
+            woff = warp * 0  # every warp at the same blocks
+            WSTRIDE: tl.constexpr = 1
+        else:  # the program's one tile, its warps interleaved over the range
+            tile = tl.program_id(0)
+            tvalid = tid >= 0
+            woff = warp
+            WSTRIDE: tl.constexpr = WARPS
         # this thread's pointers: its tile's words (lane's 16 bytes of block 0), its rows' scale pairs (block 0),
         # activation row g's pair 8t (block 0; row tile j adds 8 j rows); row tile j's mask
         wp = w_ptr + (tile * NB64 * 32 + lane) * 4
@@ -348,7 +372,7 @@ if triton is not None:
         c30, c31, c32, c33 = zf, zf, zf, zf
         z = tl.zeros((T,), tl.int32)
         # the bundles (_load_block) of the iteration's DEPTH blocks: words, scale pair, first row tile's activations
-        kb = kb_lo + warp * DEPTH
+        kb = kb_lo + woff * DEPTH
         w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, kb, kb_hi, BS, EARLY)
         w1, s1, a1, b1 = w0, s0, a0, b0
         w2, s2, a2, b2 = w0, s0, a0, b0
@@ -365,8 +389,8 @@ if triton is not None:
             t0, t1, t2, t3, t4, t5, t6, t7 = t0 + z, t1 + z, t2 + z, t3 + z, t4 + z, t5 + z, t6 + z, t7 + z
         wait_for_inputs(PDL)
         for i in range(STEPS):
-            kb = kb_lo + (warp + i * WARPS) * DEPTH
-            nkb = kb + WARPS * DEPTH
+            kb = kb_lo + (woff + i * WSTRIDE) * DEPTH
+            nkb = kb + WSTRIDE * DEPTH
             if PREFETCH:  # the next iteration's bundles before this one's are decoded
                 nw0, ns0, na0, nb0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY)
                 if DEPTH >= 2:
@@ -411,12 +435,16 @@ if triton is not None:
                     w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY)
                     w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY)
         release_dependents(PDL)
-        _store_tile(c00, c01, c02, c03, 0, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+        _store_tile(c00, c01, c02, c03, 0, WARPS, WTILES, tile, tvalid, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT,
+                    HAS_BIAS)
         if NT >= 2:
-            _store_tile(c10, c11, c12, c13, 1, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+            _store_tile(c10, c11, c12, c13, 1, WARPS, WTILES, tile, tvalid, sid, M, N, y_ptr, part_ptr, bias_ptr,
+                        SPLIT, HAS_BIAS)
         if NT >= 4:
-            _store_tile(c20, c21, c22, c23, 2, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
-            _store_tile(c30, c31, c32, c33, 3, WARPS, tile, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT, HAS_BIAS)
+            _store_tile(c20, c21, c22, c23, 2, WARPS, WTILES, tile, tvalid, sid, M, N, y_ptr, part_ptr, bias_ptr,
+                        SPLIT, HAS_BIAS)
+            _store_tile(c30, c31, c32, c33, 3, WARPS, WTILES, tile, tvalid, sid, M, N, y_ptr, part_ptr, bias_ptr,
+                        SPLIT, HAS_BIAS)
 
 
 def row_tiles(m: int) -> int:
@@ -433,8 +461,9 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
     return dict(BS=blocksize, NESTED=nested, HAS_BIAS=has_bias,
                 ASM=frag_asm(tuple(float(v) for v in levels), cfg.table_regs, cfg.scale_pairs),
                 CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
-                SPLIT=split, STEPS=-(-per // (cfg.warps * cfg.depth)), PREFETCH=cfg.prefetch, TABLE=cfg.table_regs,
-                PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth, EARLY=cfg.early)
+                SPLIT=split, STEPS=-(-per // ((1 if cfg.warp_tiles else cfg.warps) * cfg.depth)),
+                PREFETCH=cfg.prefetch, TABLE=cfg.table_regs, PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth,
+                EARLY=cfg.early, WTILES=cfg.warp_tiles)
 
 
 def tiles_shape(n: int, k: int, blocksize: int) -> bool:
@@ -483,7 +512,8 @@ def nf4_frag(x: torch.Tensor, frag: torch.Tensor, blocksize: int, levels: Sequen
     y = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     q8, absmax2, offsets, code2 = nested if nested is not None else (y, y, y, y)
-    _nf4_frag_kernel[(n // 16, split)](
+    programs = -(-n // (16 * cfg.warps)) if cfg.warp_tiles else n // 16
+    _nf4_frag_kernel[(programs, split)](
         x.view(torch.int32), frag, absmax if absmax is not None else y, q8, absmax2, offsets, code2,
         bias if bias is not None else y, y, part, table if table is not None else y,
         pairs if pairs is not None else y, m, n, k, k // blocksize,
