@@ -15,7 +15,8 @@
 #                       for the rows buckets $KV_BUCKETS (default 64) put in ATTENTION_LAUNCHES
 #   frag-*.txt/json     PARTS=frag: the GPU tests of llm_core.fast.kernels.nf4_frag (-gpu-tests.txt; pytest -k
 #                       $FRAG_TESTS_K, default all), then (unless FRAG_S=0) bench.small_m
-#                       --frag for $FRAG_ARCHS (default llama-2-7b) at M = $FRAG_MS (default 1,2,4,8,16,32;
+#                       --frag --frag-grid $FRAG_GRID (default all) for $FRAG_ARCHS (default llama-2-7b) at M = $FRAG_MS
+#                       (default 1,2,4,8,16,32;
 #                       -sweep.json, budget $FRAG_S s, default 300)
 #   fragab-<i>-<mode>-<N>.json  PARTS=fragab: the batched engine's GPU test (NF4_FRAG off and on: rows equal the batch of
 #                       one; -gpu-tests.txt), then bench.batched --chats $FRAG_CHATS (default 8,32) with NF4_FRAG off
@@ -40,7 +41,7 @@ if [[ $PARTS == *" frag "* ]]; then
     -k "${FRAG_TESTS_K:-gpu}" > "$OUT/frag-gpu-tests-$N.txt" 2>&1
   echo "frag tests rc=$?"; tail -15 "$OUT/frag-gpu-tests-$N.txt" | cut -c1-300
   [[ ${FRAG_S:-300} == 0 ]] || timeout -s INT -k 15 $(( ${FRAG_S:-300} + 60 )) python3 -m bench.small_m --frag --archs "${FRAG_ARCHS:-llama-2-7b}" \
-    --ms "${FRAG_MS:-1,2,4,8,16,32}" --budget-s "${FRAG_S:-300}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
+    --ms "${FRAG_MS:-1,2,4,8,16,32}" --frag-grid "${FRAG_GRID:-all}" --budget-s "${FRAG_S:-300}" --out "$OUT/frag-sweep-$N.json" > "$OUT/frag-sweep-$N.log" 2>&1
   echo "frag sweep rc=$?"; tail -60 "$OUT/frag-sweep-$N.log" | cut -c1-300
 fi
 if [[ $PARTS == *" fragab "* ]]; then
