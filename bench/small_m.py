@@ -385,6 +385,9 @@ def frag_grid(n: int, k: int, sms: int, m: int = 8, grid: str = "all") -> list[A
         while tiles * split < 32 * sms and blocks // (split * 2) >= 4:
             split *= 2
         deeper += [FragConfig(warps, s, True, True, True, 2, True, True) for s in sorted({max(1, split // 2), split})]
+    # and with the words read evict-first (the activations stay in L1 and L2)
+    deeper += [dataclasses.replace(c, stream=True) for c in deeper
+               if c.depth == 2 and c.early and (not c.warp_tiles or c == deeper[-1])]
     if grid == "ahead":  # the default first (the engine's form: both), then the loads-ahead forms
         return list(dict.fromkeys([both, *deeper, *(dataclasses.replace(c, warps=12 - c.warps) for c in deeper
                                                     if not c.warp_tiles and m <= 8)]))
@@ -421,7 +424,7 @@ def frag_variants(timed: Any, fused: Any, m: int, n: int, k: int, sms: int, grid
     for i, cfg in enumerate(frag_grid(n, k, sms, m, grid)):
         name = (f"frag-w{cfg.warps}-s{cfg.split}-p{int(cfg.prefetch)}-t{int(cfg.table_regs)}"
                 f"-sp{int(cfg.scale_pairs)}" + (f"-d{cfg.depth}" if cfg.depth > 1 else "")
-                + ("-e" if cfg.early else "") + ("-wt" if cfg.warp_tiles else ""))
+                + ("-e" if cfg.early else "") + ("-wt" if cfg.warp_tiles else "") + ("-st" if cfg.stream else ""))
         timed("frag-default" if i == 0 else name, frag(cfg))
 
 

@@ -194,7 +194,8 @@ def _loop(sass: str) -> list[str]:
     (8, True, False, nf4_frag.FragConfig(8, 1, True, True, True, 2, True), True),
     (16, False, True, nf4_frag.FragConfig(4, 3, False, False, False, 1, True), False),
     (32, True, True, nf4_frag.FragConfig(4, 4, True, True, True, 2, True, True), True),
-    (8, False, False, nf4_frag.FragConfig(8, 1, True, False, False, 1, False, True), False)])
+    (8, False, False, nf4_frag.FragConfig(8, 1, True, False, False, 1, False, True), False),
+    (16, True, False, nf4_frag.FragConfig(4, 2, True, True, True, 2, True, True, True), True)])
 def test_the_kernel_compiles_for_hopper_with_four_mma_a_row_tile_and_no_shared_memory_in_its_loop(
         m: int, nested: bool, bias: bool, cfg: nf4_frag.FragConfig, pdl: bool) -> None:
     """Per block of the loop (depth blocks an iteration): 4 HMMA a row tile, each word decoded once."""
@@ -203,6 +204,8 @@ def test_the_kernel_compiles_for_hopper_with_four_mma_a_row_tile_and_no_shared_m
     assert loop.count("HMMA.16816.F32.BF16") == 4 * nf4_frag.row_tiles(m) * cfg.depth
     assert loop.count("PRMT") <= 64 * cfg.depth  # words decoded once a block whatever the row tiles (ptxas shares)
     assert not re.search(r"\b(BAR|LDS|STS|STL|LDL)\b", loop)  # registers only: no layout trip through shared memory
+    if cfg.stream:  # the words evict-first
+        assert "LDG.E.EF.128" in loop
     if cfg.warp_tiles:  # each warp stores its own tile: no reduction across warps at all
         assert not re.search(r"\b(BAR|LDS|STS)\b", kern.asm["sass"])
     assert "LDG.E.128" in loop  # the words (and the activations) in 16-byte loads
@@ -379,7 +382,8 @@ def test_gpu_kernel_matches_the_scale16_reference_at_every_m_split_and_form(
                nf4_frag.FragConfig(2, 3, True, False, False, 2, True), nf4_frag.FragConfig(8, 1, False, True, True, 4,
                                                                                            True),
                nf4_frag.FragConfig(4, 2, True, True, True, 2, True, True),  # warp tiles: N / 16 not a multiple of 4
-               nf4_frag.FragConfig(8, 3, False, False, False, 1, False, True)]
+               nf4_frag.FragConfig(8, 3, False, False, False, 1, False, True),
+               nf4_frag.FragConfig(4, 2, True, True, True, 2, True, False, True)]
     if not every_config:
         configs = [None, replace(nf4_frag.default_config(n, k), table_regs=True, scale_pairs=True)]
     table = nf4_frag.frag_table(NF4, "cuda")

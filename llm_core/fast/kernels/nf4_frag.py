@@ -82,6 +82,7 @@ class FragConfig:
     depth: int = 1  # consecutive 64-blocks a warp takes per iteration (1, 2 or 4): that many loads in flight
     early: bool = False  # each block's scale pair and first row tile's activations loaded with its words
     warp_tiles: bool = False  # each warp its own weight tile over the whole K range (warps at the same blocks)
+    stream: bool = False  # the words loaded evict-first from L1 and L2 (read once a step; the activations stay)
 
 
 def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
@@ -266,14 +267,18 @@ if triton is not None:
                         part_ptr, bias_ptr, SPLIT, HAS_BIAS)
 
     @triton.jit
-    def _load_block(wp, sp_ptr, xp, xm, kb, kb_hi, BS: tl.constexpr, EARLY: tl.constexpr):
+    def _load_block(wp, sp_ptr, xp, xm, kb, kb_hi, BS: tl.constexpr, EARLY: tl.constexpr, STREAM: tl.constexpr):
         """What a thread loads of block kb before decoding it: its 4 words, (T, 4), one 16-byte load from its tile's
         words wp (zeros where kb >= kb_hi); with EARLY also the block's scale pair (its tile's at sp_ptr) and the
         first row tile's activations (_x_pairs at xp, mask xm), else zeros for them (_block loads them itself)."""
         valid = kb < kb_hi
         kbc = tl.where(valid, kb, 0)
         q = tl.arange(0, 4)
-        wv = tl.load(wp[:, None] + kbc[:, None] * 128 + q[None, :], mask=valid[:, None], other=0)
+        if STREAM:  # read once a step: first out of L1 and L2 (the activations stay)
+            wv = tl.load(wp[:, None] + kbc[:, None] * 128 + q[None, :], mask=valid[:, None], other=0,
+                         eviction_policy="evict_first")
+        else:
+            wv = tl.load(wp[:, None] + kbc[:, None] * 128 + q[None, :], mask=valid[:, None], other=0)
         if EARLY:
             sp = tl.load(sp_ptr + (kbc * 64) // BS * 8, mask=valid, other=0)
             xa, xb = _x_pairs(xp + kbc * 32, valid & xm)
@@ -329,7 +334,7 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, WARPS: tl.constexpr,
                          SPLIT: tl.constexpr, STEPS: tl.constexpr, PREFETCH: tl.constexpr, TABLE: tl.constexpr,
                          PAIRS: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr = 1, EARLY: tl.constexpr = False,
-                         WTILES: tl.constexpr = False, PDL: tl.constexpr = False):
+                         WTILES: tl.constexpr = False, STREAM: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (tile, split): weight rows 16 tile .. + 15 over the split's 64-blocks, for NT (1, 2 or 4) n8
         tiles of activation rows (M <= 8 NT); x_ptr is x (M, K) bf16 seen as int32 pairs. Thread i of the program
         is lane i % 32 of warp i // 32 (one element per thread). Each iteration a warp takes DEPTH (1, 2 or 4)
@@ -373,15 +378,15 @@ if triton is not None:
         z = tl.zeros((T,), tl.int32)
         # the bundles (_load_block) of the iteration's DEPTH blocks: words, scale pair, first row tile's activations
         kb = kb_lo + woff * DEPTH
-        w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, kb, kb_hi, BS, EARLY)
+        w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, kb, kb_hi, BS, EARLY, STREAM)
         w1, s1, a1, b1 = w0, s0, a0, b0
         w2, s2, a2, b2 = w0, s0, a0, b0
         w3, s3, a3, b3 = w0, s0, a0, b0
         if DEPTH >= 2:
-            w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, kb + 1, kb_hi, BS, EARLY)
+            w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, kb + 1, kb_hi, BS, EARLY, STREAM)
         if DEPTH >= 4:
-            w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, kb + 2, kb_hi, BS, EARLY)
-            w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, kb + 3, kb_hi, BS, EARLY)
+            w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, kb + 2, kb_hi, BS, EARLY, STREAM)
+            w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, kb + 3, kb_hi, BS, EARLY, STREAM)
         t0, t1, t2, t3, t4, t5, t6, t7 = z, z, z, z, z, z, z, z
         if TABLE:
             t0, t1, t2, t3, t4, t5, t6, t7 = _load_table_regs(table_ptr)
@@ -392,12 +397,12 @@ if triton is not None:
             kb = kb_lo + (woff + i * WSTRIDE) * DEPTH
             nkb = kb + WSTRIDE * DEPTH
             if PREFETCH:  # the next iteration's bundles before this one's are decoded
-                nw0, ns0, na0, nb0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY)
+                nw0, ns0, na0, nb0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY, STREAM)
                 if DEPTH >= 2:
-                    nw1, ns1, na1, nb1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY)
+                    nw1, ns1, na1, nb1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY, STREAM)
                 if DEPTH >= 4:
-                    nw2, ns2, na2, nb2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY)
-                    nw3, ns3, na3, nb3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY)
+                    nw2, ns2, na2, nb2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY, STREAM)
+                    nw3, ns3, na3, nb3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY, STREAM)
             (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
                 ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w0, s0, a0, b0, kb, kb_hi, sp_ptr, row_g,
                 NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
@@ -428,12 +433,12 @@ if triton is not None:
                     w2, s2, a2, b2 = nw2, ns2, na2, nb2
                     w3, s3, a3, b3 = nw3, ns3, na3, nb3
             else:
-                w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY)
+                w0, s0, a0, b0 = _load_block(wp, sp_ptr, xp, xm0, nkb, kb_hi, BS, EARLY, STREAM)
                 if DEPTH >= 2:
-                    w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY)
+                    w1, s1, a1, b1 = _load_block(wp, sp_ptr, xp, xm0, nkb + 1, kb_hi, BS, EARLY, STREAM)
                 if DEPTH >= 4:
-                    w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY)
-                    w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY)
+                    w2, s2, a2, b2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY, STREAM)
+                    w3, s3, a3, b3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY, STREAM)
         release_dependents(PDL)
         _store_tile(c00, c01, c02, c03, 0, WARPS, WTILES, tile, tvalid, sid, M, N, y_ptr, part_ptr, bias_ptr, SPLIT,
                     HAS_BIAS)
@@ -463,7 +468,7 @@ def launch_constexprs(n: int, k: int, blocksize: int, cfg: FragConfig, levels: S
                 CONSTRAINTS=frag_constraints(cfg.table_regs, cfg.scale_pairs), WARPS=cfg.warps,
                 SPLIT=split, STEPS=-(-per // ((1 if cfg.warp_tiles else cfg.warps) * cfg.depth)),
                 PREFETCH=cfg.prefetch, TABLE=cfg.table_regs, PAIRS=cfg.scale_pairs, NT=row_tiles(m), DEPTH=cfg.depth,
-                EARLY=cfg.early, WTILES=cfg.warp_tiles)
+                EARLY=cfg.early, WTILES=cfg.warp_tiles, STREAM=cfg.stream)
 
 
 def tiles_shape(n: int, k: int, blocksize: int) -> bool:
