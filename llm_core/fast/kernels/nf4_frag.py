@@ -357,12 +357,11 @@ if triton is not None:
             tile = tl.where(tvalid, tile, 0)
             kb_hi = tl.where(tvalid, kb_hi, kb_lo)
             woff = warp * 0  # every warp at the same blocks
-            WSTRIDE: tl.constexpr = 1
         else:  # the program's one tile, its warps interleaved over the range
             tile = tl.program_id(0)
             tvalid = tid >= 0
             woff = warp
-            WSTRIDE: tl.constexpr = WARPS
+        WSTRIDE: tl.constexpr = 1 if WTILES else WARPS  # blocks between a warp's iterations, in DEPTH units
         # this thread's pointers: its tile's words (lane's 16 bytes of block 0), its rows' scale pairs (block 0),
         # activation row g's pair 8t (block 0; row tile j adds 8 j rows); row tile j's mask
         wp = w_ptr + (tile * NB64 * 32 + lane) * 4
