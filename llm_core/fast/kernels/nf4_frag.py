@@ -402,6 +402,7 @@ if triton is not None:
                 if DEPTH >= 4:
                     nw2, ns2, na2, nb2 = _load_block(wp, sp_ptr, xp, xm0, nkb + 2, kb_hi, BS, EARLY, STREAM)
                     nw3, ns3, na3, nb3 = _load_block(wp, sp_ptr, xp, xm0, nkb + 3, kb_hi, BS, EARLY, STREAM)
+            # one _block per block of the iteration, written out: a Triton kernel holds no array of register bundles
             (c00, c01, c02, c03, c10, c11, c12, c13, c20, c21, c22, c23, c30, c31, c32, c33) = _block(
                 ASM, CONSTRAINTS, TABLE, PAIRS, NT, BS, NESTED, EARLY, w0, s0, a0, b0, kb, kb_hi, sp_ptr, row_g,
                 NBLK, absmax_ptr, q8_ptr, absmax2_ptr, offsets_ptr, code2_ptr, xp, xm0, xm1, xm2, xm3, K // 2,
