@@ -327,9 +327,10 @@ class ModelSettings:
     nf4_frag: str = setting("NF4_FRAG", "off", _parse_choice(NF4_FRAGS),
         "fast path: also keep each NF4 weight's codes in mma fragment order (+1 copy of the 4-bit codes and 2 bytes "
         "a 64-block: ~3.2 GiB on a 7B model) for a rows kernel of 1-32 rows (llm_core.nf4_frag), which the start-up "
-        "pick then times against nf4_mm for the batched decode step (H100, 8 chats: 1.10x, one run); auto = on where "
-        "replies are decoded in batches and the copy takes at most 10% of the KV slots' tokens (none where they hold "
-        "the whole context either way), off elsewhere; the model panel says which and why; off by default for now")
+        "pick then times against nf4_mm for the batched decode step (H100, 8 chats: 1.10-1.13x, two runs); auto = "
+        "on where replies are decoded in batches and the copy takes at most 10% of the KV slots' tokens (none where "
+        "they hold the whole context either way), off elsewhere; the model panel says which and why; off by default "
+        "for now")
     # None = on where the CUDA fast path serves nf4/int8 weights (llm_core.loading.wants_int8_token_tables)
     int8_token_table: bool | None = setting("INT8_TOKEN_TABLE", None, _parse_opt_bool,
         "token table and lm_head in int8 with a scale per row (half their bytes: ~1 GB on Llama-3-8B); empty = on "

@@ -217,6 +217,9 @@ def test_default_config_splits_k_only_where_the_grid_is_small() -> None:
     assert nf4_frag.default_config(4096, 11008).split == 4
     # 8 warps for the wide weights up to 8 rows (the H100 sweep's best), else 4
     assert [nf4_frag.default_config(n, 4096, m=m).warps for n, m in ((12288, 8), (12288, 9), (4096, 1))] == [8, 4, 4]
+    # up to 8 rows two blocks a warp an iteration, loaded early (the s8 sweep); above, one block as before
+    assert [(c.depth, c.early) for c in (nf4_frag.default_config(12288, 4096, m=m) for m in (1, 8, 9, 32))] == [
+        (2, True), (2, True), (1, False), (1, False)]
     with pytest.raises(ValueError, match="multiple of 16"):
         nf4_frag.check_shapes(4100, 4096, 64)
 

@@ -34,9 +34,10 @@ Program (16-row tile, K split): WARPS warps, warp w taking every WARPS-th 64-blo
 sums are added at the end (a reduction through shared memory, once), the splits by nf4_mm.sum_splits.
 
 Status: checked on CPU (the repack and the fragment mapping against the PTX ISA's layout through the PTX emulator of
-tests/test_nf4_frag.py, the kernel compiled for sm_90) and timed on an H100 (bench/results/2026-12-07-s7-h100.md):
-81.5 µs a Llama-2-7B layer at 2-8 rows against nf4_mm's 101-105; slower than nf4_mm at 32 rows. The engine uses it
-only with NF4_FRAG=on (off by default: it holds a second copy of the codes).
+tests/test_nf4_frag.py, the kernel compiled for sm_90 in every form) and timed on an H100
+(bench/results/2026-12-07-s7-h100.md, -s8-h100.md): 73.6 µs a Llama-2-7B layer at 8 rows with its loads ahead
+(depth 2, early) against nf4_mm's 100.6; slower than nf4_mm at 32 rows. The engine uses it with NF4_FRAG=on or
+auto (off by default: it holds a second copy of the codes).
 """
 
 from __future__ import annotations
@@ -86,17 +87,21 @@ class FragConfig:
 
 
 def default_config(n: int, k: int, sms: int = 132, m: int = 8) -> FragConfig:
-    """A launch from the H100 sweep of 2026-12-07 (bench/results/2026-12-07-s7-h100-frag-sweep.json, Llama-2-7B
-    shapes, M = 1-32): K split while the grid holds under 4 programs per SM and each warp keeps at least 4 blocks to
-    walk (o and down: 4 splits; qkv and gate_up: none), and 8 warps a program for the wide weights (N >= 8192) up to
-    8 rows, else 4. The forms (table_regs, scale_pairs) are the caller's: they need their buffers (the engine's op
-    turns both on; with them this rule is each linear's best swept config or within 3% of it up to 16 rows)."""
+    """A launch from the H100 sweeps of 2026-12-07 (bench/results/2026-12-07-s7-h100-frag-sweep.json and
+    -s8-h100-frag-sweep.json, Llama-2-7B shapes): K split while the grid holds under 4 programs per SM and each warp
+    keeps at least 4 blocks to walk (o and down: 4 splits; qkv and gate_up: none), 8 warps a program for the wide
+    weights (N >= 8192) up to 8 rows, else 4; up to 8 rows also 2 blocks a warp an iteration with each block's scales
+    and activations loaded with its words (depth 2, early: 73.6 against 79.9 µs a layer at 8 rows; at 32 rows they
+    cost, and 16 rows was not swept with them). The forms (table_regs, scale_pairs) are the caller's: they need their
+    buffers (the engine's op turns both on)."""
     tiles = n // 16
     blocks = k // QBLOCK
     split = 1
     while split < 16 and tiles * split < 4 * sms and blocks // (split * 2 * 4) >= 4:
         split *= 2
-    return FragConfig(warps=8 if m <= 8 and n >= 8192 else 4, split=split, prefetch=True)
+    few = m <= 8
+    return FragConfig(warps=8 if few and n >= 8192 else 4, split=split, prefetch=True, depth=2 if few else 1,
+                      early=few)
 
 
 def repack(packed: torch.Tensor) -> torch.Tensor:
