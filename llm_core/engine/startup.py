@@ -386,8 +386,8 @@ class PathBuilder:
 
     def resolve_nf4_frag(self) -> str:
         """NF4_FRAG for the fast decoder about to be built (llm_core.memory.plan.resolve_nf4_frag): auto is on for NF4
-        weights on CUDA decoded in batches where the budget holds every KV slot's context beside the copy. Sets
-        frag_bytes (the copy, counted by the slots' plan) and frag_reason (the model panel's words)."""
+        weights on CUDA decoded in batches where the copy takes at most AUTO_FRAG_POOL_SHARE of the KV slots' tokens.
+        Sets frag_bytes (the copy, counted by the slots' plan) and frag_reason (the model panel's words)."""
         from ..fast.batched import MAX_SLOTS
         from ..fast.pack import frag_copy_bytes
         from ..memory.plan import resolve_nf4_frag
