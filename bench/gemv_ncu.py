@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated row counts: profile nf4_frag at each instead (skip 2 x 4 x their count)")
     args = parser.parse_args(argv)
     config = tuple(int(v) for v in args.config.split(","))
-    calls = frag_calls([int(v) for v in args.frag_rows.split(",")]) if args.frag_rows else []
-    for _name, n, k in SHAPES["llama-2-7b"] if not calls else ():
+    if args.frag_rows:
+        return run_rounds(frag_calls([int(v) for v in args.frag_rows.split(",")]))
+    calls: list[Callable[[], object]] = []
+    for _name, n, k in SHAPES["llama-2-7b"]:
         wt = Weights(n, k, 1)
         c = wt.copies[0]
         nested = (c["q8"], c["absmax2"], c["offsets"], wt.code2)
@@ -44,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
             xp, c["words"], 64, wt.code_host, nested=nested, config=config, planar=True))
         calls.append(lambda c=c, wt=wt, nested=nested, xs=xs: nf4_mm.nf4_mm(
             xs, c["words"], 64, wt.code, nested=nested, decode="asm", levels=wt.code_host))
-    for _ in range(WARM + 1):  # the last round is the one ncu profiles (--launch-skip = WARM x len(calls))
+    return run_rounds(calls)
+
+
+def run_rounds(calls: list[Callable[[], object]]) -> int:
+    """WARM rounds of the calls, then the round ncu profiles (--launch-skip = WARM x len(calls))."""
+    for _ in range(WARM + 1):
         for call in calls:
             call()
     torch.cuda.synchronize()

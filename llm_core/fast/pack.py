@@ -130,17 +130,10 @@ def frag_copy_bytes(model: Any) -> int:
     """The device bytes NF4_FRAG adds to `model` before it is packed (what _add_fragment_order makes): for each NF4
     linear the kernel tiles, its 4-bit codes once more (N K / 2), a bf16 scale pair per 16-row tile and block (2
     bytes a block) and the level table (64 bytes). Fused projections are counted part by part."""
-    from .kernels.nf4_frag import tiles_shape
+    from .kernels.nf4_frag import copy_bytes
 
-    total = 0
-    for module in model.modules():
-        if not is_nf4_linear(module):
-            continue
-        qs = module.weight.quant_state
-        n, k, bs = int(qs.shape[0]), int(qs.shape[1]), int(qs.blocksize)
-        if tiles_shape(n, k, bs):
-            total += n * k // 2 + 2 * (n * k // bs) + 64
-    return total
+    states = [m.weight.quant_state for m in model.modules() if is_nf4_linear(m)]
+    return sum(copy_bytes(int(qs.shape[0]), int(qs.shape[1]), int(qs.blocksize)) for qs in states)
 
 
 def _add_fragment_order(packed: PackedLinear) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 from ..errors import ContextBudgetError
 from .model import (
@@ -299,10 +300,10 @@ def resolve_nf4_frag(setting: str, facts: ModelMemoryFacts, budget_bytes: int, *
     copy = human_bytes(copy_bytes)
     if slots <= 1:
         return "off", f"NF4_FRAG auto: off (one reply at a time: the one-token kernel serves it; the copy is {copy})"
-    kw = dict(slots=slots, per_token=static_kv_bytes(facts, 1, kv_cache), max_new_tokens=max_new_tokens,
-              prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache)
-    without = longest_slot_tokens(facts, budget_bytes, **kw)  # type: ignore[arg-type]
-    with_copy = longest_slot_tokens(facts, budget_bytes, extra_bytes=copy_bytes, **kw)  # type: ignore[arg-type]
+    search = partial(longest_slot_tokens, facts, budget_bytes, slots=slots,
+                     per_token=static_kv_bytes(facts, 1, kv_cache), max_new_tokens=max_new_tokens,
+                     prefill_chunk_tokens=prefill_chunk_tokens, kv_cache=kv_cache)
+    without, with_copy = search(), search(extra_bytes=copy_bytes)
     if without > 0 and with_copy >= (1 - AUTO_FRAG_POOL_SHARE) * without:
         cost = "no context" if with_copy == without else f"{with_copy:,} of {without:,} tokens a slot"
         return "on", f"NF4_FRAG auto: on (the codes' fragment-order copy, {copy}, leaves the {slots} KV slots {cost})"

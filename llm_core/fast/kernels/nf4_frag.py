@@ -481,6 +481,12 @@ def tiles_shape(n: int, k: int, blocksize: int) -> bool:
     return not (n % 16 or k % QBLOCK or blocksize % QBLOCK)
 
 
+def copy_bytes(n: int, k: int, blocksize: int) -> int:
+    """Device bytes of what the kernel reads beside bitsandbytes' own tensors for an (N, K) weight: repack's codes
+    (N K / 2), scale_pairs' words (2 bytes a block) and frag_table's 16 words; 0 where it does not tile the shape."""
+    return n * k // 2 + 2 * (n * k // blocksize) + 64 if tiles_shape(n, k, blocksize) else 0
+
+
 def check_shapes(n: int, k: int, blocksize: int) -> None:
     if not tiles_shape(n, k, blocksize):
         raise ValueError(f"the fragment-order NF4 kernel needs N a multiple of 16 and K and the blocksize of "
